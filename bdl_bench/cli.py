@@ -1,0 +1,108 @@
+"""``bdl-bench`` entry point: routes subcommands; ``run`` is a Hydra application over ``conf/``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("data", "model", "method", "trainer", "experiment")
+
+USAGE = """usage: bdl-bench <command> [args]
+
+commands:
+  run [key=value ...]     fit and evaluate one config (Hydra app: -m/--multirun, --cfg job, --help)
+  table <folder> [...]    Markdown/CSV table of every finished run below <folder>
+  plot <folder> [...]     figures from run folders (convergence, covariance)
+
+examples:
+  bdl-bench run                                  # SLANG on UCI boston, split 0
+  bdl-bench run method=bbb data=uci/concrete data.split=3
+  bdl-bench run -m experiment=slang_table2 method=bbb,dropout data.split='range(20)'
+  bdl-bench table results/slang_table2
+"""
+
+
+def group_choices(group: str) -> list[str]:
+    """Every option of a config group, as typed after ``group=`` (``uci/boston``)."""
+    root = CONF_DIR / group
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """Fail early, listing the choices, when ``group=value`` names no YAML (Hydra lists them only for
+    flat groups, so ``data=uci/no_such_set`` would otherwise give a bare 'not found')."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS or "(" in value or value in ("null", ""):
+            continue
+        choices = group_choices(key)
+        for item in value.split(","):
+            if item not in choices:
+                raise SystemExit(f"bdl-bench: unknown {key} {item!r}; available: {', '.join(choices)}")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def hydra_app(cfg: DictConfig) -> float | None:
+    """The Hydra job: one run into Hydra's output folder; returns the objective for sweepers."""
+    from bdl_bench.runner import run
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    result = run(cfg, run_dir)
+    shown = {k: v for k, v in result.metrics.items() if k in ("rmse", "test_ll", "nll", "accuracy", "elbo", "sym_kl")}
+    summary = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+    print(f"{cfg.method.name} on {cfg.data.name}: {summary} ({result.metrics['train_time_s']:.1f} s) → {run_dir}")
+    objective = result.metrics.get("val_test_ll", result.metrics.get("test_ll"))
+    return objective
+
+
+def run_command(args: list[str]) -> None:
+    check_group_overrides([a for a in args if not a.startswith("-")])
+    sys.argv = ["bdl-bench run", *args]
+    hydra_app()
+
+
+def table_command(args: list[str]) -> None:
+    from bdl_bench.report.tables import build_table
+
+    parser = argparse.ArgumentParser(prog="bdl-bench table", description="Summarise finished runs below a folder.")
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--csv", type=Path, default=None, help="CSV output path (default <folder>/table.csv)")
+    parser.add_argument("--paper", default=None, help="paper table to compare with (default: from the runs' config)")
+    parser.add_argument("--metrics", default=None, help="comma-separated metric keys (default: all found)")
+    ns = parser.parse_args(args)
+    if not ns.folder.is_dir():
+        raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
+    metrics = ns.metrics.split(",") if ns.metrics else None
+    table = build_table(ns.folder, paper=ns.paper, metrics=metrics)
+    csv_path = ns.csv or ns.folder / "table.csv"
+    table.frame.to_csv(csv_path, index=False)
+    print(table.markdown)
+    print(f"\n(CSV: {csv_path})")
+
+
+def plot_command(args: list[str]) -> None:
+    from bdl_bench.report.plots import main as plot_main
+
+    plot_main(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = argv[0], argv[1:]
+    commands = {"run": run_command, "table": table_command, "plot": plot_command}
+    if command not in commands:
+        raise SystemExit(f"bdl-bench: unknown command {command!r}; available: {', '.join(commands)}\n\n{USAGE}")
+    commands[command](rest)
+
+
+if __name__ == "__main__":
+    main()

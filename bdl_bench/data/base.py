@@ -1,0 +1,108 @@
+"""The one record every data loader returns, and the dataset registry.
+
+A loader is a function registered under the name a user types after ``data=`` (``uci/boston``,
+``libsvm/a1a``); it receives the keyword arguments of ``conf/data/<name>.yaml`` (except ``name``) and
+returns a :class:`Dataset` whose tensors are already standardised/encoded and ready to train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+class Task(str, Enum):
+    """What the targets are; picks the likelihood."""
+
+    REGRESSION = "regression"
+    """Real targets (standardised with training statistics), Gaussian likelihood."""
+    BINARY = "binary"
+    """Targets in {0, 1} (float), Bernoulli likelihood on one logit."""
+    MULTICLASS = "multiclass"
+    """Integer class labels (long), categorical likelihood on ``n_classes`` logits."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train / validation / test split held in memory as float tensors.
+
+    Inputs are ``(N, D)`` float tensors; targets are ``(N,)``: float for regression and binary tasks,
+    long for multiclass. For regression, targets are standardised with training statistics and
+    ``y_mean``/``y_std`` map predictions back to original units (RMSE and log-likelihood are reported
+    in original units, as in Gal & Ghahramani's protocol). ``x_val``/``y_val`` are empty when no
+    validation part was asked for.
+    """
+
+    name: str
+    task: Task
+    x_train: Tensor  # (N_train, D)
+    y_train: Tensor  # (N_train,)
+    x_val: Tensor  # (N_val, D)
+    y_val: Tensor  # (N_val,)
+    x_test: Tensor  # (N_test, D)
+    y_test: Tensor  # (N_test,)
+    y_mean: float = 0.0
+    y_std: float = 1.0
+    n_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        for part in ("train", "val", "test"):
+            x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
+            if x.shape[0] != y.shape[0]:
+                raise ValueError(
+                    f"dataset {self.name!r}: x_{part} has {x.shape[0]} rows but y_{part} has {y.shape[0]}"
+                )
+        if self.x_train.shape[0] == 0:
+            raise ValueError(f"dataset {self.name!r} has an empty training set")
+        if self.x_test.shape[0] == 0:
+            raise ValueError(f"dataset {self.name!r} has an empty test set")
+
+    @property
+    def n_features(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def n_train(self) -> int:
+        return self.x_train.shape[0]
+
+    @property
+    def n_outputs(self) -> int:
+        """Width of the model's output layer for this task."""
+        if self.task is Task.MULTICLASS:
+            assert self.n_classes is not None
+            return self.n_classes
+        return 1
+
+
+DatasetLoader = Callable[..., Dataset]
+DATASETS: dict[str, DatasetLoader] = {}
+
+
+def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
+    """Register a loader under the name users type after ``data=``."""
+
+    def add(fn: DatasetLoader) -> DatasetLoader:
+        if name in DATASETS:
+            raise ValueError(f"dataset name {name!r} is registered twice")
+        DATASETS[name] = fn
+        return fn
+
+    return add
+
+
+def default_data_root() -> Path:
+    """The shipped ``data/`` folder at the repository root (the package is installed editable)."""
+    return Path(__file__).resolve().parents[2] / "data"
+
+
+class DataFileError(FileNotFoundError):
+    """A data file is missing or does not match its recorded SHA-256."""
+
+
+def as_float(x: object) -> Tensor:
+    return torch.as_tensor(x, dtype=torch.float32)

@@ -1,0 +1,37 @@
+"""Standardisation with training statistics (constant columns are left centred, not divided by ~0)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Standardiser:
+    """Per-column affine map ``(x - mean) / std`` fitted on a training part."""
+
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, x: np.ndarray) -> Standardiser:
+        """Fit on ``x`` (``(N, D)`` or ``(N,)``) in float64, population std (ddof = 0).
+
+        A column that is constant on ``x`` (max == min; e.g. two of naval's inputs) gets ``std = 1`` and
+        ``mean`` equal to its value, so it standardises to exactly 0 instead of amplifying rounding noise.
+        """
+        x = np.asarray(x, dtype=np.float64)
+        mean, std = x.mean(axis=0), x.std(axis=0)
+        constant = x.max(axis=0) == x.min(axis=0)
+        mean = np.where(constant, x[0], mean)
+        std = np.where(constant, 1.0, std)
+        return cls(mean=np.asarray(mean), std=np.asarray(std))
+
+    def transform(self, x: np.ndarray) -> np.ndarray:
+        """Standardise ``x`` (float64 result)."""
+        return (np.asarray(x, dtype=np.float64) - self.mean) / self.std
+
+    def inverse(self, z: np.ndarray) -> np.ndarray:
+        """Map standardised values back to original units."""
+        return np.asarray(z, dtype=np.float64) * self.std + self.mean

@@ -1,0 +1,244 @@
+r"""The structured Gaussian interface, with the maths written once.
+
+A ``StructuredGaussian`` is :math:`\mathcal{N}(\mu, \Sigma)` over a flat parameter vector of size
+D, held through its *precision* :math:`P = \Sigma^{-1}` in some structured form. Each subclass fills
+in the structure-specific pieces:
+
+* ``precision_matvec(v)`` = :math:`P v`, ``solve(v)`` = :math:`\Sigma v = P^{-1} v`,
+* ``logdet_precision()`` = :math:`\log|P|`, ``variance()`` = :math:`\operatorname{diag}\Sigma`,
+* ``_sample_transform(eps)`` = :math:`\mu + A\epsilon` for some :math:`A` with :math:`AA^\top=\Sigma`,
+* ``to_dense()`` (a ``FullGaussian``, for tests and the dense KL fallback).
+
+From these the base writes, once:
+
+.. math::
+
+    \log p(x) = -\tfrac12\left[D\log 2\pi - \log|P| + (x-\mu)^\top P (x-\mu)\right], \qquad
+    H = \tfrac12\left[D(1+\log 2\pi) - \log|P|\right],
+
+``rsample`` (:math:`\mu + A\epsilon`, :math:`\epsilon\sim\mathcal N(0, I)` from the caller's
+generator), ``linear_moments`` (the mean and variance of :math:`Xw` under :math:`w\sim p`) and the
+KL divergences, which dispatch on the pair of classes (``bdl_bench.gaussians.kl``).
+
+Instances are frozen dataclasses; factorisations are ``functools.cached_property``: an update
+builds a new object, so no cached factor goes stale. Nothing here picks a device or a dtype: every
+tensor is created like ``mean``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from bdl_bench.gaussians.full import FullGaussian
+
+
+class LinearMoments(NamedTuple):
+    r"""Moments of :math:`f = Xw` for :math:`w \sim \mathcal N(\mu, \Sigma)`, one row of X each.
+
+    Attributes:
+        mean: :math:`X\mu`, shape ``(N,)``.
+        variance: :math:`\operatorname{diag}(X\Sigma X^\top)`, shape ``(N,)``.
+    """
+
+    mean: Tensor  # (N,)
+    variance: Tensor  # (N,)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class StructuredGaussian(ABC):
+    r"""Abstract Gaussian :math:`\mathcal N(\mu, P^{-1})` over a flat vector of size D.
+
+    Subclasses add their precision parameters as dataclass fields after ``mean`` and implement the
+    abstract methods; see the module docstring for the formulas the base derives from them.
+
+    Args:
+        mean: :math:`\mu`, shape ``(D,)``, floating point; sets dtype and device of everything.
+
+    Raises:
+        ValueError: if ``mean`` is not a non-empty floating-point vector.
+    """
+
+    mean: Tensor  # (D,)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mean, Tensor):
+            raise ValueError(f"mean must be a torch.Tensor, got {type(self.mean).__name__}")
+        if self.mean.ndim != 1 or self.mean.shape[0] < 1:
+            raise ValueError(f"mean must have shape (D,) with D >= 1, got {tuple(self.mean.shape)}")
+        if not self.mean.is_floating_point():
+            raise ValueError(f"mean must be floating point, got dtype {self.mean.dtype}")
+
+    # ----------------------------------------------------------------------------- helpers
+    @property
+    def dim(self) -> int:
+        """D, the size of the parameter vector."""
+        return self.mean.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of ``mean`` (and of every tensor this object returns)."""
+        return self.mean.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of ``mean`` (and of every tensor this object returns)."""
+        return self.mean.device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(D={self.dim}, dtype={self.dtype}, device={self.device})"
+
+    def _check_param(self, name: str, value: Tensor, shape: tuple[int, ...]) -> None:
+        """Raise ``ValueError`` unless ``value`` has ``shape`` and ``mean``'s dtype and device."""
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} to match mean {tuple(self.mean.shape)}, "
+                f"got {tuple(value.shape)}"
+            )
+        if value.dtype != self.dtype or value.device != self.device:
+            raise ValueError(
+                f"{name} must have mean's dtype and device ({self.dtype}, {self.device}), "
+                f"got ({value.dtype}, {value.device})"
+            )
+
+    def _check_rhs(self, v: Tensor) -> None:
+        """Raise ``ValueError`` unless ``v`` has shape ``(D,)`` or ``(D, K)``."""
+        if v.ndim not in (1, 2) or v.shape[0] != self.dim:
+            raise ValueError(f"expected shape (D,) or (D, K) with D={self.dim}, got {tuple(v.shape)}")
+
+    # ------------------------------------------------------------ structure-specific pieces
+    @abstractmethod
+    def precision_matvec(self, v: Tensor) -> Tensor:
+        r""":math:`P v`.
+
+        Args:
+            v: shape ``(D,)`` or ``(D, K)``.
+
+        Returns:
+            Same shape as ``v``.
+        """
+
+    @abstractmethod
+    def solve(self, v: Tensor) -> Tensor:
+        r""":math:`\Sigma v = P^{-1} v` (covariance times ``v``).
+
+        Args:
+            v: shape ``(D,)`` or ``(D, K)``.
+
+        Returns:
+            Same shape as ``v``.
+        """
+
+    @abstractmethod
+    def logdet_precision(self) -> Tensor:
+        r""":math:`\log|P|`, a scalar tensor."""
+
+    @abstractmethod
+    def variance(self) -> Tensor:
+        r"""Marginal variances :math:`\operatorname{diag}\Sigma`, shape ``(D,)``."""
+
+    @abstractmethod
+    def _sample_transform(self, eps: Tensor) -> Tensor:
+        r"""Map standard-normal rows to samples: row k goes to :math:`\mu + A\epsilon_k`.
+
+        :math:`A` is a fixed matrix with :math:`AA^\top = \Sigma` (exactly, up to rounding), so
+        ``_sample_transform(I) - mean`` is :math:`A^\top`; the tests check this identity.
+
+        Args:
+            eps: shape ``(n, D)``.
+
+        Returns:
+            Shape ``(n, D)``.
+        """
+
+    @abstractmethod
+    def to_dense(self) -> FullGaussian:
+        """The same distribution as a ``FullGaussian`` (dense D x D precision)."""
+
+    # ------------------------------------------------------------- written once, from above
+    def rsample(self, n_samples: int, generator: torch.Generator | None = None) -> Tensor:
+        r"""Reparameterised samples :math:`\mu + A\epsilon`, differentiable in the parameters.
+
+        Args:
+            n_samples: number of samples n >= 0.
+            generator: the only source of randomness (on ``mean``'s device); ``None`` uses
+                torch's default generator.
+
+        Returns:
+            Shape ``(n_samples, D)``.
+
+        Raises:
+            ValueError: if ``n_samples`` is negative.
+        """
+        if n_samples < 0:
+            raise ValueError(f"n_samples must be >= 0, got {n_samples}")
+        eps = torch.randn(
+            (n_samples, self.dim), generator=generator, dtype=self.dtype, device=self.device
+        )
+        return self._sample_transform(eps)
+
+    def log_prob(self, x: Tensor) -> Tensor:
+        r"""Log density :math:`-\tfrac12[D\log 2\pi - \log|P| + (x-\mu)^\top P(x-\mu)]`.
+
+        Args:
+            x: shape ``(D,)`` or ``(N, D)``.
+
+        Returns:
+            A scalar for ``(D,)``, else shape ``(N,)``.
+
+        Raises:
+            ValueError: if the last dimension of ``x`` is not D.
+        """
+        if x.ndim not in (1, 2) or x.shape[-1] != self.dim:
+            raise ValueError(f"expected shape (D,) or (N, D) with D={self.dim}, got {tuple(x.shape)}")
+        diff = x - self.mean
+        if diff.ndim == 2:
+            diff = diff.mT  # (D, N)
+        maha = (diff * self.precision_matvec(diff)).sum(0)
+        return -0.5 * (self.dim * math.log(2 * math.pi) - self.logdet_precision() + maha)
+
+    def entropy(self) -> Tensor:
+        r"""Differential entropy :math:`\tfrac12[D(1+\log 2\pi) - \log|P|]`, a scalar tensor."""
+        return 0.5 * (self.dim * (1.0 + math.log(2 * math.pi)) - self.logdet_precision())
+
+    def linear_moments(self, x: Tensor) -> LinearMoments:
+        r"""Mean :math:`X\mu` and variances :math:`\operatorname{diag}(X\Sigma X^\top)` of :math:`Xw`.
+
+        Used for quadrature over logistic-regression logits. This generic version calls
+        ``solve`` on :math:`X^\top` (fine for moderate D); subclasses override it where cheaper.
+
+        Args:
+            x: the design matrix X, shape ``(N, D)``.
+
+        Returns:
+            ``LinearMoments(mean (N,), variance (N,))``.
+
+        Raises:
+            ValueError: if ``x`` is not ``(N, D)``.
+        """
+        self._check_design(x)
+        return LinearMoments(x @ self.mean, (x * self.solve(x.mT).mT).sum(1))
+
+    def _check_design(self, x: Tensor) -> None:
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"expected X of shape (N, D) with D={self.dim}, got {tuple(x.shape)}")
+
+    def kl(self, other: StructuredGaussian) -> Tensor:
+        r""":math:`\mathrm{KL}(self \,\|\, other)`, via the pair registry in ``gaussians.kl``."""
+        from bdl_bench.gaussians.kl import kl
+
+        return kl(self, other)
+
+    def sym_kl(self, other: StructuredGaussian) -> Tensor:
+        r""":math:`\mathrm{KL}(self\,\|\,other) + \mathrm{KL}(other\,\|\,self)`."""
+        from bdl_bench.gaussians.kl import sym_kl
+
+        return sym_kl(self, other)

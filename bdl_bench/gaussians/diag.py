@@ -1,0 +1,75 @@
+r"""Mean-field Gaussian: diagonal precision :math:`P = \operatorname{diag}(d)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from bdl_bench.gaussians.base import LinearMoments, StructuredGaussian
+from bdl_bench.gaussians.full import FullGaussian
+
+
+def _check_positive(name: str, value: Tensor) -> None:
+    """Raise ``ValueError`` unless every entry of ``value`` is > 0 (NaN fails too)."""
+    if not bool((value > 0).all()):
+        raise ValueError(f"{name} must be positive everywhere, got min {value.min().item():.3g}")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class DiagGaussian(StructuredGaussian):
+    r""":math:`\mathcal N(\mu, \operatorname{diag}(d)^{-1})`; every operation is O(D).
+
+    Args:
+        mean: :math:`\mu`, shape ``(D,)``.
+        prec_diag: the precision diagonal :math:`d > 0`, shape ``(D,)``.
+
+    Raises:
+        ValueError: on a shape, dtype or device mismatch, or a non-positive ``prec_diag``.
+
+    Example:
+        >>> q = DiagGaussian(torch.zeros(3), torch.ones(3))
+        >>> q.rsample(5, torch.Generator().manual_seed(0)).shape
+        torch.Size([5, 3])
+    """
+
+    prec_diag: Tensor  # (D,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("prec_diag", self.prec_diag, (self.dim,))
+        _check_positive("prec_diag", self.prec_diag)
+
+    def _diag_times(self, scale: Tensor, v: Tensor) -> Tensor:
+        self._check_rhs(v)
+        return scale * v if v.ndim == 1 else scale[:, None] * v
+
+    def precision_matvec(self, v: Tensor) -> Tensor:
+        r""":math:`d \odot v`; see ``StructuredGaussian.precision_matvec``."""
+        return self._diag_times(self.prec_diag, v)
+
+    def solve(self, v: Tensor) -> Tensor:
+        r""":math:`v / d`; see ``StructuredGaussian.solve``."""
+        return self._diag_times(self.prec_diag.reciprocal(), v)
+
+    def logdet_precision(self) -> Tensor:
+        r""":math:`\sum_i \log d_i`."""
+        return self.prec_diag.log().sum()
+
+    def variance(self) -> Tensor:
+        r""":math:`1 / d`, shape ``(D,)``."""
+        return self.prec_diag.reciprocal()
+
+    def _sample_transform(self, eps: Tensor) -> Tensor:
+        r""":math:`\mu + d^{-1/2} \odot \epsilon` row-wise (:math:`A = \operatorname{diag}(d)^{-1/2}`)."""
+        return self.mean + eps * self.prec_diag.rsqrt()
+
+    def linear_moments(self, x: Tensor) -> LinearMoments:
+        r"""O(ND): :math:`\operatorname{diag}(X\Sigma X^\top) = (X \odot X)\, d^{-1}`."""
+        self._check_design(x)
+        return LinearMoments(x @ self.mean, x.square() @ self.prec_diag.reciprocal())
+
+    def to_dense(self) -> FullGaussian:
+        """``FullGaussian(mean, diag(prec_diag))``."""
+        return FullGaussian(self.mean, torch.diag(self.prec_diag))

@@ -1,0 +1,121 @@
+r"""Full-covariance Gaussian held by its dense precision :math:`P = LL^\top` (Cholesky)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from bdl_bench.gaussians.base import LinearMoments, StructuredGaussian
+
+
+def _symmetry_tolerance(matrix: Tensor) -> float:
+    """Absolute tolerance for ``matrix == matrix.T``: sqrt(eps) times its largest entry."""
+    scale = matrix.abs().max().item() if matrix.numel() else 0.0
+    return (torch.finfo(matrix.dtype).eps ** 0.5) * max(scale, 1.0)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class FullGaussian(StructuredGaussian):
+    r""":math:`\mathcal N(\mu, P^{-1})` with a dense symmetric positive definite precision.
+
+    Every operation goes through the lower Cholesky factor :math:`P = LL^\top`, computed once on
+    first use (O(D^3)); afterwards ``solve`` and sampling cost O(D^2) per vector. The covariance is
+    :math:`\Sigma = L^{-\top}L^{-1}` and samples are :math:`\mu + L^{-\top}\epsilon`.
+
+    Args:
+        mean: :math:`\mu`, shape ``(D,)``.
+        precision: :math:`P`, shape ``(D, D)``, symmetric positive definite.
+
+    Raises:
+        ValueError: on a shape, dtype or device mismatch, or an asymmetric ``precision``; a
+            precision that is not positive definite raises ``ValueError`` on first use.
+
+    Example:
+        >>> q = FullGaussian.from_covariance(torch.zeros(2), torch.tensor([[2.0, 0.5], [0.5, 1.0]]))
+        >>> q.solve(torch.tensor([1.0, 0.0]))
+        tensor([2.0000, 0.5000])
+    """
+
+    precision: Tensor  # (D, D)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("precision", self.precision, (self.dim, self.dim))
+        if not torch.allclose(
+            self.precision, self.precision.mT, rtol=0.0, atol=_symmetry_tolerance(self.precision)
+        ):
+            raise ValueError("precision must be symmetric")
+
+    @classmethod
+    def from_covariance(cls, mean: Tensor, cov: Tensor) -> FullGaussian:
+        r"""Build from a covariance :math:`\Sigma` (SPD, ``(D, D)``) as :math:`P = \Sigma^{-1}`.
+
+        Raises:
+            ValueError: if ``cov`` is not ``(D, D)`` or not positive definite.
+        """
+        if cov.ndim != 2 or cov.shape[0] != cov.shape[1]:
+            raise ValueError(f"cov must be square (D, D), got {tuple(cov.shape)}")
+        chol, info = torch.linalg.cholesky_ex(cov)
+        if int(info.item()) != 0:
+            raise ValueError(f"cov is not positive definite (leading minor {int(info.item())})")
+        precision = torch.cholesky_inverse(chol)
+        return cls(mean, 0.5 * (precision + precision.mT))
+
+    @cached_property
+    def _chol(self) -> Tensor:
+        """Lower Cholesky factor L of the precision, ``(D, D)``."""
+        chol, info = torch.linalg.cholesky_ex(self.precision)
+        if int(info.item()) != 0:
+            raise ValueError(
+                f"precision is not positive definite (leading minor {int(info.item())})"
+            )
+        return chol
+
+    @cached_property
+    def covariance(self) -> Tensor:
+        r""":math:`\Sigma = P^{-1}`, ``(D, D)``, cached."""
+        return torch.cholesky_inverse(self._chol)
+
+    def precision_matvec(self, v: Tensor) -> Tensor:
+        r""":math:`P v`; see ``StructuredGaussian.precision_matvec``."""
+        self._check_rhs(v)
+        return self.precision @ v
+
+    def solve(self, v: Tensor) -> Tensor:
+        r""":math:`\Sigma v` by two triangular solves with L."""
+        self._check_rhs(v)
+        rhs = v if v.ndim == 2 else v[:, None]
+        out = torch.cholesky_solve(rhs, self._chol)
+        return out if v.ndim == 2 else out[:, 0]
+
+    def logdet_precision(self) -> Tensor:
+        r""":math:`\log|P| = 2\sum_i \log L_{ii}`."""
+        return 2.0 * self._chol.diagonal().log().sum()
+
+    def variance(self) -> Tensor:
+        r""":math:`\Sigma_{ii} = \|L^{-1}e_i\|^2`: column norms of :math:`L^{-1}`, shape ``(D,)``."""
+        return self._chol_inv.square().sum(0)
+
+    @cached_property
+    def _chol_inv(self) -> Tensor:
+        """:math:`L^{-1}`, ``(D, D)`` lower triangular."""
+        eye = torch.eye(self.dim, dtype=self.dtype, device=self.device)
+        return torch.linalg.solve_triangular(self._chol, eye, upper=False)
+
+    def _sample_transform(self, eps: Tensor) -> Tensor:
+        r"""Rows :math:`\mu + L^{-\top}\epsilon` (:math:`A = L^{-\top}`, :math:`AA^\top = \Sigma`)."""
+        # (L^{-T} eps^T)^T = eps L^{-1}: solve X L = eps for X.
+        return self.mean + torch.linalg.solve_triangular(self._chol, eps, upper=False, left=False)
+
+    def linear_moments(self, x: Tensor) -> LinearMoments:
+        r""":math:`x^\top\Sigma x = \|L^{-1}x\|^2`: one triangular solve with :math:`X^\top`."""
+        self._check_design(x)
+        z = torch.linalg.solve_triangular(self._chol, x.mT, upper=False)  # (D, N)
+        return LinearMoments(x @ self.mean, z.square().sum(0))
+
+    def to_dense(self) -> FullGaussian:
+        """Itself."""
+        return self

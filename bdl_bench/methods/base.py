@@ -1,0 +1,154 @@
+"""The interface every inference method implements, and the method registry.
+
+A method object holds only hyperparameters (keyword-only constructor arguments, exactly the keys
+of ``conf/method/<name>.yaml`` apart from ``name``). ``setup`` receives the problem and creates the
+fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iterative methods) or is
+overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of the network output,
+``posterior`` returns the Gaussian over the flat parameter vector where the method has one.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from bdl_bench.likelihoods import Likelihood
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a method needs to know about what it fits.
+
+    Attributes:
+        model: the network; its current parameters are the initial point (methods may copy them).
+        likelihood: p(y | f) on the (standardised) targets.
+        n_data: number of training examples N (the likelihood term of the ELBO is scaled to N).
+        prior_precision: per-parameter precision of the zero-mean Gaussian prior, ``(D,)``.
+        generator: the only source of randomness for MC sampling inside the method.
+    """
+
+    model: nn.Module
+    likelihood: Likelihood
+    n_data: int
+    prior_precision: Tensor  # (D,)
+    generator: torch.Generator
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Raised when a training step produces a NaN or infinite loss."""
+
+
+EpochCallback = Callable[[int, Mapping[str, float]], None]
+
+
+class Method(ABC):
+    """Base class of inference methods (see module docstring)."""
+
+    name: ClassVar[str]
+    problem: Problem
+
+    def setup(self, problem: Problem) -> None:
+        """Create the fitting state for ``problem``; called once before ``fit``."""
+        self.problem = problem
+
+    @abstractmethod
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        """One update on a minibatch.
+
+        Returns:
+            At least ``{"loss": ...}``, the per-example objective the step descends (for VI methods
+            the minibatch estimate of the negative ELBO divided by N), and where available
+            ``"nll"``, the minibatch estimate of the expected negative log-likelihood per example.
+        """
+
+    @abstractmethod
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """Samples of the network output at ``x``: ``(n_samples, N, out)``."""
+
+    def posterior(self) -> Any | None:
+        """The Gaussian over the flat parameters (a ``StructuredGaussian``), or ``None``."""
+        return None
+
+    def kl_to_prior(self) -> Tensor | None:
+        """KL(q ‖ prior) of a variational posterior (a scalar tensor), or ``None``.
+
+        With it the runner reports the ELBO per training example,
+        ``E_q[log p(D | θ)] / N − KL / N``, estimated on the whole training set.
+        """
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume fitting (tensors and plain numbers only)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+    def fit(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        n_epochs: int,
+        batch_size: int,
+        data_generator: torch.Generator,
+        on_epoch_end: EpochCallback | None = None,
+        start_epoch: int = 0,
+    ) -> None:
+        """Default loop: ``n_epochs`` passes over shuffled minibatches of ``(x, y)``.
+
+        Raises:
+            NonFiniteLossError: naming the method, epoch and step, as soon as a loss is not finite.
+        """
+        n = x.shape[0]
+        batch_size = min(batch_size, n)
+        n_batches = math.ceil(n / batch_size)
+        for epoch in range(start_epoch, n_epochs):
+            order = torch.randperm(n, generator=data_generator).to(x.device)
+            totals: dict[str, float] = {}
+            for step in range(n_batches):
+                idx = order[step * batch_size : (step + 1) * batch_size]
+                out = self.train_step(x[idx], y[idx])
+                loss = out["loss"]
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"method {self.name!r}: non-finite loss {loss} at epoch {epoch + 1}, step {step + 1}"
+                        " — lower the learning rate or check the precisions"
+                    )
+                for k, v in out.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            if on_epoch_end is not None:
+                on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in totals.items()})
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
+    """Register a method class under the name users type after ``method=``."""
+
+    def add(cls: type[Method]) -> type[Method]:
+        if name in METHODS:
+            raise ValueError(f"method name {name!r} is registered twice")
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return add
+
+
+def build_method(cfg: Mapping[str, Any]) -> Method:
+    """Instantiate ``cfg['name']`` with the remaining keys as keyword arguments."""
+    from bdl_bench.methods import import_all
+
+    import_all()
+    name = cfg["name"]
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+    return METHODS[name](**{k: v for k, v in cfg.items() if k != "name"})

@@ -1,0 +1,265 @@
+r"""Bayes by Backprop: mean-field Gaussian variational inference with Adam (Blundell et al., 2015).
+
+The variational posterior over the flat parameter vector :math:`\theta \in \mathbb R^D` (the order of
+``bdl_bench.models.params``) is :math:`q(\theta) = \mathcal N(\mu, \operatorname{diag}(\sigma^2))` with
+:math:`\sigma = \operatorname{softplus}(\rho)` (Blundell et al. 2015, Sec. 3.2). The prior is
+:math:`p(\theta) = \mathcal N(0, \operatorname{diag}(\lambda)^{-1})` with the per-parameter precision
+``problem.prior_precision``. Adam descends, per training example, the negative ELBO divided by N:
+
+.. math::
+
+    \mathcal L(\mu, \rho) = \frac1M \sum_{i \in B} \frac1S \sum_{s=1}^S -\log p(y_i \mid f(x_i; \theta_s))
+        + \frac1N \mathrm{KL}(q \,\|\, p),
+
+an unbiased estimate of :math:`-\frac1N\bigl(\mathbb E_q[\log p(\mathcal D \mid \theta)] - \mathrm{KL}\bigr)`
+from a minibatch :math:`B` of size M and S = ``n_train_mc_samples`` Monte Carlo samples. The KL is in
+closed form (:func:`kl_diag_to_prior`):
+
+.. math::
+
+    \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_d \sigma_d^2 + \lambda_d \mu_d^2 - 1
+        - \log(\lambda_d \sigma_d^2)\bigr).
+
+Two gradient estimators of the expected log-likelihood (``estimator``):
+
+- ``reparam``: :math:`\theta_s = \mu + \sigma \odot \epsilon_s`, :math:`\epsilon_s \sim \mathcal N(0, I)`;
+  one weight draw per MC sample, shared by the minibatch (Blundell et al. 2015, Sec. 3.1).
+- ``local_reparam``: the local reparameterisation trick (Kingma, Salimans & Welling 2015, Sec. 2.3).
+  For each ``nn.Linear`` layer with input :math:`a` the pre-activation is Gaussian given :math:`a`, so it
+  is sampled directly, independently per example: mean :math:`a \mu_W^\top + \mu_b`, variance
+  :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2` (:func:`local_reparam_linear`). Needs an ``nn.Sequential``
+  of ``nn.Linear`` layers and parameter-free modules.
+
+``predict`` always samples whole weight vectors (so the S output samples are S networks).
+
+Initialisation: :math:`\mu` is the model's current parameters; :math:`\sigma = ` ``init_std`` everywhere.
+``conf/method/bbb.yaml`` uses ``init_std: 0.01``: well below the scale of PyTorch's default weights
+(:math:`1/\sqrt{\text{fan-in}}`, 0.14 for 50 inputs), so the first steps fit the data as a nearly
+deterministic network, while Adam (steps of about ``lr`` in :math:`\rho` each) can grow :math:`\sigma` to
+0.1–0.3 within a few hundred steps. (The SLANG authors' BBB code starts instead from :math:`\mu = 0`,
+:math:`\rho = -1`, i.e. :math:`\sigma \approx 0.31`, and uses Adam betas (0.9, 0.99).)
+"""
+
+from __future__ import annotations
+
+import copy
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.models.params import flat_params, forward_with, unflatten
+
+_PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
+
+
+class Estimator(str, Enum):
+    """Gradient estimator of the expected log-likelihood."""
+
+    REPARAM = "reparam"
+    """Sample whole weight vectors (Blundell et al. 2015)."""
+    LOCAL_REPARAM = "local_reparam"
+    """Sample each linear layer's pre-activations per example (Kingma et al. 2015)."""
+
+
+def softplus_inverse(x: Tensor) -> Tensor:
+    r""":math:`\rho` with :math:`\operatorname{softplus}(\rho) = x`, i.e. :math:`\log(e^x - 1)`, computed
+    as :math:`x + \log(1 - e^{-x})` (stable for small and large x > 0)."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def kl_diag_to_prior(mean: Tensor, std: Tensor, prior_precision: Tensor) -> Tensor:
+    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` (see the module docstring).
+
+    Args:
+        mean: :math:`\mu`, ``(D,)``.
+        std: :math:`\sigma > 0`, ``(D,)``.
+        prior_precision: :math:`\lambda > 0`, ``(D,)``.
+
+    Returns:
+        A scalar tensor, differentiable in ``mean`` and ``std``.
+    """
+    var_ratio = prior_precision * std**2
+    return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum()
+
+
+def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
+    """``N(0, 1)`` draws from ``generator`` with ``like``'s dtype and device.
+
+    Drawn on the generator's device and moved, so a CPU generator also serves a CUDA model.
+    """
+    eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
+    return eps.to(like.device)
+
+
+def local_reparam_linear(
+    a: Tensor,
+    weight_mean: Tensor,
+    weight_var: Tensor,
+    bias_mean: Tensor | None,
+    bias_var: Tensor | None,
+    generator: torch.Generator,
+) -> Tensor:
+    r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per example.
+
+    Kingma, Salimans & Welling (2015), Sec. 2.3: given the layer input, the pre-activation is Gaussian
+    with mean :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`.
+
+    Args:
+        a: layer inputs ``(..., in)``.
+        weight_mean, weight_var: :math:`\mu_W`, :math:`\sigma_W^2`, ``(out, in)``.
+        bias_mean, bias_var: :math:`\mu_b`, :math:`\sigma_b^2`, ``(out,)``, or ``None`` without a bias.
+        generator: source of the standard normal noise.
+
+    Returns:
+        One sample per row of ``a``: ``(..., out)``.
+    """
+    mean = F.linear(a, weight_mean, bias_mean)
+    var = F.linear(a**2, weight_var, bias_var)
+    eps = standard_normal(tuple(mean.shape), generator, mean)
+    # clamp keeps the gradient finite where the variance is exactly 0 (no bias, all-zero input)
+    return mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps
+
+
+@register_method("bbb")
+class BayesByBackprop(Method):
+    """Mean-field Gaussian VI with Adam on :math:`(\\mu, \\rho)` (see the module docstring).
+
+    Args:
+        lr: Adam learning rate.
+        n_train_mc_samples: MC samples S per training step.
+        estimator: ``"reparam"`` or ``"local_reparam"`` (:class:`Estimator`).
+        init_std: initial posterior standard deviation :math:`\\sigma` of every parameter.
+
+    Raises:
+        ValueError: on a non-positive ``lr`` or ``init_std``, ``n_train_mc_samples < 1``, or an unknown
+            ``estimator`` (the message lists the choices).
+    """
+
+    def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"bbb: lr must be positive, got {lr}")
+        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
+            raise ValueError(f"bbb: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+        choices = [e.value for e in Estimator]
+        if estimator not in choices:
+            raise ValueError(f"bbb: unknown estimator {estimator!r}; choices: {', '.join(choices)}")
+        if not init_std > 0:
+            raise ValueError(f"bbb: init_std must be positive, got {init_std}")
+        self.lr = lr
+        self.n_train_mc_samples = int(n_train_mc_samples)
+        self.estimator = Estimator(estimator)
+        self.init_std = init_std
+
+    def setup(self, problem: Problem) -> None:
+        """Start from :math:`\\mu` = the model's parameters, :math:`\\sigma` = ``init_std``.
+
+        Raises:
+            ValueError: if the model holds ``nn.Dropout`` (its noise would not come from the generator),
+                or, for ``local_reparam``, is not an ``nn.Sequential`` whose only parametrised
+                modules are ``nn.Linear``.
+        """
+        super().setup(problem)
+        model = problem.model
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
+            raise ValueError("bbb: the model contains dropout layers; build it with dropout=0")
+        if self.estimator is Estimator.LOCAL_REPARAM:
+            _check_linear_sequential(model)
+        self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
+        init = torch.full_like(self.mean, float(self.init_std))
+        self.rho = softplus_inverse(init).requires_grad_(True)  # (D,)  sigma = softplus(rho)
+        self.optimizer = torch.optim.Adam([self.mean, self.rho], lr=self.lr)
+
+    def std(self) -> Tensor:
+        """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)`` (differentiable)."""
+        return F.softplus(self.rho)
+
+    def _outputs_reparam(self, x: Tensor, n_samples: int) -> Tensor:
+        """Network outputs for ``n_samples`` weight draws: ``(S, N, out)``."""
+        eps = standard_normal((n_samples, self.mean.numel()), self.problem.generator, self.mean)
+        thetas = self.mean + self.std() * eps  # (S, D)
+        model = self.problem.model
+        return torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas)
+
+    def _outputs_local(self, x: Tensor, n_samples: int) -> Tensor:
+        """Network outputs with locally reparameterised pre-activations: ``(S, N, out)``."""
+        model = self.problem.model
+        means = unflatten(model, self.mean)
+        variances = unflatten(model, self.std() ** 2)
+        h = x.unsqueeze(0).expand(n_samples, *x.shape)  # (S, N, in)
+        for name, module in model.named_children():
+            if isinstance(module, nn.Linear):
+                has_bias = module.bias is not None
+                h = local_reparam_linear(
+                    h,
+                    means[f"{name}.weight"],
+                    variances[f"{name}.weight"],
+                    means[f"{name}.bias"] if has_bias else None,
+                    variances[f"{name}.bias"] if has_bias else None,
+                    self.problem.generator,
+                )
+            else:
+                h = module(h)
+        return h
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        p = self.problem
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.estimator is Estimator.LOCAL_REPARAM:
+            f = self._outputs_local(x, self.n_train_mc_samples)
+        else:
+            f = self._outputs_reparam(x, self.n_train_mc_samples)
+        nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
+        kl = kl_diag_to_prior(self.mean, self.std(), p.prior_precision) / p.n_data
+        loss = nll + kl
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.item(), "nll": nll.item(), "kl": kl.item()}
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
+        chunks = []
+        for start in range(0, n_samples, _PREDICT_CHUNK):
+            chunks.append(self._outputs_reparam(x, min(_PREDICT_CHUNK, n_samples - start)))
+        return torch.cat(chunks)
+
+    def posterior(self) -> DiagGaussian:
+        """:math:`q = \\mathcal N(\\mu, \\operatorname{diag}(\\sigma^2))` as precision ``1/σ²``."""
+        with torch.no_grad():
+            return DiagGaussian(mean=self.mean.detach().clone(), prec_diag=self.std().pow(-2))
+
+    @torch.no_grad()
+    def kl_to_prior(self) -> Tensor:
+        return kl_diag_to_prior(self.mean, self.std(), self.problem.prior_precision)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean.detach().clone(),
+            "rho": self.rho.detach().clone(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.mean.copy_(state["mean"])
+            self.rho.copy_(state["rho"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _check_linear_sequential(model: nn.Module) -> None:
+    """Raise ``ValueError`` unless ``model`` is an ``nn.Sequential`` of ``nn.Linear`` layers and
+    parameter-free modules (what the layer-by-layer forward of ``local_reparam`` handles)."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"bbb: estimator 'local_reparam' needs an nn.Sequential model, got {type(model).__name__}")
+    for name, module in model.named_children():
+        if not isinstance(module, nn.Linear) and any(True for _ in module.parameters()):
+            raise ValueError(
+                f"bbb: estimator 'local_reparam' handles nn.Linear layers and parameter-free modules only;"
+                f" layer {name} is {type(module).__name__} (use estimator 'reparam')"
+            )

@@ -1,0 +1,51 @@
+"""Maximum a posteriori estimate with Adam: the prior precision acts as weight decay.
+
+Minimises ``(1/N) Σᵢ -log p(yᵢ | xᵢ, θ) + (1/2N) Σ_d λ_d θ_d²`` per example, estimated on minibatches.
+A point estimate: ``predict`` returns the same output for every sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.models.params import flat_params, forward_with
+
+
+@register_method("map")
+class MAP(Method):
+    def __init__(self, *, lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"map: lr must be positive, got {lr}")
+        self.lr = lr
+
+    def setup(self, problem: Problem) -> None:
+        super().setup(problem)
+        self.theta = flat_params(problem.model).requires_grad_(True)
+        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        p = self.problem
+        self.optimizer.zero_grad(set_to_none=True)
+        nll = p.likelihood.nll(forward_with(p.model, self.theta, x), y).mean()
+        penalty = 0.5 * (p.prior_precision * self.theta**2).sum() / p.n_data
+        loss = nll + penalty
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.item(), "nll": nll.item()}
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        f = forward_with(self.problem.model, self.theta.detach(), x)
+        return f.unsqueeze(0).expand(n_samples, *f.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"theta": self.theta.detach().clone(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.theta.copy_(state["theta"])
+        self.optimizer.load_state_dict(state["optimizer"])

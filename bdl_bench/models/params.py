@@ -1,0 +1,54 @@
+"""Flat parameter vectors: the coordinates every Gaussian posterior lives in.
+
+The order is ``model.parameters()`` order; for an ``nn.Linear`` layer that is its weight
+(``(out, in)``, row-major) followed by its bias, so a per-example gradient ``δ aᵀ`` flattens
+row-major into the right slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+
+def flat_params(model: nn.Module) -> Tensor:
+    """A detached copy of all parameters as one vector ``(D,)``."""
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def unflatten(model: nn.Module, theta: Tensor) -> dict[str, Tensor]:
+    """Split ``theta`` (``(D,)``) into a ``{name: tensor}`` dict shaped like the model's parameters."""
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for name, p in model.named_parameters():
+        out[name] = theta[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    if offset != theta.numel():
+        raise ValueError(f"parameter vector has {theta.numel()} entries, model has {offset}")
+    return out
+
+
+def forward_with(model: nn.Module, theta: Tensor, x: Tensor) -> Tensor:
+    """``model(x)`` evaluated at the flat parameters ``theta`` (differentiable in ``theta``)."""
+    return functional_call(model, unflatten(model, theta), (x,))
+
+
+def prior_precision_vector(model: nn.Module, prior_precision: float, bias_prior_precision: float | None) -> Tensor:
+    """Per-parameter precision of the zero-mean Gaussian prior ``(D,)``.
+
+    Parameters whose name ends in ``bias`` get ``bias_prior_precision`` when it is given.
+    """
+    if not prior_precision > 0:
+        raise ValueError(f"prior_precision must be positive, got {prior_precision}")
+    if bias_prior_precision is not None and not bias_prior_precision > 0:
+        raise ValueError(f"bias_prior_precision must be positive, got {bias_prior_precision}")
+    parts = []
+    for name, p in model.named_parameters():
+        value = bias_prior_precision if (bias_prior_precision is not None and name.endswith("bias")) else prior_precision
+        parts.append(torch.full((p.numel(),), float(value), dtype=p.dtype, device=p.device))
+    return torch.cat(parts)

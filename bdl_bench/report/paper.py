@@ -1,0 +1,115 @@
+"""Published numbers (``paper_numbers/*.csv``, transcribed from the papers) and how runs map onto them.
+
+A :class:`PaperTable` knows which CSV holds a table, which of our metric keys match which paper
+rows/columns, and which paper column a run belongs to (from its flattened config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import pandas as pd
+
+
+def read_paper_csv(name: str) -> pd.DataFrame:
+    """One of the transcribed CSVs shipped in ``bdl_bench/report/paper_numbers``."""
+    with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
+        return pd.read_csv(f)
+
+
+def dataset_short_name(data_name: str) -> str:
+    """``uci/boston`` → ``boston``."""
+    return data_name.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class PaperValue:
+    value: float
+    se: float | None = None
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """A published table and how our runs line up with it.
+
+    Attributes:
+        name: the experiment's ``paper_table`` key.
+        metrics: our metric key → (paper metric name, sign) where the paper value is ``sign × ours``.
+        column: maps a run (flattened config) to the paper's method column name.
+        lookup: (dataset, column, paper metric) → published value, or ``None`` where the paper has none.
+        scale: paper metric → factor the printed value carries (ours is shown multiplied by it).
+    """
+
+    name: str
+    metrics: Mapping[str, tuple[str, float]]
+    column: Callable[[Mapping[str, Any]], str]
+    lookup: Callable[[str, str, str], PaperValue | None]
+    scale: Callable[[str, str], float] = lambda dataset, metric: 1.0
+
+
+def _slang_table2() -> PaperTable:
+    frame = read_paper_csv("slang_table2_uci.csv").set_index(["dataset", "method"])
+
+    def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
+        if (dataset, column) not in frame.index:
+            return None
+        row = frame.loc[(dataset, column)]
+        return PaperValue(float(row[f"{metric}_mean"]), float(row[f"{metric}_se"]))
+
+    return PaperTable(
+        name="slang_table2",
+        metrics={"rmse": ("rmse", 1.0), "test_ll": ("test_ll", 1.0)},
+        column=lambda run: str(run["method.name"]),
+        lookup=lookup,
+    )
+
+
+def _table1_column(run: Mapping[str, Any]) -> str:
+    name = run["method.name"]
+    if name == "slang":
+        return f"slang_L{int(run['method.rank'])}"
+    family = "mf" if run.get("method.covariance") == "diag" else "full"
+    if name == "vogn":
+        return f"{family}_{'hess' if run['method.curvature'] == 'hessian' else 'ef'}"
+    if name == "exact_vi":
+        return f"{family}_exact"
+    return str(name)
+
+
+def _slang_table1() -> PaperTable:
+    frame = read_paper_csv("slang_table1_logreg.csv").set_index(["dataset", "metric"])
+
+    def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
+        if (dataset, metric) not in frame.index or column not in frame.columns:
+            return None
+        return PaperValue(float(frame.loc[(dataset, metric), column]))
+
+    def scale(dataset: str, metric: str) -> float:
+        return float(frame.loc[(dataset, metric), "scale"]) if (dataset, metric) in frame.index else 1.0
+
+    return PaperTable(
+        name="slang_table1",
+        metrics={
+            "elbo": ("neg_elbo_per_example", -1.0),
+            "nll": ("test_nll", 1.0),
+            "sym_kl": ("sym_kl_vs_full_exact", 1.0),
+        },
+        column=_table1_column,
+        lookup=lookup,
+        scale=scale,
+    )
+
+
+PAPER_TABLES: dict[str, Callable[[], PaperTable]] = {
+    "slang_table1": _slang_table1,
+    "slang_table2": _slang_table2,
+}
+
+
+def get_paper_table(name: str) -> PaperTable:
+    if name not in PAPER_TABLES:
+        raise ValueError(f"unknown paper table {name!r}; available: {', '.join(sorted(PAPER_TABLES))}")
+    return PAPER_TABLES[name]()

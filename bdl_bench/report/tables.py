@@ -1,0 +1,125 @@
+"""``bdl-bench table``: mean ± standard error over splits/seeds, grouped by dataset × method.
+
+Standard errors use the real number of runs in each cell (sample std, ddof = 1, over √n); a cell
+with one run has no standard error. When the runs belong to a paper table, the paper's value and its
+standard error stand beside ours, and ``within_2se_<metric>`` says whether
+``|ours − paper| ≤ 2 √(se_ours² + se_paper²)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from bdl_bench.report.paper import PaperTable, dataset_short_name, get_paper_table
+from bdl_bench.results import load_runs
+
+DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error", "ece", "brier", "elbo", "sym_kl")
+
+
+@dataclass(frozen=True)
+class Table:
+    frame: pd.DataFrame  # one row per dataset × method
+    markdown: str
+
+
+def _method_labels(runs: pd.DataFrame) -> pd.Series:
+    """``method.name`` plus every ``method.*`` option that varies among runs of that method."""
+    labels = runs["method.name"].astype(str).copy()
+    option_cols = [c for c in runs.columns if c.startswith("method.") and c != "method.name"]
+    for name, group in runs.groupby("method.name"):
+        varying = [c for c in option_cols if group[c].astype(str).nunique() > 1]
+        for idx in group.index:
+            parts = [f"{c.removeprefix('method.')}={group.at[idx, c]}" for c in varying]
+            labels[idx] = " ".join([str(name), *parts])
+    return labels
+
+
+def _fmt(mean: float, se: float | None, digits: int = 3) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    if se is None or (isinstance(se, float) and math.isnan(se)):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str] | None = None) -> Table:
+    """Summarise every finished run below ``folder``.
+
+    Args:
+        folder: a results folder (searched recursively for run folders).
+        paper: a paper table name (``slang_table2``); default: the runs' ``paper_table`` config key.
+        metrics: metric keys to show; default: the paper table's, else every known key present.
+
+    Raises:
+        ValueError: when no finished run is found, naming the folder.
+    """
+    runs = load_runs(folder)
+    if runs.empty:
+        raise ValueError(f"no finished runs (folders with metrics.json) below {folder}")
+    if paper is None and "paper_table" in runs.columns:
+        names = runs["paper_table"].dropna().unique()
+        paper = str(names[0]) if len(names) == 1 else None
+    spec: PaperTable | None = get_paper_table(paper) if paper else None
+    if metrics is None:
+        metrics = list(spec.metrics) if spec else [m for m in DEFAULT_METRICS if m in runs.columns]
+    missing = [m for m in metrics if m not in runs.columns]
+    if missing:
+        raise ValueError(f"metric(s) {missing} not found in the runs below {folder}")
+
+    runs = runs.assign(
+        dataset=runs["data.name"].map(dataset_short_name),
+        method=[spec.column(r) for r in runs.to_dict("records")] if spec else _method_labels(runs),
+    )
+    rows = []
+    for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
+        row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
+        for metric in metrics:
+            values = pd.to_numeric(group[metric], errors="coerce").dropna()
+            n = len(values)
+            mean = float(values.mean()) if n else math.nan
+            se = float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+            if spec and metric in spec.metrics:
+                paper_metric, sign = spec.metrics[metric]
+                scale = spec.scale(str(dataset), paper_metric)
+                mean, se = sign * mean * scale, se * scale
+                ref = spec.lookup(str(dataset), str(method), paper_metric)
+                row[paper_metric] = mean
+                row[f"{paper_metric}_se"] = se
+                row[f"paper_{paper_metric}"] = ref.value if ref else math.nan
+                row[f"paper_{paper_metric}_se"] = ref.se if ref and ref.se is not None else math.nan
+                if ref is not None and not math.isnan(mean):
+                    band = 2 * math.sqrt(sum(x**2 for x in (se, ref.se or 0.0) if not math.isnan(x)))
+                    row[f"within_2se_{paper_metric}"] = abs(mean - ref.value) <= band
+            else:
+                row[metric] = mean
+                row[f"{metric}_se"] = se
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    return Table(frame=frame, markdown=_markdown(frame, spec, metrics))
+
+
+def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str]) -> str:
+    headers = ["dataset", "method", "n"]
+    body = []
+    for _, row in frame.iterrows():
+        cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
+        for metric in metrics:
+            key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
+            cells.append(_fmt(row[key], row[f"{key}_se"]))
+            if spec and metric in spec.metrics:
+                cells.append(_fmt(row[f"paper_{key}"], row[f"paper_{key}_se"]))
+        body.append(cells)
+    for metric in metrics:
+        key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
+        headers.append(f"{key} (ours)" if spec and metric in spec.metrics else key)
+        if spec and metric in spec.metrics:
+            headers.append(f"{key} (paper)")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    title = f"Paper table: {spec.name}\n\n" if spec else ""
+    return title + "\n".join(lines)

@@ -1,0 +1,32 @@
+"""Shared fixtures: composing the Hydra config in-process, shrunk to seconds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    """``compose_cfg(overrides)`` → the root config with those overrides (smoke trainer by default)."""
+
+    def _compose(overrides: list[str] | None = None, smoke: bool = True) -> DictConfig:
+        overrides = list(overrides or [])
+        if smoke and not any(o.startswith("trainer=") for o in overrides):
+            overrides.insert(0, "trainer=smoke")
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            return compose("config", overrides=overrides)
+
+    return _compose

@@ -1,0 +1,60 @@
+"""Every option of every config group composes, and builds (data, model, method) at tiny size."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from bdl_bench.data import build_dataset
+from bdl_bench.methods import METHODS, build_method
+from bdl_bench.methods import import_all as import_all_methods
+from bdl_bench.models import build_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("data", "model", "method", "trainer", "experiment")
+CHOICES = [
+    f"{group}={p.relative_to(CONF / group).with_suffix('').as_posix()}"
+    for group in GROUPS
+    for p in sorted((CONF / group).rglob("*.yaml"))
+]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_config_composes_and_builds(choice: str) -> None:
+    cfg = _compose([choice])
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    build_method(container["method"])
+    if choice.startswith(("data=", "model=")):
+        dataset = build_dataset(container["data"])
+        build_model(container["model"], in_features=dataset.n_features, out_features=dataset.n_outputs)
+
+
+def test_method_registry_matches_yaml_files() -> None:
+    import_all_methods()
+    stems = {p.stem for p in (CONF / "method").glob("*.yaml")}
+    assert set(METHODS) == stems
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "method").glob("*.yaml")), ids=lambda p: p.stem)
+def test_method_yaml_keys_match_constructor(path: Path) -> None:
+    import_all_methods()
+    cfg = OmegaConf.load(path)
+    params = inspect.signature(METHODS[cfg.name].__init__).parameters
+    expected = {n for n, p in params.items() if n != "self" and p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(cfg.keys()) - {"name"} == expected
+
+
+def test_default_config_is_slang_on_boston() -> None:
+    cfg = _compose([])
+    assert cfg.method.name == "slang"
+    assert cfg.data.name == "uci/boston"
