@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
+from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.metrics import predictive_metrics
@@ -100,7 +101,8 @@ def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Data
         from bdl_bench.quadrature import expected_log_sigmoid
     except ImportError:
         return None
-    from bdl_bench.likelihoods import Bernoulli
+    from bdl_bench.gaussians.io import save_gaussian
+from bdl_bench.likelihoods import Bernoulli
 
     posterior = method.posterior()
     model = method.problem.model
@@ -180,6 +182,9 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     reference_cfg = _cfg_get(cfg, "reference")
     if reference_cfg is not None and method.posterior() is not None:
         metrics["sym_kl"] = _sym_kl_to_reference(method, reference_cfg, model, likelihood, prior, dataset, seed)
+    posterior = method.posterior()
+    if trainer.save_posterior and posterior is not None:
+        save_gaussian(posterior, run_dir / "posterior.pt")
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
         raise FloatingPointError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")

@@ -100,8 +100,7 @@ class StructuredGaussian(ABC):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if tuple(value.shape) != shape:
             raise ValueError(
-                f"{name} must have shape {shape} to match mean {tuple(self.mean.shape)}, "
-                f"got {tuple(value.shape)}"
+                f"{name} must have shape {shape} to match mean {tuple(self.mean.shape)}, got {tuple(value.shape)}"
             )
         if value.dtype != self.dtype or value.device != self.device:
             raise ValueError(
@@ -180,9 +179,7 @@ class StructuredGaussian(ABC):
         """
         if n_samples < 0:
             raise ValueError(f"n_samples must be >= 0, got {n_samples}")
-        eps = torch.randn(
-            (n_samples, self.dim), generator=generator, dtype=self.dtype, device=self.device
-        )
+        eps = torch.randn((n_samples, self.dim), generator=generator, dtype=self.dtype, device=self.device)
         return self._sample_transform(eps)
 
     def log_prob(self, x: Tensor) -> Tensor:

@@ -44,9 +44,7 @@ class FullGaussian(StructuredGaussian):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_param("precision", self.precision, (self.dim, self.dim))
-        if not torch.allclose(
-            self.precision, self.precision.mT, rtol=0.0, atol=_symmetry_tolerance(self.precision)
-        ):
+        if not torch.allclose(self.precision, self.precision.mT, rtol=0.0, atol=_symmetry_tolerance(self.precision)):
             raise ValueError("precision must be symmetric")
 
     @classmethod
@@ -69,9 +67,7 @@ class FullGaussian(StructuredGaussian):
         """Lower Cholesky factor L of the precision, ``(D, D)``."""
         chol, info = torch.linalg.cholesky_ex(self.precision)
         if int(info.item()) != 0:
-            raise ValueError(
-                f"precision is not positive definite (leading minor {int(info.item())})"
-            )
+            raise ValueError(f"precision is not positive definite (leading minor {int(info.item())})")
         return chol
 
     @cached_property

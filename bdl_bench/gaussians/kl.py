@@ -38,9 +38,7 @@ _KL_REGISTRY: dict[tuple[type[StructuredGaussian], type[StructuredGaussian]], KL
 _DENSE_KL_MAX_DIM = 5000
 
 
-def register_kl(
-    type_p: type[StructuredGaussian], type_q: type[StructuredGaussian]
-) -> Callable[[KLFn], KLFn]:
+def register_kl(type_p: type[StructuredGaussian], type_q: type[StructuredGaussian]) -> Callable[[KLFn], KLFn]:
     """Decorator registering ``fn(p, q) -> KL(p || q)`` for the pair ``(type_p, type_q)``.
 
     Args:
@@ -62,8 +60,7 @@ def register_kl(
         key = (type_p, type_q)
         if key in _KL_REGISTRY:
             raise ValueError(
-                f"KL pair ({type_p.__name__}, {type_q.__name__}) is already registered "
-                f"to {_KL_REGISTRY[key].__name__}"
+                f"KL pair ({type_p.__name__}, {type_q.__name__}) is already registered to {_KL_REGISTRY[key].__name__}"
             )
         _KL_REGISTRY[key] = fn
         _dispatch.cache_clear()
@@ -72,9 +69,7 @@ def register_kl(
     return add
 
 
-def _lookup(
-    registry: Mapping[tuple[type, type], KLFn], type_p: type, type_q: type
-) -> KLFn:
+def _lookup(registry: Mapping[tuple[type, type], KLFn], type_p: type, type_q: type) -> KLFn:
     """The registered function of the most specific matching pair (p's MRO first, then q's).
 
     Raises:
@@ -128,9 +123,7 @@ def sym_kl(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
     return kl(p, q) + kl(q, p)
 
 
-def _assemble(
-    p: StructuredGaussian, q: StructuredGaussian, trace: Tensor, maha: Tensor
-) -> Tensor:
+def _assemble(p: StructuredGaussian, q: StructuredGaussian, trace: Tensor, maha: Tensor) -> Tensor:
     """0.5 [trace + maha - D + log|P_p| - log|P_q|]."""
     return 0.5 * (trace + maha - p.dim + p.logdet_precision() - q.logdet_precision())
 

@@ -130,8 +130,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         if not isinstance(factor, Tensor) or factor.ndim != 2 or factor.shape[0] != self.dim:
             shape = tuple(factor.shape) if isinstance(factor, Tensor) else type(factor).__name__
             raise ValueError(
-                f"prec_factor must have shape (D, L) with D={self.dim} from mean "
-                f"{tuple(self.mean.shape)}, got {shape}"
+                f"prec_factor must have shape (D, L) with D={self.dim} from mean {tuple(self.mean.shape)}, got {shape}"
             )
         rank = factor.shape[1]
         if not 1 <= rank < self.dim:
@@ -206,9 +205,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
 
     def variance(self) -> Tensor:
         r""":math:`\Sigma_{ii} = (1 - \|R^{-1}v_i\|^2)/d_i` (diagonal of Woodbury), O(D L^2)."""
-        z = torch.linalg.solve_triangular(
-            self._capacity_chol, self._scaled_factor.mT, upper=False
-        )  # (L, D)
+        z = torch.linalg.solve_triangular(self._capacity_chol, self._scaled_factor.mT, upper=False)  # (L, D)
         return (1.0 - z.square().sum(0)) * self.prec_diag.reciprocal()
 
     def _sample_transform(self, eps: Tensor) -> Tensor:
@@ -228,9 +225,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         r"""O(N D L): :math:`x^\top\Sigma x = \|D^{-1/2}x\|^2 - \|R^{-1}V^\top D^{-1/2}x\|^2`."""
         self._check_design(x)
         xs = x * self._rsqrt_diag  # (N, D)
-        z = torch.linalg.solve_triangular(
-            self._capacity_chol, (xs @ self._scaled_factor).mT, upper=False
-        )  # (L, N)
+        z = torch.linalg.solve_triangular(self._capacity_chol, (xs @ self._scaled_factor).mT, upper=False)  # (L, N)
         return LinearMoments(x @ self.mean, xs.square().sum(1) - z.square().sum(0))
 
     def to_dense(self) -> FullGaussian:

@@ -31,9 +31,7 @@ def generator() -> torch.Generator:
 def make_gaussian(generator: torch.Generator) -> MakeGaussian:
     """Factory ``make(kind, dim=7, rank=2, dtype=float64)`` of random, well-conditioned Gaussians."""
 
-    def make(
-        kind: str, dim: int = DIM, rank: int = RANK, dtype: torch.dtype = torch.float64
-    ) -> StructuredGaussian:
+    def make(kind: str, dim: int = DIM, rank: int = RANK, dtype: torch.dtype = torch.float64) -> StructuredGaussian:
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(shape, generator=generator, dtype=dtype)
 

@@ -46,9 +46,7 @@ def test_to_dense_is_same_distribution(gaussian: StructuredGaussian) -> None:
 
 
 @pytest.mark.parametrize("n_cols", [None, 3])
-def test_precision_matvec(
-    gaussian: StructuredGaussian, generator: torch.Generator, n_cols: int | None
-) -> None:
+def test_precision_matvec(gaussian: StructuredGaussian, generator: torch.Generator, n_cols: int | None) -> None:
     shape = (DIM,) if n_cols is None else (DIM, n_cols)
     v = torch.randn(shape, generator=generator, dtype=torch.float64)
     out = gaussian.precision_matvec(v)
@@ -115,9 +113,7 @@ def test_sample_transform_is_exact_square_root(gaussian: StructuredGaussian) -> 
     assert_close(a_transposed.mT @ a_transposed, dense_covariance(gaussian))
 
 
-def test_rsample_monte_carlo_moments(
-    gaussian: StructuredGaussian, generator: torch.Generator
-) -> None:
+def test_rsample_monte_carlo_moments(gaussian: StructuredGaussian, generator: torch.Generator) -> None:
     n = 200_000
     samples = gaussian.rsample(n, generator)
     assert samples.shape == (n, DIM) and samples.dtype == torch.float64

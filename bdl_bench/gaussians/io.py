@@ -1,0 +1,41 @@
+"""Saving a posterior into a run folder and loading it back (``torch.load(weights_only=True)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bdl_bench.gaussians.base import StructuredGaussian
+from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.gaussians.full import FullGaussian
+from bdl_bench.gaussians.low_rank import LowRankPlusDiagGaussian
+
+CLASSES: dict[str, type[StructuredGaussian]] = {
+    cls.__name__: cls for cls in (DiagGaussian, FullGaussian, LowRankPlusDiagGaussian)
+}
+
+
+def save_gaussian(gaussian: StructuredGaussian, path: Path) -> None:
+    """Write the defining tensors (``mean``, ``prec_*``) and the class name, atomically."""
+    name = type(gaussian).__name__
+    if name not in CLASSES:
+        raise ValueError(f"cannot save {name}; savable: {', '.join(CLASSES)}")
+    state = {f.name: getattr(gaussian, f.name).detach().cpu() for f in dataclasses.fields(gaussian)}
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    torch.save({"class": name, "tensors": state}, tmp)
+    os.replace(tmp, path)
+
+
+def load_gaussian(path: Path) -> StructuredGaussian:
+    """Inverse of :func:`save_gaussian`; loads tensors only (``weights_only=True``)."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    name = payload["class"]
+    if name not in CLASSES:
+        raise ValueError(f"{path}: unknown Gaussian class {name!r}; known: {', '.join(CLASSES)}")
+    return CLASSES[name](**payload["tensors"])

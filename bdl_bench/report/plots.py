@@ -1,0 +1,118 @@
+"""``bdl-bench plot``: figures drawn from run folders only.
+
+- ``kind=convergence`` (SLANG Fig. 4): negative ELBO per example and test NLL against epoch, one
+  row per dataset, one line per method (mean over the runs of that cell), from ``history.csv``.
+- ``kind=covariance`` (SLANG Fig. 1): heat maps of the posterior correlation (off-diagonal) of each
+  method on one dataset and split, from ``posterior.pt``, plus the marginal standard deviations.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from bdl_bench.gaussians.io import load_gaussian  # noqa: E402
+from bdl_bench.report.paper import dataset_short_name, get_paper_table  # noqa: E402
+from bdl_bench.report.tables import _method_labels  # noqa: E402
+from bdl_bench.results import HISTORY_FILE, load_runs  # noqa: E402
+
+
+def _labelled_runs(folder: Path) -> pd.DataFrame:
+    runs = load_runs(folder)
+    if runs.empty:
+        raise ValueError(f"no finished runs (folders with metrics.json) below {folder}")
+    paper = runs["paper_table"].dropna().unique() if "paper_table" in runs.columns else []
+    if len(paper) == 1:
+        spec = get_paper_table(str(paper[0]))
+        labels = [spec.column(r) for r in runs.to_dict("records")]
+    else:
+        labels = list(_method_labels(runs))
+    return runs.assign(dataset=runs["data.name"].map(dataset_short_name), label=labels)
+
+
+def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) -> Path:
+    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method."""
+    runs = _labelled_runs(folder)
+    if methods:
+        runs = runs[runs["label"].isin(methods)]
+    datasets = sorted(runs["dataset"].unique())
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.2 * len(datasets)), squeeze=False)
+    for row, dataset in enumerate(datasets):
+        for label, group in runs[runs["dataset"] == dataset].groupby("label"):
+            histories = [pd.read_csv(Path(d) / HISTORY_FILE) for d in group["run_dir"]]
+            history = pd.concat(histories).groupby("epoch").mean(numeric_only=True)
+            if "train/elbo" in history:
+                axes[row, 0].plot(history.index, -history["train/elbo"], label=label)
+            if "test/nll" in history:
+                nll = history["test/nll"].dropna()
+                axes[row, 1].plot(nll.index, nll, label=label)
+        axes[row, 0].set(title=f"{dataset}: negative ELBO per example", xlabel="epoch", yscale="log")
+        axes[row, 1].set(title=f"{dataset}: test NLL", xlabel="epoch")
+        axes[row, 1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _correlation(covariance: torch.Tensor) -> torch.Tensor:
+    std = covariance.diagonal().sqrt()
+    return covariance / std[:, None] / std[None, :]
+
+
+def plot_covariance(folder: Path, out: Path, dataset: str | None = None, split: int = 0,
+                    methods: list[str] | None = None, max_dim: int = 64) -> Path:
+    """Fig. 1: off-diagonal posterior correlations of each method (first ``max_dim`` parameters)."""
+    runs = _labelled_runs(folder)
+    runs = runs[runs["data.split"] == split]
+    dataset = dataset or sorted(runs["dataset"].unique())[0]
+    runs = runs[runs["dataset"] == dataset]
+    runs = runs[[(Path(d) / "posterior.pt").exists() for d in runs["run_dir"]]]
+    if methods:
+        runs = runs[runs["label"].isin(methods)].set_index("label").loc[methods].reset_index()
+    if runs.empty:
+        raise ValueError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
+    n = len(runs)
+    fig, axes = plt.subplots(1, n + 1, figsize=(3.2 * (n + 1), 3.4), squeeze=False)
+    for ax, (_, run) in zip(axes[0, :n], runs.iterrows()):
+        gaussian = load_gaussian(Path(run["run_dir"]) / "posterior.pt").to_dense()
+        corr = _correlation(gaussian.covariance.double())[:max_dim, :max_dim].clone()
+        corr.fill_diagonal_(0.0)
+        ax.imshow(corr.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set(title=str(run["label"]), xticks=[], yticks=[])
+        axes[0, n].plot(gaussian.covariance.diagonal().sqrt()[:max_dim].numpy(), label=str(run["label"]))
+    axes[0, n].set(title="marginal std", xlabel="parameter")
+    axes[0, n].legend(fontsize="x-small")
+    fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bdl-bench plot", description="Figures from run folders.")
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("kind", choices=["convergence", "covariance"], help="Fig. 4 (convergence) or Fig. 1 (covariance)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default <folder>/<kind>.png)")
+    parser.add_argument("--methods", default=None, help="comma-separated method labels, in plotting order")
+    parser.add_argument("--dataset", default=None, help="covariance: dataset short name (default: first)")
+    parser.add_argument("--split", type=int, default=0, help="covariance: split index")
+    parser.add_argument("--max-dim", type=int, default=64, help="covariance: parameters shown")
+    ns = parser.parse_args([a.removeprefix("kind=") for a in args])
+    if not ns.folder.is_dir():
+        raise SystemExit(f"bdl-bench plot: {ns.folder} is not a folder")
+    out = ns.out or ns.folder / f"{ns.kind}.png"
+    methods = ns.methods.split(",") if ns.methods else None
+    if ns.kind == "convergence":
+        plot_convergence(ns.folder, out, methods)
+    else:
+        plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)
+    print(f"wrote {out}")

@@ -1,0 +1,233 @@
+"""Bayes by Backprop: fits tiny problems, local reparameterisation and KL against dense twins."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributions import MultivariateNormal, kl_divergence
+from torch.testing import assert_close
+
+from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Method, Problem
+from bdl_bench.methods.bbb import kl_diag_to_prior, local_reparam_linear
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+
+ESTIMATORS = ["reparam", "local_reparam"]
+NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
+
+
+def make_bbb(estimator: str, **overrides: object) -> Method:
+    cfg = {"name": "bbb", "lr": 0.02, "n_train_mc_samples": 4, "estimator": estimator, "init_std": 0.01}
+    return build_method({**cfg, **overrides})
+
+
+def init_(model: nn.Module, generator: torch.Generator) -> nn.Module:
+    """PyTorch's default Linear initialisation, drawn from ``generator`` (no global seeding)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            bound = 1 / math.sqrt(m.in_features)
+            nn.init.uniform_(m.weight, -bound, bound, generator=generator)
+            nn.init.uniform_(m.bias, -bound, bound, generator=generator)
+    return model
+
+
+def make_problem(
+    in_features: int, likelihood: Likelihood, seed: int, n_data: int = 100, model_cfg: dict | None = None
+) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    cfg = model_cfg or {"name": "mlp", "hidden": [32], "activation": "relu"}
+    model = init_(build_model(cfg, in_features=in_features, out_features=1), g)
+    prior = prior_precision_vector(model, 1.0, None)
+    return Problem(model=model, likelihood=likelihood, n_data=n_data, prior_precision=prior, generator=g)
+
+
+def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """y = sin(3x) + N(0, 0.1²) on [-1, 1]: 100 training and 100 test points."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(200, 1, generator=g) * 2 - 1
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g)
+    return x[:100], y[:100], x[100:], y[100:]
+
+
+def classification_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """XOR of the signs of two standard normal inputs: 100 training and 100 test points."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(200, 2, generator=g)
+    y = (x[:, 0] * x[:, 1] > 0).float()
+    return x[:100], y[:100], x[100:], y[100:]
+
+
+def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 80) -> None:
+    method.setup(problem)
+    method.fit(x, y, n_epochs=n_epochs, batch_size=25, data_generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_beats_training_mean_on_regression(estimator: str) -> None:
+    x, y, x_test, y_test = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    method = make_bbb(estimator)
+    fit(method, make_problem(1, likelihood, seed=1), x, y)
+    f = method.predict(x_test, 32)
+    assert f.shape == (32, 100, 1)
+    rmse = (f.mean(0).squeeze(-1) - y_test).pow(2).mean().sqrt()
+    nll = -likelihood.log_predictive(f, y_test).mean()
+    base_rmse = (y.mean() - y_test).pow(2).mean().sqrt()
+    base_nll = (0.5 * torch.log(2 * math.pi * y.var()) + (y_test - y.mean()) ** 2 / (2 * y.var())).mean()
+    assert rmse < 0.5 * base_rmse
+    assert nll < base_nll - 1.0
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_beats_chance_on_two_classes(estimator: str) -> None:
+    x, y, x_test, y_test = classification_data(0)
+    method = make_bbb(estimator)
+    fit(method, make_problem(2, Bernoulli(), seed=1), x, y)
+    nll = -Bernoulli().log_predictive(method.predict(x_test, 32), y_test).mean()
+    assert nll < 0.8 * math.log(2)
+
+
+def test_local_reparam_has_moments_of_weight_sampling() -> None:
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float64
+    a = torch.randn(4, 3, generator=g, dtype=dt)  # layer inputs
+    w_mean, w_std = torch.randn(2, 3, generator=g, dtype=dt), torch.rand(2, 3, generator=g, dtype=dt) + 0.1
+    b_mean, b_std = torch.randn(2, generator=g, dtype=dt), torch.rand(2, generator=g, dtype=dt) + 0.1
+    n = 200_000
+    local = local_reparam_linear(a.expand(n, 4, 3), w_mean, w_std**2, b_mean, b_std**2, g)  # (n, 4, 2)
+    w = w_mean + w_std * torch.randn(n, 2, 3, generator=g, dtype=dt)
+    b = b_mean + b_std * torch.randn(n, 2, generator=g, dtype=dt)
+    explicit = torch.einsum("ni,soi->sno", a, w) + b[:, None, :]  # (n, 4, 2)
+    exact_mean = a @ w_mean.T + b_mean
+    exact_var = a**2 @ (w_std**2).T + b_std**2
+    mean_tol = 6 * (exact_var.max() / n).sqrt().item()
+    for samples in (local, explicit):
+        assert_close(samples.mean(0), exact_mean, rtol=0, atol=mean_tol)
+        assert_close(samples.var(0), exact_var, rtol=0.03, atol=0)
+
+
+def test_method_local_and_weight_sampling_agree_on_one_layer() -> None:
+    """The method's own two forward passes: same output moments on a single linear layer."""
+    problem = make_problem(3, Bernoulli(), seed=0, model_cfg={"name": "logreg", "bias": True})
+    method = make_bbb("local_reparam", init_std=0.3)
+    method.setup(problem)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        local = method._outputs_local(x, 100_000)
+        explicit = method._outputs_reparam(x, 100_000)
+    assert local.shape == explicit.shape == (100_000, 5, 1)
+    assert_close(local.mean(0), explicit.mean(0), rtol=0, atol=0.02)
+    assert_close(local.var(0), explicit.var(0), rtol=0.03, atol=0)
+
+
+def test_closed_form_kl_matches_dense() -> None:
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float64
+    mean = torch.randn(7, generator=g, dtype=dt)
+    std = torch.rand(7, generator=g, dtype=dt) + 0.05
+    prior_precision = torch.rand(7, generator=g, dtype=dt) * 3 + 0.1
+    dense = kl_divergence(
+        MultivariateNormal(mean, covariance_matrix=torch.diag(std**2)),
+        MultivariateNormal(torch.zeros(7, dtype=dt), precision_matrix=torch.diag(prior_precision)),
+    )
+    assert_close(kl_diag_to_prior(mean, std, prior_precision), dense)
+
+
+def test_posterior_and_kl_to_prior() -> None:
+    problem = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=0)
+    method = make_bbb("local_reparam", init_std=0.05)
+    method.setup(problem)
+    q = method.posterior()
+    assert isinstance(q, DiagGaussian)
+    assert_close(q.mean, torch.nn.utils.parameters_to_vector(problem.model.parameters()).detach())
+    assert_close(q.prec_diag, torch.full_like(q.mean, 0.05**-2))
+    dense = kl_divergence(
+        MultivariateNormal(q.mean, precision_matrix=torch.diag(q.prec_diag)),
+        MultivariateNormal(torch.zeros_like(q.mean), precision_matrix=torch.diag(problem.prior_precision)),
+    )
+    assert_close(method.kl_to_prior(), dense, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_randomness_comes_from_the_generator(estimator: str) -> None:
+    x, y, x_test, _ = regression_data(0)
+
+    def run(seed: int) -> Tensor:
+        problem = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=3)
+        problem.generator.manual_seed(seed)
+        method = make_bbb(estimator)
+        fit(method, problem, x, y, n_epochs=2)
+        return method.predict(x_test, 8)
+
+    global_state = torch.get_rng_state()
+    first = run(10)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert_close(run(10), first, rtol=0, atol=0)
+    assert not torch.allclose(run(11), first)
+    assert not torch.allclose(first[0], first[1])  # the samples differ
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("estimator", "score_function", r"'score_function'.*reparam, local_reparam"),
+        ("lr", 0.0, "lr"),
+        ("init_std", -1.0, "init_std"),
+        ("n_train_mc_samples", 0, "n_train_mc_samples"),
+    ],
+)
+def test_bad_options_raise(option: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_bbb("reparam", **{option: value})
+
+
+def test_local_reparam_refuses_unsupported_models() -> None:
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    with_dropout = {"name": "mlp", "hidden": [8], "activation": "relu", "dropout": 0.1}
+    with pytest.raises(ValueError, match="dropout"):
+        make_bbb("reparam").setup(make_problem(1, likelihood, seed=0, model_cfg=with_dropout))
+    wrapped = make_problem(1, likelihood, seed=0)
+    wrapped = Problem(
+        model=nn.ModuleDict({"net": wrapped.model}),
+        likelihood=likelihood,
+        n_data=100,
+        prior_precision=wrapped.prior_precision,
+        generator=wrapped.generator,
+    )
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        make_bbb("local_reparam").setup(wrapped)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_state_dict_round_trip_gives_identical_next_step(estimator: str) -> None:
+    x, y, _, _ = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    a, b = make_bbb(estimator), make_bbb(estimator)
+    problem_a, problem_b = make_problem(1, likelihood, seed=1), make_problem(1, likelihood, seed=2)
+    fit(a, problem_a, x, y, n_epochs=2)
+    snapshot = a.state_dict()
+    buffer = io.BytesIO()
+    torch.save(snapshot, buffer)
+    buffer.seek(0)
+    b.setup(problem_b)
+    b.load_state_dict(torch.load(buffer, weights_only=True))
+    for method, problem in ((a, problem_a), (b, problem_b)):
+        problem.generator.manual_seed(5)
+        method.train_step(x[:25], y[:25])
+    for key in ("mean", "rho"):
+        assert_close(b.state_dict()[key], a.state_dict()[key], rtol=0, atol=0)
+    # the snapshot is a copy: stepping ``a`` did not change it
+    c = make_bbb(estimator)
+    c.setup(make_problem(1, likelihood, seed=3))
+    c.load_state_dict(snapshot)
+    problem_c = c.problem
+    problem_c.generator.manual_seed(5)
+    c.train_step(x[:25], y[:25])
+    assert_close(c.state_dict()["rho"], a.state_dict()["rho"], rtol=0, atol=0)

@@ -1,0 +1,61 @@
+"""`bdl-bench table`: grouping, standard errors with the real count, paper values beside ours."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from bdl_bench.report.paper import get_paper_table
+from bdl_bench.report.tables import build_table
+from bdl_bench.results import write_config, write_metrics
+
+
+def _fake_run(root: Path, name: str, config: dict, metrics: dict) -> None:
+    run_dir = root / name
+    write_config(run_dir, config)
+    write_metrics(run_dir, metrics)
+
+
+def test_mean_and_standard_error_use_the_real_count(tmp_path: Path) -> None:
+    for split, rmse in enumerate([3.0, 4.0, 5.0]):
+        _fake_run(tmp_path, f"bbb{split}", {"data": {"name": "uci/boston", "split": split}, "method": {"name": "bbb"},
+                                             "paper_table": "slang_table2"}, {"rmse": rmse, "test_ll": -2.5})
+    _fake_run(tmp_path, "unfinished", {"data": {"name": "uci/boston"}, "method": {"name": "bbb"}}, {})
+    (tmp_path / "unfinished" / "metrics.json").unlink()
+    table = build_table(tmp_path)
+    row = table.frame.set_index("method").loc["bbb"]
+    assert row["n_runs"] == 3
+    assert row["rmse"] == pytest.approx(4.0)
+    assert row["rmse_se"] == pytest.approx(1.0 / math.sqrt(3))  # sample std 1, ddof = 1
+    assert row["paper_rmse"] == pytest.approx(3.43) and row["paper_rmse_se"] == pytest.approx(0.20)
+    # |4.0 − 3.43| = 0.57 ≤ 2·sqrt(0.577² + 0.2²) = 1.22
+    assert bool(row["within_2se_rmse"])
+    assert "| boston | bbb | 3 | 4.000 ± 0.577 | 3.430 ± 0.200 |" in table.markdown
+
+
+def test_generic_labels_name_the_varying_option(tmp_path: Path) -> None:
+    for rank in (1, 5):
+        _fake_run(tmp_path, f"slang{rank}", {"data": {"name": "libsvm/australian"},
+                                             "method": {"name": "slang", "rank": rank, "lr": 0.05}},
+                  {"nll": 0.3 + rank / 100})
+    table = build_table(tmp_path, metrics=["nll"])
+    assert set(table.frame["method"]) == {"slang rank=1", "slang rank=5"}
+
+
+def test_table1_columns_scale_and_sign() -> None:
+    spec = get_paper_table("slang_table1")
+    assert spec.column({"method.name": "vogn", "method.covariance": "diag", "method.curvature": "ef"}) == "mf_ef"
+    assert spec.column({"method.name": "exact_vi", "method.covariance": "full"}) == "full_exact"
+    assert spec.column({"method.name": "slang", "method.rank": 5}) == "slang_L5"
+    assert spec.lookup("australian", "slang_L1", "sym_kl_vs_full_exact").value == pytest.approx(0.033)
+    assert spec.scale("australian", "sym_kl_vs_full_exact") == pytest.approx(1e4)
+    assert spec.metrics["elbo"] == ("neg_elbo_per_example", -1.0)
+
+
+def test_no_runs_and_unknown_paper_table(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no finished runs"):
+        build_table(tmp_path)
+    with pytest.raises(ValueError, match="unknown paper table 'nope'; available: slang_table1"):
+        get_paper_table("nope")
