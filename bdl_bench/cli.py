@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("data", "model", "method", "trainer", "experiment")
+GROUPS = ("data", "model", "method", "trainer", "experiment", "variant")
 
 USAGE = """usage: bdl-bench <command> [args]
 

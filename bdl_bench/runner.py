@@ -68,7 +68,9 @@ def _to_device(dataset: Dataset, device: torch.device, dtype: torch.dtype) -> Da
 
 
 @torch.no_grad()
-def evaluate(method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int, part: str = "test") -> dict[str, float]:
+def evaluate(
+    method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int, part: str = "test"
+) -> dict[str, float]:
     """Predictive metrics of ``method`` on ``part`` (``test`` or ``val``) with ``n_samples`` MC samples."""
     x, y = getattr(dataset, f"x_{part}"), getattr(dataset, f"y_{part}")
     f_samples = method.predict(x, n_samples)
@@ -101,8 +103,7 @@ def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Data
         from bdl_bench.quadrature import expected_log_sigmoid
     except ImportError:
         return None
-    from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Bernoulli
+    from bdl_bench.likelihoods import Bernoulli
 
     posterior = method.posterior()
     model = method.problem.model
@@ -135,22 +136,37 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
 
     dataset = _to_device(build_dataset(OmegaConf.to_container(cfg.data, resolve=True)), device, dtype)  # type: ignore[arg-type]
     torch.manual_seed(seed)  # the one global seed: nn.init of the model
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), in_features=dataset.n_features,  # type: ignore[arg-type]
-                        out_features=dataset.n_outputs).to(device, dtype)
+    model = build_model(
+        OmegaConf.to_container(cfg.model, resolve=True),
+        in_features=dataset.n_features,  # type: ignore[arg-type]
+        out_features=dataset.n_outputs,
+    ).to(device, dtype)
     likelihood = build_likelihood(dataset, _cfg_get(cfg, "noise_precision"))
     prior = prior_precision_vector(model, float(cfg.prior_precision), _cfg_get(cfg, "bias_prior_precision"))
     method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
     method_generator = torch.Generator(device=device).manual_seed(seed + 1)
     data_generator = torch.Generator().manual_seed(seed + 2)
     eval_generator = torch.Generator(device=device).manual_seed(seed + 3)
-    method.setup(Problem(model=model, likelihood=likelihood, n_data=dataset.n_train,
-                         prior_precision=prior, generator=method_generator))
+    method.setup(
+        Problem(
+            model=model,
+            likelihood=likelihood,
+            n_data=dataset.n_train,
+            prior_precision=prior,
+            generator=method_generator,
+        )
+    )
 
     history = HistoryWriter(run_dir / "history.csv")
     n_epochs = int(trainer.n_epochs)
     eval_every = int(trainer.eval_every)
-    bar = tqdm(total=n_epochs, desc=f"{cfg.method.name} on {cfg.data.name}", unit="epoch",
-               disable=not trainer.progress, leave=False)
+    bar = tqdm(
+        total=n_epochs,
+        desc=f"{cfg.method.name} on {cfg.data.name}",
+        unit="epoch",
+        disable=not trainer.progress,
+        leave=False,
+    )
     start = time.perf_counter()
 
     def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
@@ -160,20 +176,36 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
             row["train/elbo"] = -train_stats["train/nll"] - float(kl) / dataset.n_train
         if eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs):
             with _swap_generator(method, eval_generator):
-                row.update({f"test/{k}": v for k, v in evaluate(method, likelihood, dataset, int(trainer.n_eval_mc_samples)).items()})
+                row.update(
+                    {
+                        f"test/{k}": v
+                        for k, v in evaluate(method, likelihood, dataset, int(trainer.n_eval_mc_samples)).items()
+                    }
+                )
         history.append(row)
         bar.update(1)
         bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
 
-    method.fit(dataset.x_train, dataset.y_train, n_epochs=n_epochs, batch_size=int(trainer.batch_size),
-               data_generator=data_generator, on_epoch_end=on_epoch_end)
+    method.fit(
+        dataset.x_train,
+        dataset.y_train,
+        n_epochs=n_epochs,
+        batch_size=int(trainer.batch_size),
+        data_generator=data_generator,
+        on_epoch_end=on_epoch_end,
+    )
     bar.close()
     train_time = time.perf_counter() - start
 
     with _swap_generator(method, eval_generator):
         metrics: dict[str, float] = evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples))
         if dataset.x_val.shape[0] > 0:
-            metrics.update({f"val_{k}": v for k, v in evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples), "val").items()})
+            metrics.update(
+                {
+                    f"val_{k}": v
+                    for k, v in evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples), "val").items()
+                }
+            )
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
     if elbo is not None:
         metrics["elbo"] = elbo
@@ -192,15 +224,28 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     return RunResult(run_dir=run_dir, metrics=metrics)
 
 
-def _sym_kl_to_reference(method: Method, reference_cfg: Any, model: torch.nn.Module, likelihood: Likelihood,
-                         prior: torch.Tensor, dataset: Dataset, seed: int) -> float:
+def _sym_kl_to_reference(
+    method: Method,
+    reference_cfg: Any,
+    model: torch.nn.Module,
+    likelihood: Likelihood,
+    prior: torch.Tensor,
+    dataset: Dataset,
+    seed: int,
+) -> float:
     """Symmetric KL between this method's posterior and a reference method's on the same split."""
     reference = build_method(OmegaConf.to_container(reference_cfg, resolve=True))  # type: ignore[arg-type]
     generator = torch.Generator(device=prior.device).manual_seed(seed + 4)
-    reference.setup(Problem(model=model, likelihood=likelihood, n_data=dataset.n_train,
-                            prior_precision=prior, generator=generator))
-    reference.fit(dataset.x_train, dataset.y_train, n_epochs=1, batch_size=dataset.n_train,
-                  data_generator=torch.Generator().manual_seed(seed + 5))
+    reference.setup(
+        Problem(model=model, likelihood=likelihood, n_data=dataset.n_train, prior_precision=prior, generator=generator)
+    )
+    reference.fit(
+        dataset.x_train,
+        dataset.y_train,
+        n_epochs=1,
+        batch_size=dataset.n_train,
+        data_generator=torch.Generator().manual_seed(seed + 5),
+    )
     return float(method.posterior().sym_kl(reference.posterior()))
 
 

@@ -13,6 +13,12 @@ from omegaconf import DictConfig
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> None:
+    """One CPU thread: bit-for-bit repeatable, and no contention between tests on 2-core machines."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

@@ -13,13 +13,15 @@ from bdl_bench.cli import check_group_overrides, group_choices
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdl_bench.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "bdl_bench.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_run_then_table(tmp_path: Path) -> None:
-    out = _cli("run", "-m", "method=map", "trainer=smoke", "data.split=0,1", f"hydra.sweep.dir={tmp_path}/sweep",
-               cwd=tmp_path)
+    out = _cli(
+        "run", "-m", "method=map", "trainer=smoke", "data.split=0,1", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     metrics = sorted((tmp_path / "sweep").rglob("metrics.json"))
     assert len(metrics) == 2

@@ -15,7 +15,7 @@ from bdl_bench.methods import import_all as import_all_methods
 from bdl_bench.models import build_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("data", "model", "method", "trainer", "experiment")
+GROUPS = ("data", "model", "method", "trainer", "experiment", "variant")
 CHOICES = [
     f"{group}={p.relative_to(CONF / group).with_suffix('').as_posix()}"
     for group in GROUPS

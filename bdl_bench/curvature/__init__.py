@@ -1,0 +1,41 @@
+"""Per-example gradient products without per-example gradient matrices.
+
+``per_example`` computes, for ``nn.Sequential`` networks of ``nn.Linear`` layers, every layer's inputs
+and output gradients in one batched forward/backward; ``gram`` multiplies with the per-example
+gradient matrix G layer by layer and implements SLANG's exact top-L update by the Gram trick;
+``dense`` holds the materialised twins used by the tests.
+"""
+
+from __future__ import annotations
+
+from bdl_bench.curvature.gram import (
+    LowRankUpdate,
+    add_matmul,
+    factor_cross,
+    gram_matrix,
+    low_rank_update,
+    sq_diag,
+)
+from bdl_bench.curvature.per_example import (
+    LayerFactors,
+    LinearLayout,
+    LinearSlot,
+    PerExampleFactors,
+    linear_factors,
+    linear_layout,
+)
+
+__all__ = [
+    "LayerFactors",
+    "LinearLayout",
+    "LinearSlot",
+    "LowRankUpdate",
+    "PerExampleFactors",
+    "add_matmul",
+    "factor_cross",
+    "gram_matrix",
+    "linear_factors",
+    "linear_layout",
+    "low_rank_update",
+    "sq_diag",
+]

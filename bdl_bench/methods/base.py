@@ -89,6 +89,8 @@ class Method(ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
+        if state:
+            raise NotImplementedError(f"method {self.name!r} cannot restore a checkpoint")
 
     def fit(
         self,

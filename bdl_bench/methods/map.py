@@ -6,6 +6,7 @@ A point estimate: ``predict`` returns the same output for every sample.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ class MAP(Method):
         return f.unsqueeze(0).expand(n_samples, *f.shape)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta.detach().clone(), "optimizer": self.optimizer.state_dict()}
+        return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():

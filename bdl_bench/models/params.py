@@ -49,6 +49,8 @@ def prior_precision_vector(model: nn.Module, prior_precision: float, bias_prior_
         raise ValueError(f"bias_prior_precision must be positive, got {bias_prior_precision}")
     parts = []
     for name, p in model.named_parameters():
-        value = bias_prior_precision if (bias_prior_precision is not None and name.endswith("bias")) else prior_precision
+        value = (
+            bias_prior_precision if (bias_prior_precision is not None and name.endswith("bias")) else prior_precision
+        )
         parts.append(torch.full((p.numel(),), float(value), dtype=p.dtype, device=p.device))
     return torch.cat(parts)

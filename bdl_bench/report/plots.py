@@ -67,8 +67,14 @@ def _correlation(covariance: torch.Tensor) -> torch.Tensor:
     return covariance / std[:, None] / std[None, :]
 
 
-def plot_covariance(folder: Path, out: Path, dataset: str | None = None, split: int = 0,
-                    methods: list[str] | None = None, max_dim: int = 64) -> Path:
+def plot_covariance(
+    folder: Path,
+    out: Path,
+    dataset: str | None = None,
+    split: int = 0,
+    methods: list[str] | None = None,
+    max_dim: int = 64,
+) -> Path:
     """Fig. 1: off-diagonal posterior correlations of each method (first ``max_dim`` parameters)."""
     runs = _labelled_runs(folder)
     runs = runs[runs["data.split"] == split]
@@ -100,7 +106,9 @@ def plot_covariance(folder: Path, out: Path, dataset: str | None = None, split: 
 def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bdl-bench plot", description="Figures from run folders.")
     parser.add_argument("folder", type=Path)
-    parser.add_argument("kind", choices=["convergence", "covariance"], help="Fig. 4 (convergence) or Fig. 1 (covariance)")
+    parser.add_argument(
+        "kind", choices=["convergence", "covariance"], help="Fig. 4 (convergence) or Fig. 1 (covariance)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default <folder>/<kind>.png)")
     parser.add_argument("--methods", default=None, help="comma-separated method labels, in plotting order")
     parser.add_argument("--dataset", default=None, help="covariance: dataset short name (default: first)")

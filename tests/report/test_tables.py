@@ -20,8 +20,12 @@ def _fake_run(root: Path, name: str, config: dict, metrics: dict) -> None:
 
 def test_mean_and_standard_error_use_the_real_count(tmp_path: Path) -> None:
     for split, rmse in enumerate([3.0, 4.0, 5.0]):
-        _fake_run(tmp_path, f"bbb{split}", {"data": {"name": "uci/boston", "split": split}, "method": {"name": "bbb"},
-                                             "paper_table": "slang_table2"}, {"rmse": rmse, "test_ll": -2.5})
+        _fake_run(
+            tmp_path,
+            f"bbb{split}",
+            {"data": {"name": "uci/boston", "split": split}, "method": {"name": "bbb"}, "paper_table": "slang_table2"},
+            {"rmse": rmse, "test_ll": -2.5},
+        )
     _fake_run(tmp_path, "unfinished", {"data": {"name": "uci/boston"}, "method": {"name": "bbb"}}, {})
     (tmp_path / "unfinished" / "metrics.json").unlink()
     table = build_table(tmp_path)
@@ -37,9 +41,12 @@ def test_mean_and_standard_error_use_the_real_count(tmp_path: Path) -> None:
 
 def test_generic_labels_name_the_varying_option(tmp_path: Path) -> None:
     for rank in (1, 5):
-        _fake_run(tmp_path, f"slang{rank}", {"data": {"name": "libsvm/australian"},
-                                             "method": {"name": "slang", "rank": rank, "lr": 0.05}},
-                  {"nll": 0.3 + rank / 100})
+        _fake_run(
+            tmp_path,
+            f"slang{rank}",
+            {"data": {"name": "libsvm/australian"}, "method": {"name": "slang", "rank": rank, "lr": 0.05}},
+            {"nll": 0.3 + rank / 100},
+        )
     table = build_table(tmp_path, metrics=["nll"])
     assert set(table.frame["method"]) == {"slang rank=1", "slang rank=5"}
 

@@ -1,0 +1,387 @@
+r"""SLANG: stochastic low-rank approximate natural-gradient VI (Mishkin et al., 2018).
+
+The posterior over the flat parameter vector (order of ``bdl_bench.models.params``) is
+:math:`q = \mathcal N(\mu, (UU^\top + \operatorname{diag}(d))^{-1})` with U of shape (D, L); the prior is
+:math:`\mathcal N(0, \operatorname{diag}(\lambda)^{-1})` with :math:`\lambda` = ``problem.prior_precision``.
+Step t = 1, 2, ... on a minibatch of M examples (Mishkin et al. 2018, Alg. 1 and eqs. 5-11, with the
+options of the authors' code ``lib/optimizers/slang.py``):
+
+1. Schedules (authors' ``decay_rates``): :math:`\alpha_t = \alpha / (1 + t^{\gamma})` and
+   :math:`\beta_t = \beta / (1 + t^{\gamma})` for ``decay`` :math:`\gamma > 0`; constant
+   :math:`\alpha_t = \alpha`, :math:`\beta_t = \beta` for :math:`\gamma = 0`. (Paper's β; the authors'
+   code passes :math:`1 - \beta` as Adam's second "beta" and decays :math:`\beta` itself.)
+2. S = ``n_train_mc_samples`` draws :math:`\theta_s \sim q_t` (:func:`sample_noise`: exact, O(D L) each).
+3. Per-example gradients :math:`g_{s,i} = \nabla_\theta[-\log p(y_i \mid x_i, \theta_s)]` as layer
+   factors (:mod:`bdl_bench.curvature.per_example`), scaled as in the authors' code by
+   :math:`c = N/(MS)`: :math:`\hat g = c\sum_{s,i} g_{s,i}`, :math:`\hat G = c\sum_{s,i} g_{s,i}g_{s,i}^\top`.
+4. Low-rank step (eqs. 5-7), exact via the Gram trick (:func:`bdl_bench.curvature.low_rank_update`,
+   instead of the paper's randomised eigensolver): :math:`U_{t+1} = Q_{1:L}\Lambda_{1:L}^{1/2}` from the
+   top-L eigenpairs of :math:`(1-\beta_t)U_tU_t^\top + \beta_t\hat G`.
+5. Diagonal (eqs. 9-10): :math:`d_{t+1} = (1-\beta_t)d_t + \beta_t\lambda + \Delta_t` with
+   :math:`\Delta_t = \operatorname{diag}[(1-\beta_t)U_tU_t^\top + \beta_t\hat G - U_{t+1}U_{t+1}^\top]`,
+   clamped at 0 as in the authors' code (it is a diagonal of a PSD residual, so only rounding makes it
+   negative).
+6. Mean (eq. 11, Alg. 2 Woodbury solve) with the authors' momentum on the data gradient:
+   :math:`m_t = \rho\,m_{t-1} + (1-\rho)\hat g`, :math:`\hat m_t = m_t / (1-\rho^t)` (bias correction,
+   :math:`m_0 = 0`), :math:`\mu_{t+1} = \mu_t - \alpha_t (U_{t+1}U_{t+1}^\top + \operatorname{diag}
+   d_{t+1})^{-1}(\hat m_t + \lambda\circ\mu_t)`. ``momentum`` :math:`\rho = 0` is the paper's eq. (11).
+
+Initialisation (authors' code): :math:`\mu_0` = the model's parameters, :math:`U_0 = 0`,
+:math:`d_0` = ``init_prec_diag`` (their ``s_init``; 1 in all their experiments) in every coordinate.
+Their UCI setting ("Adam-like", Table 2): :math:`\alpha = 0.01`, :math:`\beta = 0.01` (``beta = 1 - lr``
+in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay; logistic regression
+(Table 1): :math:`\alpha = \beta = 0.05`, :math:`\gamma = 0.51`.
+
+``train_step`` reports ``nll`` (the minibatch mean of :math:`-\log p(y_i\mid\theta_s)`) and ``loss`` =
+``nll`` + KL/N, the per-example negative ELBO estimate, where KL(:math:`q_t\,\|\,p`) is exact except
+for its trace term :math:`\operatorname{tr}(\operatorname{diag}(\lambda)\Sigma_t)`, replaced by its
+unbiased estimate :math:`\frac1S\sum_s(\theta_s-\mu_t)^\top\operatorname{diag}(\lambda)(\theta_s-\mu_t)`
+from the training samples (the exact trace costs O(D L²); ``kl_to_prior`` is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bdl_bench.curvature.gram import low_rank_update
+from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
+from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
+from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.models.params import flat_params, forward_with
+
+_PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
+
+
+class NonFiniteGradientError(NonFiniteLossError):
+    """Raised when a SLANG step meets a NaN or infinite per-example gradient."""
+
+
+@dataclass(frozen=True)
+class SlangState:
+    """Everything that changes while SLANG fits (Mishkin et al. 2018, Alg. 1), plus momentum.
+
+    Attributes:
+        mean: :math:`\\mu`, ``(D,)``.
+        prec_factor: U, ``(D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`.
+        prec_diag: d, ``(D,)``.
+        momentum: :math:`m`, the EMA of the scaled data gradient :math:`\\hat g` (before bias
+            correction), ``(D,)``.
+        step: number of updates taken so far (t of the last update).
+    """
+
+    mean: Tensor  # (D,)
+    prec_factor: Tensor  # (D, L)
+    prec_diag: Tensor  # (D,)
+    momentum: Tensor  # (D,)
+    step: int
+
+
+@dataclass(frozen=True)
+class SlangCache:
+    """Quantities of a state's precision that the next step reuses instead of recomputing in O(D L²).
+
+    Attributes:
+        factor_gram: :math:`U^\\top U` ``(L, L)`` (after an update: ``diag`` of its eigenvalues).
+        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)`, ``(D,)``.
+        shape: :math:`\\mathcal N(0, (UU^\\top + \\operatorname{diag} d)^{-1})`, whose cached Woodbury
+            factors serve the mean step, the next step's samples and the log-determinant.
+    """
+
+    factor_gram: Tensor  # (L, L)
+    factor_sqnorms: Tensor  # (D,)
+    shape: LowRankPlusDiagGaussian
+
+
+def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> SlangCache:
+    """:class:`SlangCache` of ``(U, d)`` computed from scratch (O(D L²))."""
+    return SlangCache(
+        factor_gram=prec_factor.mT @ prec_factor,
+        factor_sqnorms=prec_factor.square().sum(1),
+        shape=LowRankPlusDiagGaussian(torch.zeros_like(prec_diag), prec_factor, prec_diag),
+    )
+
+
+def decayed_rate(rate: float, decay: float, step: int) -> float:
+    """``rate / (1 + step**decay)`` for ``decay > 0``, else ``rate`` (the SLANG authors' ``decay_rates``).
+
+    Args:
+        rate: the initial rate (:math:`\\alpha` or :math:`\\beta`).
+        decay: the exponent :math:`\\gamma \\ge 0`.
+        step: t >= 1, the index of the update being taken.
+    """
+    return rate / (1.0 + step**decay) if decay > 0 else rate
+
+
+def sample_noise(shape: LowRankPlusDiagGaussian, n_samples: int, generator: torch.Generator) -> Tensor:
+    """Draws of :math:`\\mathcal N(0, P^{-1})` for :math:`P = UU^\\top + \\operatorname{diag}(d)`: ``(n, D)``.
+
+    :math:`z = d^{1/2}\\circ\\epsilon_1 + U\\epsilon_2` with :math:`\\epsilon_1 \\sim \\mathcal N(0, I_D)`,
+    :math:`\\epsilon_2 \\sim \\mathcal N(0, I_L)` has covariance P, so :math:`P^{-1}z` (a Woodbury
+    solve, Alg. 2) has covariance :math:`P^{-1}PP^{-1} = P^{-1}`: exact, O(D L) per sample given the
+    cached L x L factor, and valid for any U (zero columns included). The normals are drawn on the
+    generator's device and moved.
+    """
+    factor, diag = shape.prec_factor, shape.prec_diag
+    n_params, rank = factor.shape
+    eps = torch.randn((n_params + rank, n_samples), generator=generator, device=generator.device, dtype=diag.dtype)
+    eps = eps.to(diag.device)
+    z = torch.addmm(eps[:n_params] * diag.sqrt()[:, None], factor, eps[n_params:])
+    return shape.solve(z).mT
+
+
+def slang_update(
+    state: SlangState,
+    factors: PerExampleFactors,
+    *,
+    n_data: int,
+    prior_precision: Tensor,
+    lr: float,
+    beta: float,
+    momentum: float,
+    cache: SlangCache | None = None,
+) -> tuple[SlangState, SlangCache]:
+    """One SLANG update (module docstring, items 3-6) from factors evaluated at samples of q.
+
+    Args:
+        state: the state :math:`(\\mu_t, U_t, d_t, m_{t-1}, t-1)`.
+        factors: per-example factors at the S samples of :math:`q_t` on a minibatch of M examples.
+        n_data: N, the number of training examples.
+        prior_precision: :math:`\\lambda`, ``(D,)``.
+        lr: :math:`\\alpha_t` (already scheduled).
+        beta: :math:`\\beta_t` (already scheduled).
+        momentum: :math:`\\rho`.
+        cache: ``build_cache(state.prec_factor, state.prec_diag)`` if at hand (computed when ``None``).
+
+    Returns:
+        The new state and its cache.
+
+    Raises:
+        NonFiniteGradientError: if a per-example gradient (or its Gram matrix) is not finite.
+    """
+    step = state.step + 1
+    if cache is None:
+        cache = build_cache(state.prec_factor, state.prec_diag)
+    scale = n_data / factors.n_columns  # N / (M S)
+    grad = factors.grad_sum().mul_(scale)  # g_hat (D,)
+    if not bool(torch.isfinite(grad).all()):
+        raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step}")
+    try:
+        update = low_rank_update(
+            factors,
+            state.prec_factor,
+            old_weight=1.0 - beta,
+            new_weight=beta * scale,
+            factor_gram=cache.factor_gram,
+            factor_sqnorms=cache.factor_sqnorms,
+        )
+    except FloatingPointError as err:
+        raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step} ({err})") from err
+    prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + update.diag_residual.clamp_min_(0.0)
+    new_momentum = state.momentum * momentum + grad * (1.0 - momentum)
+    direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
+    shape = LowRankPlusDiagGaussian(torch.zeros_like(prec_diag), update.prec_factor, prec_diag)
+    mean = state.mean - lr * shape.solve(direction)
+    new_state = SlangState(
+        mean=mean, prec_factor=update.prec_factor, prec_diag=prec_diag, momentum=new_momentum, step=step
+    )
+    new_cache = SlangCache(
+        factor_gram=torch.diag(update.eigenvalues), factor_sqnorms=update.factor_sqnorms, shape=shape
+    )
+    return new_state, new_cache
+
+
+@register_method("slang")
+class Slang(Method):
+    """SLANG (Mishkin et al. 2018, Alg. 1); the exact update is in the module docstring.
+
+    Args:
+        rank: L, columns of the precision factor U (1 <= L < D).
+        lr: :math:`\\alpha`, the mean step size.
+        beta: :math:`\\beta` in (0, 1], the weight of the new curvature in the precision average.
+        decay: :math:`\\gamma \\ge 0`, exponent of the schedules :math:`\\alpha/(1+t^\\gamma)`,
+            :math:`\\beta/(1+t^\\gamma)` (0: constant rates).
+        momentum: :math:`\\rho` in [0, 1), EMA weight of the gradient momentum (0: none).
+        n_train_mc_samples: S, posterior samples per step.
+        init_prec_diag: :math:`d_0 > 0`, the initial precision diagonal (:math:`U_0 = 0`).
+
+    Raises:
+        ValueError: on a value outside the ranges above.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        lr: float,
+        beta: float,
+        decay: float,
+        momentum: float,
+        n_train_mc_samples: int,
+        init_prec_diag: float,
+    ) -> None:
+        if int(rank) != rank or rank < 1:
+            raise ValueError(f"slang: rank L={rank} must be an integer >= 1")
+        if not lr > 0:
+            raise ValueError(f"slang: lr must be positive, got {lr}")
+        if not 0 < beta <= 1:
+            raise ValueError(f"slang: beta must lie in (0, 1], got {beta}")
+        if not decay >= 0:
+            raise ValueError(f"slang: decay must be >= 0, got {decay}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"slang: momentum must lie in [0, 1), got {momentum}")
+        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
+            raise ValueError(f"slang: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+        if not init_prec_diag > 0:
+            raise ValueError(f"slang: init_prec_diag must be positive, got {init_prec_diag}")
+        self.rank = int(rank)
+        self.lr = float(lr)
+        self.beta = float(beta)
+        self.decay = float(decay)
+        self.momentum = float(momentum)
+        self.n_train_mc_samples = int(n_train_mc_samples)
+        self.init_prec_diag = float(init_prec_diag)
+
+    # ------------------------------------------------------------------------------ set-up
+    def setup(self, problem: Problem) -> None:
+        """Start from :math:`\\mu_0` = the model's parameters, :math:`U_0 = 0`, :math:`d_0` = ``init_prec_diag``.
+
+        Raises:
+            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear`` and parameter-free
+                modules, if the rank L is not in 1 <= L < D, or if the prior precision is not ``(D,)``
+                and positive.
+        """
+        super().setup(problem)
+        self.layout: LinearLayout = linear_layout(problem.model)
+        n_params = self.layout.n_params
+        if not 1 <= self.rank < n_params:
+            raise ValueError(
+                f"slang: rank L={self.rank} must satisfy 1 <= L < D={n_params} (D = number of model parameters)"
+            )
+        mean = flat_params(problem.model)
+        prior = problem.prior_precision.to(mean)
+        if prior.shape != mean.shape or not bool((prior > 0).all()):
+            raise ValueError(
+                f"slang: prior_precision must be positive with shape ({n_params},), got {tuple(prior.shape)}"
+            )
+        self.prior_precision = prior
+        self._log_prior_det = float(prior.log().sum())
+        self.state = SlangState(
+            mean=mean,
+            prec_factor=torch.zeros(n_params, self.rank, dtype=mean.dtype, device=mean.device),
+            prec_diag=torch.full_like(mean, self.init_prec_diag),
+            momentum=torch.zeros_like(mean),
+            step=0,
+        )
+        self._cached: tuple[SlangState, SlangCache] | None = None
+
+    def _cache(self) -> SlangCache:
+        """The cache of ``self.state`` (kept from the last update, or rebuilt after a load)."""
+        if self._cached is None or self._cached[0] is not self.state:
+            self._cached = (self.state, build_cache(self.state.prec_factor, self.state.prec_diag))
+        return self._cached[1]
+
+    # ---------------------------------------------------------------------------- fitting
+    @torch.no_grad()
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        problem = self.problem
+        state = self.state
+        step = state.step + 1
+        cache = self._cache()
+        noise = sample_noise(cache.shape, self.n_train_mc_samples, problem.generator)  # (S, D)
+        factors = linear_factors(problem.model, state.mean + noise, x, y, problem.likelihood, self.layout)
+        new_state, new_cache = slang_update(
+            state,
+            factors,
+            n_data=problem.n_data,
+            prior_precision=self.prior_precision,
+            lr=decayed_rate(self.lr, self.decay, step),
+            beta=decayed_rate(self.beta, self.decay, step),
+            momentum=self.momentum,
+            cache=cache,
+        )
+        # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
+        trace = (noise.square() @ self.prior_precision).mean()
+        kl_est = 0.5 * (
+            trace
+            + (self.prior_precision * state.mean.square()).sum()
+            - state.mean.numel()
+            + cache.shape.logdet_precision()
+            - self._log_prior_det
+        )
+        nll = float(factors.losses.mean())
+        kl_per_example = float(kl_est) / problem.n_data
+        self.state = new_state
+        self._cached = (new_state, new_cache)
+        return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
+
+    # ------------------------------------------------------------------------- prediction
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """Outputs of ``n_samples`` networks :math:`\\theta \\sim q`: ``(S, N, out)``."""
+        model = self.problem.model
+        shape = self._cache().shape
+        chunks = []
+        for start in range(0, n_samples, _PREDICT_CHUNK):
+            thetas = self.state.mean + sample_noise(
+                shape, min(_PREDICT_CHUNK, n_samples - start), self.problem.generator
+            )
+            chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
+        return torch.cat(chunks)
+
+    def posterior(self) -> LowRankPlusDiagGaussian:
+        """:math:`q = \\mathcal N(\\mu, (UU^\\top + \\operatorname{diag} d)^{-1})`."""
+        s = self.state
+        return LowRankPlusDiagGaussian(s.mean, s.prec_factor, s.prec_diag)
+
+    @torch.no_grad()
+    def kl_to_prior(self) -> Tensor:
+        """Exact KL(q ‖ N(0, diag(λ)⁻¹)) (determinant lemma and Woodbury, O(D L²))."""
+        prior = DiagGaussian(torch.zeros_like(self.state.mean), self.prior_precision)
+        return kl(self.posterior(), prior)
+
+    # ------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "mean": s.mean.clone(),
+            "prec_factor": s.prec_factor.clone(),
+            "prec_diag": s.prec_diag.clone(),
+            "momentum": s.momentum.clone(),
+            "step": s.step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (tensors are moved to the current state's device and dtype).
+
+        Raises:
+            ValueError: if a tensor's shape differs from the current state's.
+        """
+        current = self.state
+        tensors = {}
+        for name in ("mean", "prec_factor", "prec_diag", "momentum"):
+            value = torch.as_tensor(state[name])
+            expected = getattr(current, name)
+            if value.shape != expected.shape:
+                raise ValueError(
+                    f"slang: checkpoint {name} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
+                )
+            tensors[name] = value.to(expected).clone()
+        self.state = SlangState(**tensors, step=int(state["step"]))
+        self._cached = None
+
+
+__all__ = [
+    "NonFiniteGradientError",
+    "Slang",
+    "SlangCache",
+    "SlangState",
+    "build_cache",
+    "decayed_rate",
+    "sample_noise",
+    "slang_update",
+]

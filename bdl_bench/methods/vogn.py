@@ -1,0 +1,356 @@
+r"""Variational Online Gauss–Newton / Newton with a full or mean-field Gaussian (``method=vogn``).
+
+The Table 1 baselines "Full-Gaussian EF / Hessian" and "Mean-Field EF / Hessian" of Mishkin et al.
+(2018), SLANG, eq. (2) and Appendix A eqs. (12)–(13), after Khan et al. (2018). With
+:math:`q_t = \mathcal N(\mu_t, S_t^{-1})`, prior :math:`\mathcal N(0, \operatorname{diag}(\lambda)^{-1})`,
+N training examples, a minibatch :math:`\mathcal M` of M examples and K MC samples
+:math:`\theta_{t,k} \sim q_t` (``n_train_mc_samples``), one step is
+
+.. math::
+
+    \hat g_t = \frac NM \sum_{i\in\mathcal M} \frac1K\sum_k g_i(\theta_{t,k}), \qquad
+    \hat H_t = \frac NM \sum_{i\in\mathcal M} \frac1K\sum_k H_i(\theta_{t,k}),
+
+    S_{t+1} = (1-\beta_t)\,S_t + \beta_t\,(\hat H_t + \operatorname{diag}\lambda), \qquad
+    \mu_{t+1} = \mu_t - \alpha_t\, S_{t+1}^{-1}(\hat g_t + \lambda\odot\mu_t),
+
+with :math:`g_i = \nabla_\theta[-\log p(y_i\mid x_i,\theta)]` and the per-example curvature
+:math:`H_i` chosen by ``curvature``:
+
+* ``ef`` — the empirical Fisher :math:`g_i g_i^\top` (SLANG eq. (2)).
+* ``hessian`` — the generalised Gauss–Newton :math:`J_i^\top\Lambda_i J_i`, with
+  :math:`J_i = \partial f(x_i,\theta)/\partial\theta` (out × D) and
+  :math:`\Lambda_i = \partial^2[-\log p(y_i\mid f)]/\partial f^2` (out × out). For logistic
+  regression (one linear layer) this *is* the exact Hessian
+  :math:`\sigma(f_i)(1-\sigma(f_i))\,\tilde x_i\tilde x_i^\top`, :math:`\tilde x_i = [x_i, 1]`;
+  for deeper models it drops the second-derivative-of-the-network term, which keeps it positive
+  semi-definite for the Gaussian, Bernoulli and categorical likelihoods.
+
+``covariance=diag`` keeps only the diagonals of :math:`\hat H_t` (so of :math:`S`), i.e. the
+mean-field versions. Learning rates decay as :math:`\alpha_t = \alpha/(1+t)^{\text{decay}}`,
+:math:`\beta_t = \beta/(1+t)^{\text{decay}}` (t = 0, 1, … counts steps; ``decay: 0`` keeps them
+constant). The initial mean is the model's current parameters; the initial precision is
+:math:`S_0 = \operatorname{diag}(\lambda + \text{init\_prec})`.
+
+Per-example gradients and Jacobians come from ``torch.func`` (``vmap`` of ``grad``/``jacrev`` over
+the flat parameter vector): meant for small D (logistic regression, small MLPs). The full version
+stores a D × D precision and refuses D > 5000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.func import grad, hessian, jacrev, vmap
+
+from bdl_bench.gaussians import DiagGaussian, FullGaussian
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.models.params import flat_params, forward_with
+
+__all__ = ["MAX_FULL_PARAMS", "VOGN", "Covariance", "Curvature", "VognState", "decayed", "output_hessian", "parse_choice"]
+
+MAX_FULL_PARAMS = 5000
+"""Largest D for ``covariance=full`` (a D x D precision and its Cholesky factor each step)."""
+
+
+class Covariance(str, Enum):
+    """Structure of the Gaussian posterior's precision."""
+
+    FULL = "full"
+    """Dense D x D precision ("Full-Gaussian" in SLANG Table 1)."""
+    DIAG = "diag"
+    """Diagonal precision ("Mean-Field" in SLANG Table 1)."""
+
+
+class Curvature(str, Enum):
+    """Per-example curvature in the precision update."""
+
+    EF = "ef"
+    """Empirical Fisher g_i g_iᵀ."""
+    HESSIAN = "hessian"
+    """Generalised Gauss–Newton J_iᵀ Λ_i J_i (the exact Hessian for logistic regression)."""
+
+
+def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> Any:
+    """``enum_cls(value)``, or a ``ValueError`` naming the bad value and listing the choices."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(str(e.value) for e in enum_cls)
+        raise ValueError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
+
+
+@dataclass(frozen=True)
+class VognState:
+    """What changes while fitting.
+
+    Attributes:
+        mean: μ_t, ``(D,)``.
+        precision: S_t, ``(D, D)`` for ``covariance=full``, its diagonal ``(D,)`` for ``diag``.
+        step: t, the number of updates made so far.
+    """
+
+    mean: Tensor  # (D,)
+    precision: Tensor  # (D, D) or (D,)
+    step: int
+
+
+def decayed(rate: float, decay: float, step: int) -> float:
+    """``rate / (1 + step) ** decay``: the step-size schedule α_t, β_t."""
+    return rate / (1.0 + step) ** decay
+
+
+def _cholesky(precision: Tensor, step: int) -> Tensor:
+    chol, info = torch.linalg.cholesky_ex(precision)
+    if int(info.item()) != 0:
+        raise NonFiniteLossError(
+            f"method 'vogn': precision is not positive definite after step {step} "
+            f"(leading minor {int(info.item())}) — lower beta or check the data"
+        )
+    return chol
+
+
+def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor) -> Tensor:
+    r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|]."""
+    lam, mean = prior_precision, state.mean
+    if chol is None:  # diagonal
+        var, logdet = state.precision.reciprocal(), state.precision.log().sum()
+    else:
+        eye = torch.eye(mean.shape[0], dtype=mean.dtype, device=mean.device)
+        var = torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(0)
+        logdet = 2.0 * chol.diagonal().log().sum()
+    return 0.5 * ((lam * var).sum() + (lam * mean * mean).sum() - mean.numel() - lam.log().sum() + logdet)
+
+
+def output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
+    r"""Λ_i = ∂²[−log p(y_i | f_i)]/∂f_i², ``(M, out, out)``, for outputs ``f`` ``(M, out)``.
+
+    Closed forms for the built-in likelihoods — Bernoulli σ(f)σ(−f), Gaussian τ, categorical
+    diag(p) − p pᵀ with p = softmax(f) — and ``vmap(hessian)`` of ``likelihood.nll`` otherwise.
+    """
+    if isinstance(likelihood, Bernoulli):
+        return (torch.sigmoid(f) * torch.sigmoid(-f)).unsqueeze(-1)
+    if isinstance(likelihood, Gaussian):
+        return torch.full((f.shape[0], 1, 1), likelihood.noise_precision, dtype=f.dtype, device=f.device)
+    if isinstance(likelihood, Categorical):
+        p = torch.softmax(f, dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    def nll_one(f_i: Tensor, y_i: Tensor) -> Tensor:
+        return likelihood.nll(f_i.unsqueeze(0), y_i.unsqueeze(0)).squeeze(0)
+
+    return vmap(hessian(nll_one))(f, y)
+
+
+@register_method("vogn")
+class VOGN(Method):
+    """Natural-gradient VI with a full or diagonal Gaussian (module docstring).
+
+    Args:
+        covariance: ``full`` or ``diag``.
+        curvature: ``ef`` (empirical Fisher) or ``hessian`` (generalised Gauss–Newton).
+        lr: α, the mean step size at t = 0 (> 0).
+        beta: β, the precision step size at t = 0, in (0, 1].
+        decay: exponent of the schedule ``rate / (1 + t) ** decay`` (>= 0; 0 = constant).
+        n_train_mc_samples: K, posterior samples per step (>= 1).
+        init_prec: added to the prior precision for the initial precision S_0 (>= 0).
+
+    Raises:
+        ValueError: on a bad option, naming the value and the valid choices or range.
+    """
+
+    def __init__(
+        self,
+        *,
+        covariance: str,
+        curvature: str,
+        lr: float,
+        beta: float,
+        decay: float,
+        n_train_mc_samples: int,
+        init_prec: float,
+    ) -> None:
+        self.covariance = parse_choice(Covariance, covariance, "covariance", "vogn")
+        self.curvature = parse_choice(Curvature, curvature, "curvature", "vogn")
+        if not lr > 0:
+            raise ValueError(f"vogn: lr must be positive, got {lr}")
+        if not 0 < beta <= 1:
+            raise ValueError(f"vogn: beta must be in (0, 1], got {beta}")
+        if not decay >= 0:
+            raise ValueError(f"vogn: decay must be >= 0, got {decay}")
+        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
+            raise ValueError(f"vogn: n_train_mc_samples must be a positive integer, got {n_train_mc_samples}")
+        if not init_prec >= 0:
+            raise ValueError(f"vogn: init_prec must be >= 0, got {init_prec}")
+        self.lr, self.beta, self.decay = float(lr), float(beta), float(decay)
+        self.n_train_mc_samples = int(n_train_mc_samples)
+        self.init_prec = float(init_prec)
+
+    # ------------------------------------------------------------------------------ setup
+    def setup(self, problem: Problem) -> None:
+        super().setup(problem)
+        mean = flat_params(problem.model)
+        n = mean.numel()
+        if problem.prior_precision.shape != (n,):
+            raise ValueError(f"vogn: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected ({n},)")
+        if self.covariance is Covariance.FULL and n > MAX_FULL_PARAMS:
+            raise ValueError(
+                f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
+                f"(limit {MAX_FULL_PARAMS}); use covariance=diag or a low-rank method such as slang"
+            )
+        prec_diag = problem.prior_precision.to(mean) + self.init_prec
+        precision = torch.diag(prec_diag) if self.covariance is Covariance.FULL else prec_diag
+        self.state = VognState(mean=mean, precision=precision, step=0)
+
+    @property
+    def _full(self) -> bool:
+        return self.covariance is Covariance.FULL
+
+    # ---------------------------------------------------------------------------- helpers
+    def _sample(self, state: VognState, chol: Tensor | None, n_samples: int) -> Tensor:
+        """θ_k = μ + A ε_k with A Aᵀ = S⁻¹ (A = L⁻ᵀ for S = L Lᵀ; A = S^{-1/2} for diagonal S): ``(K, D)``."""
+        mean = state.mean
+        eps = torch.randn((n_samples, mean.numel()), generator=self.problem.generator, dtype=mean.dtype, device=mean.device)
+        if chol is None:
+            return mean + eps * state.precision.rsqrt()
+        return mean + torch.linalg.solve_triangular(chol, eps, upper=False, left=False)
+
+    def _per_example(self, theta: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-example NLL ``(M,)``, gradients ``(M, D)`` and the curvature summed over examples.
+
+        The curvature is ``(D, D)`` (full) or its diagonal ``(D,)``: Σ_i g_i g_iᵀ for ``ef``,
+        Σ_i J_iᵀ Λ_i J_i for ``hessian``, with J = ∂f/∂θ from one ``jacrev`` of the batched
+        forward pass (no layer mixes examples) and Λ_i from :func:`output_hessian`.
+        """
+        model, lik = self.problem.model, self.problem.likelihood
+        if self.curvature is Curvature.EF:
+
+            def loss_one(th: Tensor, x_i: Tensor, y_i: Tensor) -> Tensor:
+                return lik.nll(forward_with(model, th, x_i.unsqueeze(0)), y_i.unsqueeze(0)).squeeze(0)
+
+            grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(theta, x, y)  # (M, D)
+            nll = lik.nll(forward_with(model, theta, x), y)
+            curv = grads.T @ grads if self._full else grads.square().sum(0)
+            return nll, grads, curv
+        def outputs(th: Tensor) -> tuple[Tensor, Tensor]:
+            out = forward_with(model, th, x)
+            return out, out
+
+        jac, f = jacrev(outputs, has_aux=True)(theta)  # (M, out, D), (M, out)
+        f = f.detach().requires_grad_(True)
+        with torch.enable_grad():
+            nll = lik.nll(f, y)
+            (resid,) = torch.autograd.grad(nll.sum(), f)  # (M, out): ∂nll_i/∂f_i
+        lam = output_hessian(lik, f.detach(), y)  # (M, out, out)
+        grads = (resid.unsqueeze(1) @ jac).squeeze(1)  # (M, D): g_i = J_iᵀ r_i
+        lam_jac = lam @ jac  # (M, out, D)
+        if self._full:
+            n_rows = jac.shape[0] * jac.shape[1]
+            curv = jac.reshape(n_rows, -1).T @ lam_jac.reshape(n_rows, -1)  # Σ_i J_iᵀ Λ_i J_i
+            curv = 0.5 * (curv + curv.T)
+        else:
+            curv = (jac * lam_jac).sum((0, 1))
+        return nll.detach(), grads, curv
+
+    # ----------------------------------------------------------------------------- update
+    def update(self, state: VognState, x: Tensor, y: Tensor) -> tuple[VognState, dict[str, float]]:
+        """One natural-gradient step on the minibatch ``(x, y)`` (module docstring).
+
+        Returns:
+            The new state and ``{"loss", "nll"}``: the minibatch estimate of −ELBO/N at the
+            current q (expected NLL per example plus KL/N) and of the expected NLL per example.
+
+        Raises:
+            NonFiniteLossError: if the new mean or precision is not finite, or the precision is
+                not positive definite.
+        """
+        p = self.problem
+        lam = p.prior_precision.to(state.mean)
+        chol = _cholesky(state.precision, state.step) if self._full else None
+        thetas = self._sample(state, chol, self.n_train_mc_samples)
+        n_batch = x.shape[0]
+        g_sum = torch.zeros_like(state.mean)
+        h_sum = torch.zeros_like(state.precision)
+        nll_sum = 0.0
+        for theta in thetas:
+            nll, grads, curv = self._per_example(theta, x, y)
+            nll_sum += float(nll.mean())
+            g_sum += grads.sum(0)
+            h_sum += curv
+        scale = p.n_data / (n_batch * self.n_train_mc_samples)
+        g_hat, h_hat = scale * g_sum, scale * h_sum
+
+        alpha = decayed(self.lr, self.decay, state.step)
+        beta = decayed(self.beta, self.decay, state.step)
+        if self._full:
+            precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag(lam))
+            precision = 0.5 * (precision + precision.T)
+        else:
+            precision = (1 - beta) * state.precision + beta * (h_hat + lam)
+        step = state.step + 1
+        if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
+            raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
+        direction = g_hat + lam * state.mean
+        if self._full:
+            new_chol = _cholesky(precision, step)
+            delta = torch.cholesky_solve(direction[:, None], new_chol)[:, 0]
+        else:
+            if not bool((precision > 0).all()):
+                raise NonFiniteLossError(f"method 'vogn': non-positive precision at step {step}")
+            delta = direction / precision
+        mean = state.mean - alpha * delta
+        if not bool(torch.isfinite(mean).all()):
+            raise NonFiniteLossError(f"method 'vogn': non-finite mean at step {step}")
+
+        nll_mean = nll_sum / self.n_train_mc_samples
+        kl = float(_kl_to_prior(state, chol, lam))
+        out = {"loss": nll_mean + kl / p.n_data, "nll": nll_mean}
+        return VognState(mean=mean, precision=precision, step=step), out
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        self.state, out = self.update(self.state, x, y)
+        return out
+
+    # -------------------------------------------------------------------------- posterior
+    def posterior(self) -> FullGaussian | DiagGaussian:
+        s = self.state
+        if self._full:
+            return FullGaussian(s.mean, s.precision)
+        return DiagGaussian(s.mean, s.precision)
+
+    def kl_to_prior(self) -> Tensor:
+        q = self.posterior()
+        prior = DiagGaussian(torch.zeros_like(q.mean), self.problem.prior_precision.to(q.mean))
+        return q.kl(prior)
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """``(n_samples, N, out)`` network outputs at θ_k ~ q (generator: ``problem.generator``)."""
+        chol = _cholesky(self.state.precision, self.state.step) if self._full else None
+        thetas = self._sample(self.state, chol, n_samples)
+        return torch.stack([forward_with(self.problem.model, th, x) for th in thetas])
+
+    # ------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        s = self.state
+        return {"mean": s.mean.clone(), "precision": s.precision.clone(), "step": s.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        mean, precision = state["mean"], state["precision"]
+        if mean.shape != self.state.mean.shape or precision.shape != self.state.precision.shape:
+            raise ValueError(
+                f"vogn: checkpoint shapes mean {tuple(mean.shape)}, precision {tuple(precision.shape)} "
+                f"do not match mean {tuple(self.state.mean.shape)}, precision {tuple(self.state.precision.shape)} "
+                f"(covariance={self.covariance.value})"
+            )
+        if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(precision).all())):
+            raise ValueError("vogn: checkpoint holds a non-finite mean or precision")
+        like = self.state.mean
+        self.state = VognState(mean=mean.to(like), precision=precision.to(like), step=int(state["step"]))
+

@@ -1,0 +1,115 @@
+"""The Gram-trick products and SLANG's top-L update against materialised G and a D x D ``eigh``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bdl_bench.curvature import (
+    PerExampleFactors,
+    add_matmul,
+    factor_cross,
+    gram,
+    gram_matrix,
+    linear_factors,
+    low_rank_update,
+    sq_diag,
+)
+from bdl_bench.curvature.dense import dense_low_rank_update, per_example_gradients
+from bdl_bench.likelihoods import Categorical
+from bdl_bench.models.mlp import mlp
+
+F64 = torch.float64
+
+
+def _factors(generator: torch.Generator, n_samples: int = 1, n: int = 7) -> tuple[PerExampleFactors, torch.Tensor]:
+    """Factors of a 3-5-2 tanh MLP (D = 32) at random parameters, and the dense G they stand for."""
+    torch.manual_seed(0)
+    model = mlp(in_features=3, out_features=2, hidden=[5], activation="tanh").to(F64)
+    x = torch.randn(n, 3, generator=generator, dtype=F64)
+    y = torch.randint(0, 2, (n,), generator=generator)
+    thetas = torch.randn(n_samples, 32, generator=generator, dtype=F64)
+    factors = linear_factors(model, thetas, x, y, Categorical())
+    return factors, per_example_gradients(model, thetas, x, y, Categorical())
+
+
+@pytest.fixture(params=[False, True], ids=["one_chunk", "chunked"])
+def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run each product once whole and once split over several column chunks."""
+    if request.param:
+        monkeypatch.setattr(gram, "_MIN_CHUNK_ELEMENTS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("n_samples", [1, 3])
+def test_products_equal_dense(n_samples: int, chunking: bool, generator: torch.Generator) -> None:
+    factors, dense = _factors(generator, n_samples)
+    vectors = torch.randn(32, 4, generator=generator, dtype=F64)
+    coeffs = torch.randn(factors.n_columns, 4, generator=generator, dtype=F64)
+    torch.testing.assert_close(gram_matrix(factors), dense.mT @ dense)
+    torch.testing.assert_close(factor_cross(factors, vectors), dense.mT @ vectors)
+    out = torch.randn(32, 4, generator=generator, dtype=F64)
+    expected = out + 0.5 * dense @ coeffs
+    assert add_matmul(factors, coeffs, out, alpha=0.5) is out
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(sq_diag(factors), dense.square().sum(1))
+
+
+def _projector_check(update_factor: torch.Tensor, reference_factor: torch.Tensor) -> None:
+    """Equal ``U Uᵀ``: invariant to the sign and rotation of eigenvectors within ties."""
+    torch.testing.assert_close(update_factor @ update_factor.mT, reference_factor @ reference_factor.mT)
+
+
+@pytest.mark.parametrize("n_samples", [1, 3])
+@pytest.mark.parametrize("rank", [1, 3, 6])
+def test_gram_update_equals_dense_eigh(n_samples: int, rank: int, chunking: bool, generator: torch.Generator) -> None:
+    factors, dense = _factors(generator, n_samples)
+    u = torch.randn(32, rank, generator=generator, dtype=F64)
+    old_weight, new_weight = 0.9, 0.1 * 50 / factors.n_columns
+    update = low_rank_update(factors, u, old_weight=old_weight, new_weight=new_weight, path="gram")
+    ref_factor, ref_residual = dense_low_rank_update(dense, u, old_weight=old_weight, new_weight=new_weight)
+    _projector_check(update.prec_factor, ref_factor)
+    torch.testing.assert_close(update.diag_residual, ref_residual)
+    assert bool((update.diag_residual > -1e-10).all())  # a diagonal of a PSD residual
+    torch.testing.assert_close(update.factor_sqnorms, update.prec_factor.square().sum(1))
+    # the new factor's Gram matrix is the diagonal of its eigenvalues, in decreasing order
+    torch.testing.assert_close(update.prec_factor.mT @ update.prec_factor, torch.diag(update.eigenvalues))
+    assert bool((update.eigenvalues[:-1] >= update.eigenvalues[1:]).all())
+
+
+def test_first_step_from_zero_factor(generator: torch.Generator) -> None:
+    """U = 0 (SLANG's start), with more columns asked for than G has (rank > P): zero columns."""
+    factors, dense = _factors(generator, n=3)
+    u = torch.zeros(32, 5, dtype=F64)
+    update = low_rank_update(factors, u, old_weight=0.95, new_weight=0.05, path="gram")
+    ref_factor, ref_residual = dense_low_rank_update(dense, u, old_weight=0.95, new_weight=0.05)
+    _projector_check(update.prec_factor, ref_factor)
+    torch.testing.assert_close(update.diag_residual, ref_residual, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(update.eigenvalues[3:], torch.zeros(2, dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_dense_path_and_known_gram_agree_with_gram_path(generator: torch.Generator) -> None:
+    factors, _ = _factors(generator, n_samples=2)
+    u = torch.randn(32, 3, generator=generator, dtype=F64)
+    kwargs = dict(old_weight=0.8, new_weight=0.3)
+    via_gram = low_rank_update(factors, u, **kwargs, path="gram")
+    via_dense = low_rank_update(factors, u, **kwargs, path="dense")
+    with_cache = low_rank_update(factors, u, **kwargs, factor_gram=u.mT @ u, factor_sqnorms=u.square().sum(1))
+    for other in (via_dense, with_cache):
+        _projector_check(other.prec_factor, via_gram.prec_factor)
+        torch.testing.assert_close(other.eigenvalues, via_gram.eigenvalues)
+        torch.testing.assert_close(other.diag_residual, via_gram.diag_residual)
+
+
+@pytest.mark.parametrize("path", ["gram", "dense"])
+def test_non_finite_gradients_raise(path: str, generator: torch.Generator) -> None:
+    factors, _ = _factors(generator)
+    factors.layers[0].output_grads[2, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        low_rank_update(factors, torch.randn(32, 2, dtype=F64), old_weight=0.9, new_weight=0.1, path=path)
+
+
+def test_unknown_path_is_refused(generator: torch.Generator) -> None:
+    factors, _ = _factors(generator)
+    with pytest.raises(ValueError, match="'auto', 'gram' or 'dense'"):
+        low_rank_update(factors, torch.zeros(32, 1, dtype=F64), old_weight=0.9, new_weight=0.1, path="lanczos")

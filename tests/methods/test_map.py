@@ -1,0 +1,120 @@
+"""MAP with Adam: fits tiny problems, point predictions, checkpoint round trip."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Method, Problem
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+
+NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
+
+
+def make_map(**overrides: object) -> Method:
+    return build_method({"name": "map", "lr": 0.02, **overrides})
+
+
+def init_(model: nn.Module, generator: torch.Generator) -> nn.Module:
+    """PyTorch's default Linear initialisation, drawn from ``generator`` (no global seeding)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            bound = 1 / math.sqrt(m.in_features)
+            nn.init.uniform_(m.weight, -bound, bound, generator=generator)
+            nn.init.uniform_(m.bias, -bound, bound, generator=generator)
+    return model
+
+
+def make_problem(in_features: int, likelihood: Likelihood, seed: int) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    cfg = {"name": "mlp", "hidden": [32], "activation": "relu"}
+    model = init_(build_model(cfg, in_features=in_features, out_features=1), g)
+    prior = prior_precision_vector(model, 1.0, None)
+    return Problem(model=model, likelihood=likelihood, n_data=100, prior_precision=prior, generator=g)
+
+
+def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """y = sin(3x) + N(0, 0.1²) on [-1, 1]: 100 training and 100 test points."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(200, 1, generator=g) * 2 - 1
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g)
+    return x[:100], y[:100], x[100:], y[100:]
+
+
+def classification_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """XOR of the signs of two standard normal inputs: 100 training and 100 test points."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(200, 2, generator=g)
+    y = (x[:, 0] * x[:, 1] > 0).float()
+    return x[:100], y[:100], x[100:], y[100:]
+
+
+def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 100) -> None:
+    method.setup(problem)
+    method.fit(x, y, n_epochs=n_epochs, batch_size=50, data_generator=torch.Generator().manual_seed(7))
+
+
+def test_beats_training_mean_on_regression() -> None:
+    x, y, x_test, y_test = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    method = make_map()
+    fit(method, make_problem(1, likelihood, seed=1), x, y)
+    f = method.predict(x_test, 3)
+    assert f.shape == (3, 100, 1)
+    assert_close(f[1], f[0], rtol=0, atol=0)  # a point estimate: every sample is the same network
+    rmse = (f[0].squeeze(-1) - y_test).pow(2).mean().sqrt()
+    nll = -likelihood.log_predictive(f, y_test).mean()
+    base_rmse = (y.mean() - y_test).pow(2).mean().sqrt()
+    base_nll = (0.5 * torch.log(2 * math.pi * y.var()) + (y_test - y.mean()) ** 2 / (2 * y.var())).mean()
+    assert rmse < 0.5 * base_rmse
+    assert nll < base_nll
+
+
+def test_beats_chance_on_two_classes() -> None:
+    x, y, x_test, y_test = classification_data(0)
+    method = make_map()
+    fit(method, make_problem(2, Bernoulli(), seed=1), x, y)
+    nll = -Bernoulli().log_predictive(method.predict(x_test, 1), y_test).mean()
+    assert nll < 0.8 * math.log(2)
+
+
+def test_predict_leaves_the_model_and_global_rng_alone() -> None:
+    problem = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=0)
+    before = [p.detach().clone() for p in problem.model.parameters()]
+    x, y, _, _ = regression_data(0)
+    method = make_map()
+    global_state = torch.get_rng_state()
+    fit(method, problem, x, y, n_epochs=2)
+    method.predict(x, 2)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    for p, p0 in zip(problem.model.parameters(), before):
+        assert_close(p, p0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lr", [0.0, -0.01])
+def test_bad_lr_raises(lr: float) -> None:
+    with pytest.raises(ValueError, match=f"lr must be positive, got {lr}"):
+        make_map(lr=lr)
+
+
+def test_checkpoint_round_trip_gives_identical_next_step() -> None:
+    x, y, _, _ = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    a, b = make_map(), make_map()
+    fit(a, make_problem(1, likelihood, seed=1), x, y, n_epochs=2)
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    b.setup(make_problem(1, likelihood, seed=2))
+    b.load_state_dict(torch.load(buffer, weights_only=True))
+    for method in (a, b):
+        method.train_step(x[:25], y[:25])
+    assert_close(b.state_dict()["theta"], a.state_dict()["theta"], rtol=0, atol=0)
