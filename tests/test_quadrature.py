@@ -57,12 +57,11 @@ def test_matches_monte_carlo_on_a_grid_including_large_mean_and_variance(generat
     assert bool(((quad - mc).abs() <= 5 * se + 1e-12).all()), (quad - mc).abs() / (se + 1e-300)
 
 
-@pytest.mark.parametrize("n_points", [20, 32, 40])
-def test_matches_scipy_adaptive_quadrature(n_points: int) -> None:
+def test_matches_scipy_adaptive_quadrature() -> None:
     m, v = grid()
     ref = torch.tensor([scipy_reference(a, b) for a, b in zip(m.tolist(), v.tolist())], dtype=F64)
-    tol = {20: 2e-7, 32: 5e-9, 40: 5e-9}[n_points]
-    assert_close(expected_log_sigmoid(m, v, n_points=n_points), ref, rtol=0, atol=tol)
+    for n_points, tol in ((20, 2e-7), (32, 5e-9), (40, 5e-9)):
+        assert_close(expected_log_sigmoid(m, v, n_points=n_points), ref, rtol=0, atol=tol)
 
 
 def test_gradients_match_finite_differences_and_are_finite_at_zero_variance() -> None:
@@ -127,7 +126,7 @@ def test_fit_softplus_bound_builds_a_valid_bound() -> None:
     piece = np.searchsorted(np.asarray(breaks), x, side="right")
     a, b, c = np.asarray(coeffs)[piece].T
     gap = a * x**2 + b * x + c - np.logaddexp(0, x)
-    assert gap.min() >= -1e-12 and gap.max() <= 0.05 + 1e-9
+    assert gap.min() >= 0 and gap.max() <= 0.05 + 1e-7 + 1e-9
 
 
 def test_bad_inputs_and_choices() -> None:

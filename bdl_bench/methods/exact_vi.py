@@ -79,9 +79,7 @@ def check_logistic_regression(model: nn.Module, likelihood: Likelihood | None = 
             f"with one output (model=logreg) and a binary dataset; got layers [{found}]"
         )
     if likelihood is not None and not isinstance(likelihood, Bernoulli):
-        raise ValueError(
-            f"exact_vi needs a Bernoulli likelihood (a binary dataset), got {type(likelihood).__name__}"
-        )
+        raise ValueError(f"exact_vi needs a Bernoulli likelihood (a binary dataset), got {type(likelihood).__name__}")
     return leaves[0]
 
 
@@ -314,8 +312,12 @@ class ExactVI(Method):
         grad_max = max(float(mean.grad.abs().max()), float(raw.grad.abs().max()))
         with torch.no_grad():
             final = torch.tril(raw, -1) + torch.diag(raw.diagonal().exp()) if self._full else raw.exp()
-            if not (math.isfinite(float(loss)) and bool(torch.isfinite(mean).all()) and bool(torch.isfinite(final).all())):
-                raise NonFiniteLossError(f"method 'exact_vi': non-finite ELBO or variables after {n_iter} L-BFGS iterations")
+            if not (
+                math.isfinite(float(loss)) and bool(torch.isfinite(mean).all()) and bool(torch.isfinite(final).all())
+            ):
+                raise NonFiniteLossError(
+                    f"method 'exact_vi': non-finite ELBO or variables after {n_iter} L-BFGS iterations"
+                )
             kl = _kl_from_scale(mean, final, lam)
         self.state = ExactVIState(
             mean=mean.detach().to(like), scale=final.detach().to(like), n_iter=self.state.n_iter + n_iter
@@ -352,7 +354,9 @@ class ExactVI(Method):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``(n_samples, N, 1)`` logits at θ_k = μ + A ε_k (generator: ``problem.generator``)."""
         s = self.state
-        eps = torch.randn((n_samples, s.mean.numel()), generator=self.problem.generator, dtype=s.mean.dtype, device=s.mean.device)
+        eps = torch.randn(
+            (n_samples, s.mean.numel()), generator=self.problem.generator, dtype=s.mean.dtype, device=s.mean.device
+        )
         thetas = s.mean + (eps @ s.scale.T if s.scale.ndim == 2 else eps * s.scale)
         return torch.stack([forward_with(self.problem.model, th, x) for th in thetas])
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.gram import low_rank_update
+from bdl_bench.curvature.gram import column_sqnorms, low_rank_update
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
@@ -83,26 +83,61 @@ class SlangState:
 
 @dataclass(frozen=True)
 class SlangCache:
-    """Quantities of a state's precision that the next step reuses instead of recomputing in O(D L²).
+    """Quantities of a state's precision that the next step reuses instead of recomputing them.
+
+    With :math:`K = U^\\top D^{-1} U` and :math:`C = I_L + K = RR^\\top` (the Woodbury capacitance,
+    Alg. 2), every solve and sample costs O(D L) per vector (Alg. 2 and :func:`sample_noise`).
 
     Attributes:
         factor_gram: :math:`U^\\top U` ``(L, L)`` (after an update: ``diag`` of its eigenvalues).
         factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)`, ``(D,)``.
-        shape: :math:`\\mathcal N(0, (UU^\\top + \\operatorname{diag} d)^{-1})`, whose cached Woodbury
-            factors serve the mean step, the next step's samples and the log-determinant.
+        capacitance: K, ``(L, L)``.
+        capacitance_chol: R, the lower Cholesky factor of :math:`I + K`, ``(L, L)``.
     """
 
     factor_gram: Tensor  # (L, L)
     factor_sqnorms: Tensor  # (D,)
-    shape: LowRankPlusDiagGaussian
+    capacitance: Tensor  # (L, L)
+    capacitance_chol: Tensor  # (L, L)
+
+
+_GRAM_BLOCK_ELEMENTS = 1 << 18  # entries of U per block of the weighted Gram matrix on CPU (about 1 MB)
+
+
+def _weighted_gram(factor: Tensor, weights: Tensor, rhs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """:math:`U^\\top\\operatorname{diag}(w)U` ``(L, L)`` and, if given, :math:`U^\\top(w \\circ v)` ``(L,)``.
+
+    U is read column-major (as SLANG stores it), on CPU in blocks of about 1 MB of rows of D, so
+    that no D x L temporary is allocated.
+    """
+    rows = factor.mT if factor.mT.is_contiguous() else factor.mT.contiguous()  # (L, D)
+    rank, n_params = rows.shape
+    cols = n_params if factor.device.type != "cpu" else max(1, _GRAM_BLOCK_ELEMENTS // max(rank, 1))
+    gram = torch.zeros(rank, rank, dtype=factor.dtype, device=factor.device)
+    proj = None if rhs is None else torch.zeros(rank, dtype=factor.dtype, device=factor.device)
+    buffer = torch.empty(rank, min(cols, n_params), dtype=factor.dtype, device=factor.device)
+    for start in range(0, n_params, cols):
+        block = rows[:, start : start + cols]
+        scaled = torch.mul(block, weights[start : start + cols], out=buffer[:, : block.shape[1]])
+        gram.addmm_(scaled, block.mT)
+        if proj is not None and rhs is not None:
+            proj.addmv_(scaled, rhs[start : start + cols])
+    return gram, proj
+
+
+def _capacitance_chol(capacitance: Tensor) -> Tensor:
+    eye = torch.eye(capacitance.shape[0], dtype=capacitance.dtype, device=capacitance.device)
+    return torch.linalg.cholesky(capacitance + eye)
 
 
 def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> SlangCache:
     """:class:`SlangCache` of ``(U, d)`` computed from scratch (O(D L²))."""
+    capacitance, _ = _weighted_gram(prec_factor, prec_diag.reciprocal())
     return SlangCache(
         factor_gram=prec_factor.mT @ prec_factor,
-        factor_sqnorms=prec_factor.square().sum(1),
-        shape=LowRankPlusDiagGaussian(torch.zeros_like(prec_diag), prec_factor, prec_diag),
+        factor_sqnorms=column_sqnorms(prec_factor),
+        capacitance=capacitance,
+        capacitance_chol=_capacitance_chol(capacitance),
     )
 
 
@@ -117,21 +152,31 @@ def decayed_rate(rate: float, decay: float, step: int) -> float:
     return rate / (1.0 + step**decay) if decay > 0 else rate
 
 
-def sample_noise(shape: LowRankPlusDiagGaussian, n_samples: int, generator: torch.Generator) -> Tensor:
-    """Draws of :math:`\\mathcal N(0, P^{-1})` for :math:`P = UU^\\top + \\operatorname{diag}(d)`: ``(n, D)``.
+def _chol_solve_rows(rows: Tensor, chol: Tensor) -> Tensor:
+    """:math:`x C^{-1}` for rows x ``(K, L)`` and :math:`C = RR^\\top` (C symmetric)."""
+    return torch.cholesky_solve(rows.mT, chol).mT
+
+
+def sample_noise(
+    prec_factor: Tensor, prec_diag: Tensor, cache: SlangCache, n_samples: int, generator: torch.Generator
+) -> Tensor:
+    """Draws of :math:`\\mathcal N(0, P^{-1})`, :math:`P = UU^\\top + \\operatorname{diag}(d)`: ``(n, D)``.
 
     :math:`z = d^{1/2}\\circ\\epsilon_1 + U\\epsilon_2` with :math:`\\epsilon_1 \\sim \\mathcal N(0, I_D)`,
-    :math:`\\epsilon_2 \\sim \\mathcal N(0, I_L)` has covariance P, so :math:`P^{-1}z` (a Woodbury
-    solve, Alg. 2) has covariance :math:`P^{-1}PP^{-1} = P^{-1}`: exact, O(D L) per sample given the
-    cached L x L factor, and valid for any U (zero columns included). The normals are drawn on the
-    generator's device and moved.
+    :math:`\\epsilon_2 \\sim \\mathcal N(0, I_L)` has covariance P, so :math:`P^{-1}z` has covariance
+    :math:`P^{-1}PP^{-1} = P^{-1}`: exact for any U (zero columns included). By Woodbury, with
+    :math:`U^\\top D^{-1} z = U^\\top(d^{-1/2}\\circ\\epsilon_1) + K\\epsilon_2`,
+    :math:`P^{-1}z = d^{-1/2}\\circ\\epsilon_1 + D^{-1}U(\\epsilon_2 - C^{-1}U^\\top D^{-1} z)`: two
+    passes over U for all n samples (as Alg. 3). The normals are drawn on the generator's device.
     """
-    factor, diag = shape.prec_factor, shape.prec_diag
-    n_params, rank = factor.shape
-    eps = torch.randn((n_params + rank, n_samples), generator=generator, device=generator.device, dtype=diag.dtype)
-    eps = eps.to(diag.device)
-    z = torch.addmm(eps[:n_params] * diag.sqrt()[:, None], factor, eps[n_params:])
-    return shape.solve(z).mT
+    n_params, rank = prec_factor.shape
+    eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=prec_diag.dtype)
+    eps = eps.to(prec_diag.device)
+    white = eps[:, :n_params] * prec_diag.rsqrt()  # (n, D) d^{-1/2} e1
+    low = eps[:, n_params:]  # (n, L) e2
+    proj = white @ prec_factor + low @ cache.capacitance  # (n, L) rows of U^T D^{-1} z
+    coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (n, L)
+    return white.addcdiv_(coeffs @ prec_factor.mT, prec_diag)
 
 
 def slang_update(
@@ -144,6 +189,7 @@ def slang_update(
     beta: float,
     momentum: float,
     cache: SlangCache | None = None,
+    inplace: bool = False,
 ) -> tuple[SlangState, SlangCache]:
     """One SLANG update (module docstring, items 3-6) from factors evaluated at samples of q.
 
@@ -156,6 +202,8 @@ def slang_update(
         beta: :math:`\\beta_t` (already scheduled).
         momentum: :math:`\\rho`.
         cache: ``build_cache(state.prec_factor, state.prec_diag)`` if at hand (computed when ``None``).
+        inplace: overwrite the tensors of ``state`` (which then holds the new values) instead of
+            allocating new ones; saves a D x L buffer and its first-touch cost per step.
 
     Returns:
         The new state and its cache.
@@ -178,19 +226,32 @@ def slang_update(
             new_weight=beta * scale,
             factor_gram=cache.factor_gram,
             factor_sqnorms=cache.factor_sqnorms,
+            out=state.prec_factor if inplace else None,
         )
     except FloatingPointError as err:
         raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step} ({err})") from err
-    prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + update.diag_residual.clamp_min_(0.0)
-    new_momentum = state.momentum * momentum + grad * (1.0 - momentum)
-    direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
-    shape = LowRankPlusDiagGaussian(torch.zeros_like(prec_diag), update.prec_factor, prec_diag)
-    mean = state.mean - lr * shape.solve(direction)
+    # eq. (9): d = (1 - beta) d + beta lambda + max(correction, 0)
+    prec_diag = state.prec_diag.mul_(1.0 - beta) if inplace else state.prec_diag * (1.0 - beta)
+    prec_diag.add_(prior_precision, alpha=beta).add_(update.diag_residual.clamp_min_(0.0))
+    new_momentum = state.momentum.mul_(momentum) if inplace else state.momentum * momentum
+    new_momentum.add_(grad, alpha=1.0 - momentum)
+    direction = torch.addcmul(new_momentum / (1.0 - momentum**step), prior_precision, state.mean)
+    # eq. (11) by Woodbury, with U^T D^{-1} U and U^T D^{-1} direction in one blocked pass over U
+    inv_diag = prec_diag.reciprocal()
+    capacitance, proj = _weighted_gram(update.prec_factor, inv_diag, direction)
+    chol = _capacitance_chol(capacitance)
+    assert proj is not None
+    inner = torch.cholesky_solve(proj[:, None], chol)[:, 0]
+    step_vec = (direction - update.prec_factor @ inner).mul_(inv_diag)
+    mean = state.mean.sub_(step_vec, alpha=lr) if inplace else state.mean - lr * step_vec
     new_state = SlangState(
         mean=mean, prec_factor=update.prec_factor, prec_diag=prec_diag, momentum=new_momentum, step=step
     )
     new_cache = SlangCache(
-        factor_gram=torch.diag(update.eigenvalues), factor_sqnorms=update.factor_sqnorms, shape=shape
+        factor_gram=torch.diag(update.eigenvalues),
+        factor_sqnorms=update.factor_sqnorms,
+        capacitance=capacitance,
+        capacitance_chol=chol,
     )
     return new_state, new_cache
 
@@ -272,7 +333,7 @@ class Slang(Method):
         self._log_prior_det = float(prior.log().sum())
         self.state = SlangState(
             mean=mean,
-            prec_factor=torch.zeros(n_params, self.rank, dtype=mean.dtype, device=mean.device),
+            prec_factor=torch.zeros(self.rank, n_params, dtype=mean.dtype, device=mean.device).mT,  # column-major
             prec_diag=torch.full_like(mean, self.init_prec_diag),
             momentum=torch.zeros_like(mean),
             step=0,
@@ -285,15 +346,36 @@ class Slang(Method):
             self._cached = (self.state, build_cache(self.state.prec_factor, self.state.prec_diag))
         return self._cached[1]
 
+    def _noise(self, n_samples: int) -> Tensor:
+        s = self.state
+        return sample_noise(s.prec_factor, s.prec_diag, self._cache(), n_samples, self.problem.generator)
+
     # ---------------------------------------------------------------------------- fitting
     @torch.no_grad()
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        """One update (module docstring); the state's tensors are updated in place.
+
+        Raises:
+            NonFiniteGradientError: naming the step, if a per-example gradient is not finite (the
+                state is then left as it was before the step).
+        """
         problem = self.problem
         state = self.state
         step = state.step + 1
         cache = self._cache()
-        noise = sample_noise(cache.shape, self.n_train_mc_samples, problem.generator)  # (S, D)
+        noise = self._noise(self.n_train_mc_samples)  # (S, D)
         factors = linear_factors(problem.model, state.mean + noise, x, y, problem.likelihood, self.layout)
+        # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
+        logdet = state.prec_diag.log().sum() + 2.0 * cache.capacitance_chol.diagonal().log().sum()
+        kl_est = 0.5 * (
+            (noise.square() @ self.prior_precision).mean()
+            + (self.prior_precision * state.mean.square()).sum()
+            - state.mean.numel()
+            + logdet
+            - self._log_prior_det
+        )
+        nll = float(factors.losses.mean())
+        kl_per_example = float(kl_est) / problem.n_data
         new_state, new_cache = slang_update(
             state,
             factors,
@@ -303,18 +385,8 @@ class Slang(Method):
             beta=decayed_rate(self.beta, self.decay, step),
             momentum=self.momentum,
             cache=cache,
+            inplace=True,
         )
-        # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
-        trace = (noise.square() @ self.prior_precision).mean()
-        kl_est = 0.5 * (
-            trace
-            + (self.prior_precision * state.mean.square()).sum()
-            - state.mean.numel()
-            + cache.shape.logdet_precision()
-            - self._log_prior_det
-        )
-        nll = float(factors.losses.mean())
-        kl_per_example = float(kl_est) / problem.n_data
         self.state = new_state
         self._cached = (new_state, new_cache)
         return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
@@ -324,25 +396,23 @@ class Slang(Method):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks :math:`\\theta \\sim q`: ``(S, N, out)``."""
         model = self.problem.model
-        shape = self._cache().shape
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
-            thetas = self.state.mean + sample_noise(
-                shape, min(_PREDICT_CHUNK, n_samples - start), self.problem.generator
-            )
+            thetas = self.state.mean + self._noise(min(_PREDICT_CHUNK, n_samples - start))
             chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
         return torch.cat(chunks)
 
     def posterior(self) -> LowRankPlusDiagGaussian:
-        """:math:`q = \\mathcal N(\\mu, (UU^\\top + \\operatorname{diag} d)^{-1})`."""
+        """:math:`q = \\mathcal N(\\mu, (UU^\\top + \\operatorname{diag} d)^{-1})` (a copy: training updates the state in place)."""
         s = self.state
-        return LowRankPlusDiagGaussian(s.mean, s.prec_factor, s.prec_diag)
+        return LowRankPlusDiagGaussian(s.mean.clone(), s.prec_factor.clone(), s.prec_diag.clone())
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:
         """Exact KL(q ‖ N(0, diag(λ)⁻¹)) (determinant lemma and Woodbury, O(D L²))."""
-        prior = DiagGaussian(torch.zeros_like(self.state.mean), self.prior_precision)
-        return kl(self.posterior(), prior)
+        s = self.state
+        q = LowRankPlusDiagGaussian(s.mean, s.prec_factor, s.prec_diag)
+        return kl(q, DiagGaussian(torch.zeros_like(s.mean), self.prior_precision))
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -370,7 +440,7 @@ class Slang(Method):
                 raise ValueError(
                     f"slang: checkpoint {name} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
                 )
-            tensors[name] = value.to(expected).clone()
+            tensors[name] = torch.empty_like(expected).copy_(value)  # keeps the state's layout
         self.state = SlangState(**tensors, step=int(state["step"]))
         self._cached = None
 

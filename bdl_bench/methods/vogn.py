@@ -27,13 +27,22 @@ with :math:`g_i = \nabla_\theta[-\log p(y_i\mid x_i,\theta)]` and the per-exampl
   semi-definite for the Gaussian, Bernoulli and categorical likelihoods.
 
 ``covariance=diag`` keeps only the diagonals of :math:`\hat H_t` (so of :math:`S`), i.e. the
-mean-field versions. Learning rates decay as :math:`\alpha_t = \alpha/(1+t)^{\text{decay}}`,
-:math:`\beta_t = \beta/(1+t)^{\text{decay}}` (t = 0, 1, … counts steps; ``decay: 0`` keeps them
-constant). The initial mean is the model's current parameters; the initial precision is
-:math:`S_0 = \operatorname{diag}(\lambda + \text{init\_prec})`.
+mean-field versions. Step t = 1, 2, … uses :math:`\alpha_t = \alpha/(1+t^{\text{decay}})` and
+:math:`\beta_t = \beta/(1+t^{\text{decay}})` (``decay: 0`` keeps them constant): the schedule of the
+SLANG authors' ``cvi.m``/``slang.m``, shared with ``method=slang`` (``decayed_rate``). The initial
+mean is the model's current parameters; the initial precision is
+:math:`S_0 = \operatorname{diag}(\lambda + \text{init\_prec})` (the authors start from
+:math:`S_0 = I`, which is ``init_prec: 1`` up to λ). Like the authors' code, this is the update
+with the exact :math:`\hat g_t, \hat H_t`; nothing is clipped or damped.
 
-Per-example gradients and Jacobians come from ``torch.func`` (``vmap`` of ``grad``/``jacrev`` over
-the flat parameter vector): meant for small D (logistic regression, small MLPs). The full version
+Computation: for ``nn.Sequential`` networks of ``nn.Linear`` layers (``logreg``, ``mlp``) all K·M
+per-example gradients come from one batched forward/backward (``bdl_bench.curvature``: layer inputs
+times output gradients). The GGN is a sum of such outer products too: writing
+:math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top` (:func:`output_hessian_sqrt`),
+:math:`J_i^\top\Lambda_iJ_i = \sum_c h_{ic}h_{ic}^\top` with :math:`h_{ic} = J_i^\top a_{ic}` the
+gradient of the pseudo-loss :math:`a_{ic}^\top f_i` (``a`` held fixed), so ``out`` more passes give
+it. Other models use ``torch.func`` (:func:`per_example_terms`: ``vmap(grad)``, ``jacrev``), one MC
+sample at a time; that path is also the dense twin of the fast one in the tests. The full version
 stores a D × D precision and refuses D > 5000.
 """
 
@@ -45,15 +54,28 @@ from enum import Enum
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev, vmap
 
+from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_diag
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.methods.slang import decayed_rate
 from bdl_bench.models.params import flat_params, forward_with
 
-__all__ = ["MAX_FULL_PARAMS", "VOGN", "Covariance", "Curvature", "VognState", "decayed", "output_hessian", "parse_choice"]
+__all__ = [
+    "MAX_FULL_PARAMS",
+    "VOGN",
+    "Covariance",
+    "Curvature",
+    "VognState",
+    "factored_terms",
+    "output_hessian",
+    "output_hessian_sqrt",
+    "parse_choice",
+    "per_example_terms",
+]
 
 MAX_FULL_PARAMS = 5000
 """Largest D for ``covariance=full`` (a D x D precision and its Cholesky factor each step)."""
@@ -101,11 +123,6 @@ class VognState:
     step: int
 
 
-def decayed(rate: float, decay: float, step: int) -> float:
-    """``rate / (1 + step) ** decay``: the step-size schedule α_t, β_t."""
-    return rate / (1.0 + step) ** decay
-
-
 def _cholesky(precision: Tensor, step: int) -> Tensor:
     chol, info = torch.linalg.cholesky_ex(precision)
     if int(info.item()) != 0:
@@ -148,6 +165,123 @@ def output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
     return vmap(hessian(nll_one))(f, y)
 
 
+def per_example_terms(
+    model: nn.Module, likelihood: Likelihood, theta: Tensor, x: Tensor, y: Tensor, *, curvature: Curvature, full: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-example NLL ``(M,)``, gradients ``(M, D)`` and the curvature summed over the examples.
+
+    The curvature is ``(D, D)`` when ``full``, else its diagonal ``(D,)``: Σ_i g_i g_iᵀ for ``ef``
+    (per-example gradients by ``vmap(grad)``), Σ_i J_iᵀ Λ_i J_i for ``hessian``, with J = ∂f/∂θ
+    from one ``jacrev`` of the batched forward pass (valid as no layer mixes examples) and Λ_i from
+    :func:`output_hessian`. Gradients are of −log p(y_i | x_i, θ) at the flat parameters ``theta``.
+    """
+    curvature = Curvature(curvature)
+    if curvature is Curvature.EF:
+
+        def loss_one(th: Tensor, x_i: Tensor, y_i: Tensor) -> Tensor:
+            return likelihood.nll(forward_with(model, th, x_i.unsqueeze(0)), y_i.unsqueeze(0)).squeeze(0)
+
+        grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(theta, x, y)  # (M, D)
+        nll = likelihood.nll(forward_with(model, theta, x), y)
+        curv = grads.T @ grads if full else grads.square().sum(0)
+        return nll, grads, curv
+
+    def outputs(th: Tensor) -> tuple[Tensor, Tensor]:
+        out = forward_with(model, th, x)
+        return out, out
+
+    jac, f = jacrev(outputs, has_aux=True)(theta)  # (M, out, D), (M, out)
+    f = f.detach().requires_grad_(True)
+    with torch.enable_grad():
+        nll = likelihood.nll(f, y)
+        (resid,) = torch.autograd.grad(nll.sum(), f)  # (M, out): ∂nll_i/∂f_i
+    lam = output_hessian(likelihood, f.detach(), y)  # (M, out, out)
+    grads = (resid.unsqueeze(1) @ jac).squeeze(1)  # (M, D): g_i = J_iᵀ r_i
+    lam_jac = lam @ jac  # (M, out, D)
+    if full:
+        n_rows = jac.shape[0] * jac.shape[1]
+        curv = jac.reshape(n_rows, -1).T @ lam_jac.reshape(n_rows, -1)  # Σ_i J_iᵀ Λ_i J_i
+        curv = 0.5 * (curv + curv.T)
+    else:
+        curv = (jac * lam_jac).sum((0, 1))
+    return nll.detach(), grads, curv
+
+
+def output_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
+    r"""Rows :math:`a_{ic}` with :math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top`: shape ``(M, C, out)``.
+
+    Bernoulli :math:`\sqrt{\sigma(f)\sigma(-f)}`, Gaussian :math:`\sqrt\tau`, categorical
+    :math:`a_{ic} = \sqrt{p_c}\,(e_c - p)` (since :math:`\sum_c p_c(e_c-p)(e_c-p)^\top =
+    \operatorname{diag}(p) - pp^\top`); otherwise the eigendecomposition of :func:`output_hessian`
+    (negative eigenvalues, possible for a non-convex likelihood, are set to 0).
+    """
+    if isinstance(likelihood, Bernoulli):
+        return (torch.sigmoid(f) * torch.sigmoid(-f)).sqrt().unsqueeze(-1)
+    if isinstance(likelihood, Gaussian):
+        return torch.full((f.shape[0], 1, 1), likelihood.noise_precision**0.5, dtype=f.dtype, device=f.device)
+    if isinstance(likelihood, Categorical):
+        p = torch.softmax(f, dim=-1)  # (M, out)
+        eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
+        return p.sqrt().unsqueeze(-1) * (eye - p.unsqueeze(-2))
+    evals, evecs = torch.linalg.eigh(output_hessian(likelihood, f, y))
+    return (evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)).mT
+
+
+class _PseudoLoss(Likelihood):
+    r""":math:`\ell_p = a_p^\top f_p` with fixed rows ``a`` ``(P, out)``: its gradients are :math:`J_p^\top a_p`."""
+
+    def __init__(self, coeffs: Tensor) -> None:
+        self.coeffs = coeffs
+
+    def nll(self, f: Tensor, y: Tensor) -> Tensor:
+        return (f * self.coeffs).sum(-1)
+
+
+def factored_terms(
+    model: nn.Module,
+    likelihood: Likelihood,
+    thetas: Tensor,
+    x: Tensor,
+    y: Tensor,
+    *,
+    curvature: Curvature,
+    full: bool,
+    layout: LinearLayout | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean NLL, Σ g and Σ H over K samples × M examples, from layer factors (module docstring).
+
+    Args:
+        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules.
+        thetas: ``(K, D)`` parameter samples.
+        x, y: the minibatch.
+        curvature, full: as in :func:`per_example_terms`.
+        layout: ``linear_layout(model)``, to skip recomputing it.
+
+    Returns:
+        The NLL averaged over samples and examples (scalar), Σ_{k,i} g_{k,i} ``(D,)`` and
+        Σ_{k,i} H_{k,i} ``(D, D)`` or its diagonal ``(D,)``.
+    """
+    curvature = Curvature(curvature)
+    layout = linear_layout(model) if layout is None else layout
+    factors = linear_factors(model, thetas, x, y, likelihood, layout)
+    grad_sum = factors.grad_sum()
+    if curvature is Curvature.EF:
+        pieces = [factors]
+    else:
+        n_cols = factors.n_columns
+        f = factors.outputs.reshape(n_cols, -1)
+        roots = output_hessian_sqrt(likelihood, f, y.repeat(thetas.shape[0]))  # (P, C, out)
+        pieces = [linear_factors(model, thetas, x, y, _PseudoLoss(roots[:, c]), layout) for c in range(roots.shape[1])]
+    curv = torch.zeros((layout.n_params,) * (2 if full else 1), dtype=grad_sum.dtype, device=grad_sum.device)
+    for piece in pieces:
+        if full:
+            columns = piece.dense()  # (D, P)
+            curv.addmm_(columns, columns.mT)
+        else:
+            curv += sq_diag(piece)
+    return factors.losses.mean(), grad_sum, curv
+
+
 @register_method("vogn")
 class VOGN(Method):
     """Natural-gradient VI with a full or diagonal Gaussian (module docstring).
@@ -155,9 +289,9 @@ class VOGN(Method):
     Args:
         covariance: ``full`` or ``diag``.
         curvature: ``ef`` (empirical Fisher) or ``hessian`` (generalised Gauss–Newton).
-        lr: α, the mean step size at t = 0 (> 0).
-        beta: β, the precision step size at t = 0, in (0, 1].
-        decay: exponent of the schedule ``rate / (1 + t) ** decay`` (>= 0; 0 = constant).
+        lr: α, the mean step size (> 0).
+        beta: β, the precision step size, in (0, 1].
+        decay: exponent of the schedule ``rate / (1 + t**decay)`` at step t = 1, 2, … (>= 0; 0 = constant).
         n_train_mc_samples: K, posterior samples per step (>= 1).
         init_prec: added to the prior precision for the initial precision S_0 (>= 0).
 
@@ -204,6 +338,10 @@ class VOGN(Method):
                 f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
                 f"(limit {MAX_FULL_PARAMS}); use covariance=diag or a low-rank method such as slang"
             )
+        try:
+            self._layout: LinearLayout | None = linear_layout(problem.model)
+        except ValueError:
+            self._layout = None  # not a Sequential of Linear layers: the torch.func path
         prec_diag = problem.prior_precision.to(mean) + self.init_prec
         precision = torch.diag(prec_diag) if self.covariance is Covariance.FULL else prec_diag
         self.state = VognState(mean=mean, precision=precision, step=0)
@@ -216,47 +354,12 @@ class VOGN(Method):
     def _sample(self, state: VognState, chol: Tensor | None, n_samples: int) -> Tensor:
         """θ_k = μ + A ε_k with A Aᵀ = S⁻¹ (A = L⁻ᵀ for S = L Lᵀ; A = S^{-1/2} for diagonal S): ``(K, D)``."""
         mean = state.mean
-        eps = torch.randn((n_samples, mean.numel()), generator=self.problem.generator, dtype=mean.dtype, device=mean.device)
+        eps = torch.randn(
+            (n_samples, mean.numel()), generator=self.problem.generator, dtype=mean.dtype, device=mean.device
+        )
         if chol is None:
             return mean + eps * state.precision.rsqrt()
         return mean + torch.linalg.solve_triangular(chol, eps, upper=False, left=False)
-
-    def _per_example(self, theta: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-example NLL ``(M,)``, gradients ``(M, D)`` and the curvature summed over examples.
-
-        The curvature is ``(D, D)`` (full) or its diagonal ``(D,)``: Σ_i g_i g_iᵀ for ``ef``,
-        Σ_i J_iᵀ Λ_i J_i for ``hessian``, with J = ∂f/∂θ from one ``jacrev`` of the batched
-        forward pass (no layer mixes examples) and Λ_i from :func:`output_hessian`.
-        """
-        model, lik = self.problem.model, self.problem.likelihood
-        if self.curvature is Curvature.EF:
-
-            def loss_one(th: Tensor, x_i: Tensor, y_i: Tensor) -> Tensor:
-                return lik.nll(forward_with(model, th, x_i.unsqueeze(0)), y_i.unsqueeze(0)).squeeze(0)
-
-            grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(theta, x, y)  # (M, D)
-            nll = lik.nll(forward_with(model, theta, x), y)
-            curv = grads.T @ grads if self._full else grads.square().sum(0)
-            return nll, grads, curv
-        def outputs(th: Tensor) -> tuple[Tensor, Tensor]:
-            out = forward_with(model, th, x)
-            return out, out
-
-        jac, f = jacrev(outputs, has_aux=True)(theta)  # (M, out, D), (M, out)
-        f = f.detach().requires_grad_(True)
-        with torch.enable_grad():
-            nll = lik.nll(f, y)
-            (resid,) = torch.autograd.grad(nll.sum(), f)  # (M, out): ∂nll_i/∂f_i
-        lam = output_hessian(lik, f.detach(), y)  # (M, out, out)
-        grads = (resid.unsqueeze(1) @ jac).squeeze(1)  # (M, D): g_i = J_iᵀ r_i
-        lam_jac = lam @ jac  # (M, out, D)
-        if self._full:
-            n_rows = jac.shape[0] * jac.shape[1]
-            curv = jac.reshape(n_rows, -1).T @ lam_jac.reshape(n_rows, -1)  # Σ_i J_iᵀ Λ_i J_i
-            curv = 0.5 * (curv + curv.T)
-        else:
-            curv = (jac * lam_jac).sum((0, 1))
-        return nll.detach(), grads, curv
 
     # ----------------------------------------------------------------------------- update
     def update(self, state: VognState, x: Tensor, y: Tensor) -> tuple[VognState, dict[str, float]]:
@@ -274,26 +377,31 @@ class VOGN(Method):
         lam = p.prior_precision.to(state.mean)
         chol = _cholesky(state.precision, state.step) if self._full else None
         thetas = self._sample(state, chol, self.n_train_mc_samples)
-        n_batch = x.shape[0]
-        g_sum = torch.zeros_like(state.mean)
-        h_sum = torch.zeros_like(state.precision)
-        nll_sum = 0.0
-        for theta in thetas:
-            nll, grads, curv = self._per_example(theta, x, y)
-            nll_sum += float(nll.mean())
-            g_sum += grads.sum(0)
-            h_sum += curv
-        scale = p.n_data / (n_batch * self.n_train_mc_samples)
+        if self._layout is not None:
+            nll, g_sum, h_sum = factored_terms(
+                p.model, p.likelihood, thetas, x, y, curvature=self.curvature, full=self._full, layout=self._layout
+            )
+            nll_mean = float(nll)
+        else:
+            g_sum, h_sum, nll_mean = torch.zeros_like(state.mean), torch.zeros_like(state.precision), 0.0
+            for theta in thetas:
+                nll, grads, curv = per_example_terms(
+                    p.model, p.likelihood, theta, x, y, curvature=self.curvature, full=self._full
+                )
+                nll_mean += float(nll.mean()) / self.n_train_mc_samples
+                g_sum += grads.sum(0)
+                h_sum += curv
+        scale = p.n_data / (x.shape[0] * self.n_train_mc_samples)
         g_hat, h_hat = scale * g_sum, scale * h_sum
 
-        alpha = decayed(self.lr, self.decay, state.step)
-        beta = decayed(self.beta, self.decay, state.step)
+        step = state.step + 1
+        alpha = decayed_rate(self.lr, self.decay, step)
+        beta = decayed_rate(self.beta, self.decay, step)
         if self._full:
             precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag(lam))
             precision = 0.5 * (precision + precision.T)
         else:
             precision = (1 - beta) * state.precision + beta * (h_hat + lam)
-        step = state.step + 1
         if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
             raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
         direction = g_hat + lam * state.mean
@@ -308,7 +416,6 @@ class VOGN(Method):
         if not bool(torch.isfinite(mean).all()):
             raise NonFiniteLossError(f"method 'vogn': non-finite mean at step {step}")
 
-        nll_mean = nll_sum / self.n_train_mc_samples
         kl = float(_kl_to_prior(state, chol, lam))
         out = {"loss": nll_mean + kl / p.n_data, "nll": nll_mean}
         return VognState(mean=mean, precision=precision, step=step), out
@@ -353,4 +460,3 @@ class VOGN(Method):
             raise ValueError("vogn: checkpoint holds a non-finite mean or precision")
         like = self.state.mean
         self.state = VognState(mean=mean.to(like), precision=precision.to(like), step=int(state["step"]))
-

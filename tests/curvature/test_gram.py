@@ -35,9 +35,9 @@ def _factors(generator: torch.Generator, n_samples: int = 1, n: int = 7) -> tupl
 
 @pytest.fixture(params=[False, True], ids=["one_chunk", "chunked"])
 def chunking(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Run each product once whole and once split over several column chunks."""
+    """Run each blocked pass once whole and once in several blocks."""
     if request.param:
-        monkeypatch.setattr(gram, "_MIN_CHUNK_ELEMENTS", 0)
+        monkeypatch.setattr(gram, "_BLOCK_ELEMENTS", 40)
     return request.param
 
 
@@ -48,7 +48,7 @@ def test_products_equal_dense(n_samples: int, chunking: bool, generator: torch.G
     coeffs = torch.randn(factors.n_columns, 4, generator=generator, dtype=F64)
     torch.testing.assert_close(gram_matrix(factors), dense.mT @ dense)
     torch.testing.assert_close(factor_cross(factors, vectors), dense.mT @ vectors)
-    out = torch.randn(32, 4, generator=generator, dtype=F64)
+    out = gram.empty_columns_first(32, 4, like=coeffs).copy_(torch.randn(32, 4, generator=generator, dtype=F64))
     expected = out + 0.5 * dense @ coeffs
     assert add_matmul(factors, coeffs, out, alpha=0.5) is out
     torch.testing.assert_close(out, expected)

@@ -124,8 +124,8 @@ def test_update_equals_dense_reference(n_samples: int, momentum: float, rank: in
     torch.testing.assert_close(new.mean, ref.mean)
     # the cache handed to the next step equals one computed from scratch
     fresh = build_cache(new.prec_factor, new.prec_diag)
-    torch.testing.assert_close(cache.factor_gram, fresh.factor_gram)
-    torch.testing.assert_close(cache.factor_sqnorms, fresh.factor_sqnorms)
+    for name in ("factor_gram", "factor_sqnorms", "capacitance", "capacitance_chol"):
+        torch.testing.assert_close(getattr(cache, name), getattr(fresh, name))
 
 
 def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
@@ -163,10 +163,9 @@ def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
 def test_sample_noise_is_exactly_the_posterior_covariance(generator: torch.Generator) -> None:
     """noise = P^{-1}(d^{1/2} e1 + U e2), whose covariance P^{-1}[diag d + U U^T]P^{-1} = P^{-1}."""
     state = _random_state(generator, 6, 2, step=0)
-    shape = LowRankPlusDiagGaussian(torch.zeros(6, dtype=F64), state.prec_factor, state.prec_diag)
-    seed = torch.Generator().manual_seed(7)
-    noise = sample_noise(shape, 5, seed)
-    eps = torch.randn((8, 5), generator=torch.Generator().manual_seed(7), dtype=F64)
+    cache = build_cache(state.prec_factor, state.prec_diag)
+    noise = sample_noise(state.prec_factor, state.prec_diag, cache, 5, torch.Generator().manual_seed(7))
+    eps = torch.randn((5, 8), generator=torch.Generator().manual_seed(7), dtype=F64).mT  # same draws
     precision = state.prec_factor @ state.prec_factor.mT + torch.diag(state.prec_diag)
     transform = torch.linalg.solve(precision, torch.cat([torch.diag(state.prec_diag.sqrt()), state.prec_factor], 1))
     torch.testing.assert_close(noise, (transform @ eps).mT)

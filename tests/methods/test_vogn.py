@@ -1,0 +1,376 @@
+"""VOGN: one step against a dense twin, convergence to exact VI, curvature, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+from torch.distributions import MultivariateNormal, kl_divergence
+from torch.testing import assert_close
+
+from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Method, NonFiniteLossError, Problem
+from bdl_bench.methods.vogn import (
+    VOGN,
+    Curvature,
+    factored_terms,
+    output_hessian,
+    output_hessian_sqrt,
+    per_example_terms,
+)
+from bdl_bench.models import build_model
+from bdl_bench.models.params import forward_with, prior_precision_vector
+
+F64 = torch.float64
+N = 60
+COMBOS = [(c, k) for c in ("full", "diag") for k in ("hessian", "ef")]
+CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "vogn.yaml"
+
+
+def logistic_data(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The same 2-D logistic regression problem as tests/methods/test_exact_vi.py."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * N, 2, generator=g, dtype=F64) * torch.tensor([1.5, 0.7], dtype=F64)
+    logits = x @ torch.tensor([1.2, -0.8], dtype=F64) + 0.3
+    y = (torch.rand(2 * N, generator=g, dtype=F64) < torch.sigmoid(logits)).to(F64)
+    return x[:N], y[:N], x[N:], y[N:]
+
+
+def make_problem(*, seed: int = 1, model: nn.Module | None = None, likelihood: Likelihood | None = None) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    if model is None:
+        model = build_model({"name": "logreg", "bias": True}, in_features=2, out_features=1).to(F64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=F64))
+    prior = prior_precision_vector(model, 1.0, None)
+    return Problem(model=model, likelihood=likelihood or Bernoulli(), n_data=N, prior_precision=prior, generator=g)
+
+
+def make_vogn(**overrides: object) -> Method:
+    cfg = {
+        "name": "vogn",
+        "covariance": "full",
+        "curvature": "hessian",
+        "lr": 0.05,
+        "beta": 0.05,
+        "decay": 0.51,
+        "n_train_mc_samples": 12,
+        "init_prec": 1.0,
+    }
+    return build_method({**cfg, **overrides})
+
+
+def fit(method: Method, problem: Problem, *, n_epochs: int, batch_size: int) -> None:
+    x, y, _, _ = logistic_data()
+    method.setup(problem)
+    method.fit(x, y, n_epochs=n_epochs, batch_size=batch_size, data_generator=torch.Generator().manual_seed(5))
+
+
+def exact_vi_posterior(covariance: str) -> FullGaussian | DiagGaussian:
+    method = build_method(
+        {
+            "name": "exact_vi",
+            "covariance": covariance,
+            "expectation": "quadrature",
+            "n_quadrature": 32,
+            "max_iter": 500,
+            "tolerance": 1e-9,
+        }
+    )
+    fit(method, make_problem(), n_epochs=1, batch_size=N)
+    return method.posterior()
+
+
+@pytest.mark.parametrize(("covariance", "curvature"), COMBOS)
+def test_update_matches_a_dense_twin(covariance: str, curvature: str) -> None:
+    """Step 2 (t = 1, a dense precision after step 1) on a minibatch of 20 of N = 60, K = 3 samples."""
+    problem = make_problem()
+    method = make_vogn(covariance=covariance, curvature=curvature, n_train_mc_samples=3, lr=0.3, beta=0.2)
+    assert isinstance(method, VOGN)
+    method.setup(problem)
+    x, y, _, _ = logistic_data()
+    method.train_step(x[:20], y[:20])
+    state = method.state
+    twin_gen = torch.Generator()
+    twin_gen.set_state(problem.generator.get_state())
+    out = method.train_step(x[20:40], y[20:40])
+
+    full = covariance == "full"
+    prec = state.precision if full else torch.diag(state.precision)
+    eps = torch.randn((3, 3), generator=twin_gen, dtype=F64)
+    chol = torch.linalg.cholesky(prec)
+    thetas = [state.mean + torch.linalg.solve(chol.T, e) for e in eps]  # θ = μ + L^{-T} ε, S = L Lᵀ
+    xb, yb = x[20:40], y[20:40]
+    design = torch.cat([xb, torch.ones(20, 1, dtype=F64)], 1)
+    g_hat, h_hat, nll = torch.zeros(3, dtype=F64), torch.zeros(3, 3, dtype=F64), 0.0
+    for theta in thetas:
+        for xi, yi in zip(design, yb):
+            th = theta.clone().requires_grad_(True)
+            loss = nn.functional.binary_cross_entropy_with_logits(xi @ th, yi)
+            (gi,) = torch.autograd.grad(loss, th)
+            g_hat += gi
+            h_hat += (
+                torch.outer(gi, gi)
+                if curvature == "ef"
+                else torch.autograd.functional.hessian(
+                    lambda t, xi=xi, yi=yi: nn.functional.binary_cross_entropy_with_logits(xi @ t, yi), theta
+                )
+            )
+            nll += loss.item()
+    g_hat, h_hat = g_hat * N / (20 * 3), h_hat * N / (20 * 3)
+    lam = problem.prior_precision
+    alpha, beta = 0.3 / (1 + 2**0.51), 0.2 / (1 + 2**0.51)  # step t = 2 of α/(1 + t^decay)
+    if not full:
+        h_hat = torch.diag(h_hat.diagonal())
+    new_prec = (1 - beta) * prec + beta * (h_hat + torch.diag(lam))
+    new_mean = state.mean - alpha * torch.linalg.solve(new_prec, g_hat + lam * state.mean)
+    assert method.state.step == 2
+    assert_close(method.state.mean, new_mean)
+    assert_close(method.state.precision, new_prec if full else new_prec.diagonal())
+    q = MultivariateNormal(state.mean, precision_matrix=prec)
+    kl = float(kl_divergence(q, MultivariateNormal(torch.zeros(3, dtype=F64), precision_matrix=torch.diag(lam))))
+    assert_close(out["nll"], nll / 60)
+    assert_close(out["loss"], nll / 60 + kl / N)
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_hessian_version_converges_to_exact_vi_in_its_family(covariance: str) -> None:
+    """SLANG Table 1 protocol (α = β = 0.05, decay 0.51, 12 samples, minibatch 20 of 60), 1000 epochs.
+
+    With the exact Hessian the fixed point of the update is the stationary point of the ELBO over
+    the family (full: exact VI; diag: mean-field exact VI), so only Monte Carlo noise remains.
+    """
+    exact = exact_vi_posterior(covariance)
+    method = make_vogn(covariance=covariance)
+    fit(method, make_problem(), n_epochs=1000, batch_size=20)
+    q = method.posterior()
+    assert isinstance(q, FullGaussian if covariance == "full" else DiagGaussian)
+    # For scale: sym-KL(prior, exact) ≈ 22, sym-KL(mean-field exact, full exact) ≈ 0.05.
+    prior = DiagGaussian(torch.zeros(3, dtype=F64), make_problem().prior_precision)
+    assert float(sym_kl(prior, exact)) > 10
+    assert float(sym_kl(exact_vi_posterior("diag"), exact_vi_posterior("full"))) > 0.04
+    assert float(sym_kl(q, exact)) < 2e-3
+
+
+@pytest.mark.parametrize(("covariance", "curvature"), [("diag", "hessian"), ("diag", "ef"), ("full", "ef")])
+def test_variants_beat_the_base_rate_with_positive_precisions(covariance: str, curvature: str) -> None:
+    problem = make_problem()
+    method = make_vogn(covariance=covariance, curvature=curvature, n_train_mc_samples=4)
+    fit(method, problem, n_epochs=40, batch_size=20)
+    precision = method.state.precision
+    assert bool(torch.isfinite(precision).all())
+    if covariance == "diag":
+        assert precision.shape == (3,) and bool((precision > 0).all())
+    else:
+        assert precision.shape == (3, 3) and bool((torch.linalg.eigvalsh(precision) > 0).all())
+    _, y, x_test, y_test = logistic_data()
+    f = method.predict(x_test, 64)
+    assert f.shape == (64, N, 1)
+    nll = -Bernoulli().log_predictive(f, y_test).mean()
+    rate = y.mean()
+    base = -(y_test * rate.log() + (1 - y_test) * (1 - rate).log()).mean()
+    assert nll < base - 0.05
+    assert method.state.step == 40 * 3
+
+
+def test_kl_to_prior_matches_torch_distributions_and_state_round_trips() -> None:
+    for covariance in ("full", "diag"):
+        problem = make_problem()
+        method = make_vogn(covariance=covariance)
+        fit(method, problem, n_epochs=3, batch_size=20)
+        q = method.posterior()
+        dense = q.to_dense().precision
+        ref = kl_divergence(
+            MultivariateNormal(q.mean, precision_matrix=dense),
+            MultivariateNormal(torch.zeros(3, dtype=F64), precision_matrix=torch.diag(problem.prior_precision)),
+        )
+        assert_close(method.kl_to_prior(), ref)
+        fresh = make_vogn(covariance=covariance)
+        fresh.setup(make_problem(seed=9))
+        fresh.load_state_dict(method.state_dict())
+        assert fresh.state.step == method.state.step
+        assert_close(fresh.state.precision, method.state.precision)
+        assert_close(fresh.state.mean, method.state.mean)
+
+
+def test_hessian_curvature_is_the_exact_hessian_for_logistic_regression() -> None:
+    problem = make_problem()
+    x, y, _, _ = logistic_data()
+    theta = torch.tensor([0.4, -0.3, 0.2], dtype=F64)
+
+    def total_nll(t: Tensor) -> Tensor:
+        return problem.likelihood.nll(forward_with(problem.model, t, x), y).sum()
+
+    hess = torch.autograd.functional.hessian(total_nll, theta)
+    _, grads, curv = per_example_terms(
+        problem.model, problem.likelihood, theta, x, y, curvature=Curvature.HESSIAN, full=True
+    )
+    assert_close(curv, hess)
+    assert_close(grads.sum(0), torch.func.grad(total_nll)(theta))
+    _, _, diag = per_example_terms(problem.model, problem.likelihood, theta, x, y, curvature="hessian", full=False)
+    assert_close(diag, hess.diagonal())
+    _, ef_grads, ef = per_example_terms(problem.model, problem.likelihood, theta, x, y, curvature="ef", full=True)
+    assert_close(ef_grads, grads)
+    assert_close(ef, grads.T @ grads)
+
+
+class _Opaque(Likelihood):
+    """Hides a likelihood's class so that ``output_hessian`` takes its generic ``vmap(hessian)`` path."""
+
+    def __init__(self, inner: Likelihood) -> None:
+        self.inner = inner
+
+    def nll(self, f: Tensor, y: Tensor) -> Tensor:
+        return self.inner.nll(f, y)
+
+
+@pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
+def test_output_hessian_closed_forms_match_autodiff(kind: str, generator: torch.Generator) -> None:
+    out = 4 if kind == "categorical" else 1
+    f = torch.randn(7, out, generator=generator, dtype=F64)
+    if kind == "bernoulli":
+        lik, y = Bernoulli(), (torch.rand(7, generator=generator) < 0.5).to(F64)
+    elif kind == "gaussian":
+        lik, y = Gaussian(3.0), torch.randn(7, generator=generator, dtype=F64)
+    else:
+        lik, y = Categorical(), torch.randint(0, 4, (7,), generator=generator)
+    assert_close(output_hessian(lik, f, y), output_hessian(_Opaque(lik), f, y))
+
+
+@pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
+def test_output_hessian_sqrt_factors_the_output_hessian(kind: str, generator: torch.Generator) -> None:
+    out = 4 if kind == "categorical" else 1
+    f = torch.randn(7, out, generator=generator, dtype=F64)
+    lik = {"bernoulli": Bernoulli(), "gaussian": Gaussian(3.0), "categorical": Categorical()}[kind]
+    y = torch.zeros(7, dtype=torch.long) if kind == "categorical" else torch.zeros(7, dtype=F64)
+    for likelihood in (lik, _Opaque(lik)):
+        roots = output_hessian_sqrt(likelihood, f, y)  # (M, C, out)
+        assert_close(roots.mT @ roots, output_hessian(lik, f, y))
+
+
+@pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
+@pytest.mark.parametrize("curvature", ["ef", "hessian"])
+def test_factored_terms_match_the_torch_func_twin(kind: str, curvature: str, generator: torch.Generator) -> None:
+    """The fast layer-factor path against per-sample ``vmap``/``jacrev``, K = 3 samples, a 2-4-out MLP."""
+    out = 3 if kind == "categorical" else 1
+    lik = {"bernoulli": Bernoulli(), "gaussian": Gaussian(2.0), "categorical": Categorical()}[kind]
+    model = build_model({"name": "mlp", "hidden": [4], "activation": "tanh"}, in_features=2, out_features=out).to(F64)
+    n_params = sum(p.numel() for p in model.parameters())
+    thetas = torch.randn(3, n_params, generator=generator, dtype=F64)
+    x = torch.randn(5, 2, generator=generator, dtype=F64)
+    y = (
+        torch.randint(0, out, (5,), generator=generator)
+        if kind == "categorical"
+        else (torch.rand(5, generator=generator, dtype=F64) < 0.5).to(F64)
+    )
+    for full in (True, False):
+        nll, g_sum, h_sum = factored_terms(model, lik, thetas, x, y, curvature=curvature, full=full)
+        terms = [per_example_terms(model, lik, t, x, y, curvature=curvature, full=full) for t in thetas]
+        assert_close(nll, torch.stack([t[0].mean() for t in terms]).mean())
+        assert_close(g_sum, sum(t[1].sum(0) for t in terms))
+        assert_close(h_sum, sum(t[2] for t in terms))
+
+
+def test_models_outside_the_linear_layout_take_the_torch_func_path() -> None:
+    """A non-Sequential wrapper of the same layer: identical steps through the fallback path."""
+
+    class Wrapped(nn.Module):
+        def __init__(self, layer: nn.Linear) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.layer(x)
+
+    x, y, _, _ = logistic_data()
+    states = []
+    for wrap in (False, True):
+        problem = make_problem()
+        if wrap:
+            problem = Problem(
+                model=Wrapped(problem.model[0]),
+                likelihood=problem.likelihood,
+                n_data=N,
+                prior_precision=problem.prior_precision,
+                generator=problem.generator,
+            )
+        method = make_vogn(n_train_mc_samples=3)
+        method.setup(problem)
+        assert (method._layout is None) == wrap
+        for _ in range(3):
+            method.train_step(x[:20], y[:20])
+        states.append(method.state)
+    assert_close(states[0].mean, states[1].mean)
+    assert_close(states[0].precision, states[1].precision)
+
+
+def test_ggn_of_a_small_mlp_matches_dense_jacobians(generator: torch.Generator) -> None:
+    model = build_model({"name": "mlp", "hidden": [5], "activation": "tanh"}, in_features=2, out_features=3).to(F64)
+    lik = Categorical()
+    theta = 0.5 * torch.randn(sum(p.numel() for p in model.parameters()), generator=generator, dtype=F64)
+    x = torch.randn(6, 2, generator=generator, dtype=F64)
+    y = torch.randint(0, 3, (6,), generator=generator)
+    _, grads, curv = per_example_terms(model, lik, theta, x, y, curvature="hessian", full=True)
+    ref = torch.zeros_like(curv)
+    for i in range(6):
+        jac = torch.autograd.functional.jacobian(lambda t, i=i: forward_with(model, t, x[i : i + 1])[0], theta)
+        p = torch.softmax(forward_with(model, theta, x[i : i + 1])[0], -1)
+        ref += jac.T @ (torch.diag(p) - torch.outer(p, p)) @ jac
+        g_i = torch.func.grad(lambda t, i=i: lik.nll(forward_with(model, t, x[i : i + 1]), y[i : i + 1]).sum())(theta)
+        assert_close(grads[i], g_i)
+    assert_close(curv, ref)
+
+
+def test_non_finite_values_raise_instead_of_passing_silently() -> None:
+    problem = make_problem()
+    method = make_vogn(covariance="diag")
+    method.setup(problem)
+    x, y, _, _ = logistic_data()
+    x = x.clone()
+    x[3, 0] = float("nan")
+    before = method.state
+    with pytest.raises(NonFiniteLossError, match="non-finite"):
+        method.train_step(x[:20], y[:20])
+    assert method.state is before
+    with pytest.raises(ValueError, match="non-finite"):
+        bad = method.state_dict()
+        bad["precision"] = torch.full_like(bad["precision"], float("nan"))
+        method.load_state_dict(bad)
+
+
+def test_full_covariance_refuses_large_models() -> None:
+    mlp = build_model({"name": "mlp", "hidden": [100], "activation": "relu"}, in_features=60, out_features=1)
+    problem = make_problem(model=mlp.to(F64))
+    with pytest.raises(ValueError, match="D=6201"):
+        make_vogn(covariance="full").setup(problem)
+    make_vogn(covariance="diag").setup(problem)  # mean-field is fine
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("covariance", "kron", "choices: full, diag"),
+        ("curvature", "fisher", "choices: ef, hessian"),
+        ("lr", 0.0, "lr"),
+        ("beta", 1.5, "beta"),
+        ("decay", -1.0, "decay"),
+        ("n_train_mc_samples", 0, "n_train_mc_samples"),
+        ("init_prec", -1.0, "init_prec"),
+    ],
+)
+def test_bad_options_are_refused(key: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_vogn(**{key: value})
+
+
+def test_yaml_builds_the_method() -> None:
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF), resolve=True)
+    assert cfg["name"] == "vogn" and cfg["n_train_mc_samples"] == 12
+    method = build_method(cfg)
+    assert isinstance(method, VOGN) and method.curvature is Curvature.HESSIAN
