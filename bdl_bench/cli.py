@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -11,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("data", "model", "method", "trainer", "experiment", "variant")
+GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
 
 USAGE = """usage: bdl-bench <command> [args]
 
@@ -19,12 +20,15 @@ commands:
   run [key=value ...]     fit and evaluate one config (Hydra app: -m/--multirun, --cfg job, --help)
   table <folder> [...]    Markdown/CSV table of every finished run below <folder>
   plot <folder> [...]     figures from run folders (convergence, covariance)
+  reproduce <experiment>  run (or resume) a paper experiment's sweep, tuning included, and compare with the paper
 
 examples:
   bdl-bench run                                  # SLANG on UCI boston, split 0
   bdl-bench run method=bbb data=uci/concrete data.split=3
   bdl-bench run -m experiment=slang_table2 method=bbb,dropout data.split='range(20)'
+  bdl-bench run -m hydra/launcher=joblib hydra.launcher.n_jobs=2 method=bbb data.split='range(20)'
   bdl-bench table results/slang_table2
+  bdl-bench reproduce slang_table2 --quick
 """
 
 
@@ -49,22 +53,47 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_app(cfg: DictConfig) -> float | None:
-    """The Hydra job: one run into Hydra's output folder; returns the objective for sweepers."""
-    from bdl_bench.runner import run
+    """The Hydra job: one run (skipped when finished, resumed when checkpointed) into Hydra's output
+    folder; returns the objective for sweepers (validation log-likelihood when there is a validation part)."""
+    from bdl_bench.sweep import run_job
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    result = run(cfg, run_dir)
-    shown = {k: v for k, v in result.metrics.items() if k in ("rmse", "test_ll", "nll", "accuracy", "elbo", "sym_kl")}
-    summary = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
-    print(f"{cfg.method.name} on {cfg.data.name}: {summary} ({result.metrics['train_time_s']:.1f} s) → {run_dir}")
-    objective = result.metrics.get("val_test_ll", result.metrics.get("test_ll"))
-    return objective
+    result = run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    keys = ("val_test_ll", "rmse", "test_ll", "nll", "accuracy", "elbo", "sym_kl")
+    summary = ", ".join(f"{k} {result.metrics[k]:.4g}" for k in keys if result.metrics.get(k) is not None)
+    how = "finished earlier, skipped" if result.skipped else f"{result.metrics['train_time_s']:.1f} s"
+    print(f"{cfg.method.name} on {cfg.data.name}: {summary} ({how}) → {result.run_dir}")
+    return result.metrics.get("val_test_ll", result.metrics.get("test_ll"))
+
+
+def run_hydra(args: list[str]) -> SystemExit | None:
+    """Run the Hydra app with command-line ``args``; Hydra's exit (on an error) is returned, not raised."""
+    sys.argv = ["bdl-bench run", *args]
+    try:
+        hydra_app()
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            return exit_
+    return None
 
 
 def run_command(args: list[str]) -> None:
+    """``bdl-bench run``; a sweep (-m) ends with a summary of its members and fails if any failed."""
+    from bdl_bench.sweep import multirun_folder, summarise
+
     check_group_overrides([a for a in args if not a.startswith("-")])
-    sys.argv = ["bdl-bench run", *args]
-    hydra_app()
+    sweep_dir = multirun_folder(CONF_DIR, args)
+    started = time.time()
+    error = run_hydra(args)
+    if sweep_dir is None:
+        if error is not None:
+            raise error
+        return
+    summary = summarise(sweep_dir, since=started)
+    print(summary.render(sweep_dir))
+    if summary.failed or summary.unfinished:
+        raise SystemExit(1)
+    if error is not None:
+        raise error
 
 
 def table_command(args: list[str]) -> None:
@@ -79,6 +108,10 @@ def table_command(args: list[str]) -> None:
     if not ns.folder.is_dir():
         raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
     metrics = ns.metrics.split(",") if ns.metrics else None
+    from bdl_bench.sweep import version_warnings
+
+    for warning in version_warnings(ns.folder):
+        print(f"warning: {warning}", file=sys.stderr)
     table = build_table(ns.folder, paper=ns.paper, metrics=metrics)
     csv_path = ns.csv or ns.folder / "table.csv"
     table.frame.to_csv(csv_path, index=False)
@@ -92,13 +125,19 @@ def plot_command(args: list[str]) -> None:
     plot_main(args)
 
 
+def reproduce_command(args: list[str]) -> None:
+    from bdl_bench.reproduce import main as reproduce_main
+
+    reproduce_main(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
-    commands = {"run": run_command, "table": table_command, "plot": plot_command}
+    commands = {"run": run_command, "table": table_command, "plot": plot_command, "reproduce": reproduce_command}
     if command not in commands:
         raise SystemExit(f"bdl-bench: unknown command {command!r}; available: {', '.join(commands)}\n\n{USAGE}")
     commands[command](rest)

@@ -7,7 +7,9 @@ the predictive mean maps back as ``m + s·ŷ`` and densities pick up the Jacobia
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -94,3 +96,125 @@ def predictive_metrics(
             "brier": brier_score(probs, labels),
         }
     raise TypeError(f"no metrics for likelihood {type(likelihood).__name__}")
+
+
+# --- calibration and out-of-distribution detection (DEF Table 1 and Fig. 6) ---------------------------------
+
+
+def predictive_entropy(probs: Tensor, *, normalise: bool = True) -> Tensor:
+    """Entropy ``−Σ_c p_c log p_c`` of each predictive distribution, divided by ``log C`` when ``normalise``.
+
+    Args:
+        probs: predictive class probabilities ``(N, C)`` (C ≥ 2), e.g. ``likelihood.probs(f_samples)``.
+        normalise: divide by the maximum entropy ``log C``, so values lie in [0, 1] (DEF Table 1).
+
+    Returns:
+        ``(N,)`` entropies (nats, or fractions of ``log C``).
+    """
+    if probs.dim() != 2 or probs.shape[-1] < 2:
+        raise ValueError(f"probs must be (N, C) with C >= 2, got shape {tuple(probs.shape)}")
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)
+    return entropy / math.log(probs.shape[-1]) if normalise else entropy
+
+
+def ood_auroc(in_probs: Tensor, ood_probs: Tensor) -> float:
+    """Area under the ROC curve for telling out-of-distribution from in-distribution inputs by entropy.
+
+    OOD inputs are the positive class and the predictive entropy is the score, so 1.0 means every
+    OOD input is more uncertain than every in-distribution one, 0.5 chance. Ties count one half.
+
+    Args:
+        in_probs: predictive probabilities on the in-distribution test set ``(N_in, C)``.
+        ood_probs: the same on the out-of-distribution set ``(N_ood, C)``.
+    """
+    from sklearn.metrics import roc_auc_score
+
+    if in_probs.shape[0] == 0 or ood_probs.shape[0] == 0:
+        raise ValueError("ood_auroc needs at least one in-distribution and one OOD example")
+    scores = torch.cat([predictive_entropy(in_probs), predictive_entropy(ood_probs)]).double().cpu().numpy()
+    is_ood = [0] * in_probs.shape[0] + [1] * ood_probs.shape[0]
+    return float(roc_auc_score(is_ood, scores))
+
+
+def ood_metrics(in_probs: Tensor, ood_probs: Tensor) -> dict[str, float]:
+    """DEF Table 1's OOD columns and the AUROC.
+
+    Returns:
+        ``ood_entropy_mean``, ``ood_entropy_std`` (normalised entropy on the OOD set),
+        ``in_entropy_mean``, ``in_entropy_std`` (on the in-distribution test set) and ``ood_auroc``.
+    """
+    h_in, h_ood = predictive_entropy(in_probs), predictive_entropy(ood_probs)
+    return {
+        "ood_entropy_mean": float(h_ood.mean()),
+        "ood_entropy_std": float(h_ood.std()) if h_ood.numel() > 1 else 0.0,
+        "in_entropy_mean": float(h_in.mean()),
+        "in_entropy_std": float(h_in.std()) if h_in.numel() > 1 else 0.0,
+        "ood_auroc": ood_auroc(in_probs, ood_probs),
+    }
+
+
+@dataclass(frozen=True)
+class ReliabilityDiagram:
+    """Per-bin accuracy against confidence (Guo et al., 2017), with the bins of
+    :func:`expected_calibration_error`.
+
+    Attributes:
+        bin_edges: ``(B + 1,)`` equal-width edges on [0, 1].
+        counts: ``(B,)`` examples whose confidence falls in each bin (the first bin includes 0).
+        accuracy: ``(B,)`` fraction correct per bin (NaN for an empty bin).
+        confidence: ``(B,)`` mean confidence per bin (NaN for an empty bin).
+    """
+
+    bin_edges: Tensor
+    counts: Tensor
+    accuracy: Tensor
+    confidence: Tensor
+
+    @property
+    def ece(self) -> float:
+        """``Σ_b (n_b / N) |accuracy_b − confidence_b|`` — equals :func:`expected_calibration_error`."""
+        filled = self.counts > 0
+        weights = self.counts[filled].double() / self.counts.sum()
+        return float((weights * (self.accuracy[filled] - self.confidence[filled]).abs().double()).sum())
+
+
+def reliability_from_confidence(confidence: Tensor, correct: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
+    """:class:`ReliabilityDiagram` from per-example top-class confidence ``(N,)`` and correctness ``(N,)``."""
+    confidence = confidence.double().cpu()
+    correct = correct.double().cpu()
+    bin_index = torch.clamp(torch.ceil(confidence * n_bins).long() - 1, min=0, max=n_bins - 1)
+    counts = torch.bincount(bin_index, minlength=n_bins)
+    sums_correct = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bin_index, correct)
+    sums_conf = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bin_index, confidence)
+    denom = counts.double()
+    nan = torch.full((n_bins,), math.nan, dtype=torch.float64)
+    return ReliabilityDiagram(
+        bin_edges=torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64),
+        counts=counts,
+        accuracy=torch.where(counts > 0, sums_correct / denom.clamp_min(1), nan),
+        confidence=torch.where(counts > 0, sums_conf / denom.clamp_min(1), nan),
+    )
+
+
+def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
+    """:class:`ReliabilityDiagram` of predictive probabilities ``(N, C)`` against integer labels ``(N,)``."""
+    confidence, predicted = probs.max(dim=-1)
+    return reliability_from_confidence(confidence, predicted == labels.long(), n_bins)
+
+
+def uncertainty_arrays(probs: Tensor, labels: Tensor, ood_probs: Tensor | None = None) -> dict[str, np.ndarray]:
+    """Per-example arrays for reliability diagrams and entropy histograms (to save as ``uncertainty.npz``).
+
+    Returns:
+        ``test_confidence``, ``test_correct``, ``test_entropy`` (normalised) and, with ``ood_probs``,
+        ``ood_entropy``; 1-D NumPy arrays.
+    """
+    confidence, predicted = probs.max(dim=-1)
+    out = {
+        "test_confidence": confidence.double().cpu().numpy(),
+        "test_correct": (predicted == labels.long()).cpu().numpy(),
+        "test_entropy": predictive_entropy(probs).double().cpu().numpy(),
+    }
+    if ood_probs is not None:
+        out["ood_entropy"] = predictive_entropy(ood_probs).double().cpu().numpy()
+    return out

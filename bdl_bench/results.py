@@ -2,16 +2,26 @@
 
 A run folder holds ``config.yaml`` (the resolved config), ``history.csv`` (one row per epoch,
 appended as training goes) and ``metrics.json``, written last and atomically: its presence means the
-run finished. Loading never needs the run to have happened on this machine.
+run finished. Beside them: ``run.json`` (the latest attempt: status, times, code version, config
+hash), ``checkpoint.pt`` while a run is unfinished, and ``failure.json``/``failure.txt`` when the
+latest attempt raised. Loading never needs the run to have happened on this machine.
+
+The *config hash* identifies what a run computes: a SHA-256 of the resolved config without the keys
+that only say where or how verbosely it runs (:data:`HASH_EXCLUDED_KEYS`). A finished run is reused
+only by a job whose config has the same hash.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
+import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +32,23 @@ import yaml
 METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "history.csv"
+RUN_RECORD_FILE = "run.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+FAILURE_FILE = "failure.json"
+FAILURE_TEXT_FILE = "failure.txt"
+
+HASH_EXCLUDED_KEYS = (
+    "force",
+    "results_root",
+    "experiment_name",
+    "tuned_from",
+    "trainer.device",
+    "trainer.progress",
+    "trainer.threads",
+    "trainer.checkpoint_every",
+    "data.protocol.search",
+)
+"""Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -54,11 +81,14 @@ def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:
 
 
 class HistoryWriter:
-    """Appends one CSV row per epoch; columns are fixed by the first row and grow if needed."""
+    """Appends one CSV row per epoch; columns are fixed by the first row and grow if needed.
 
-    def __init__(self, path: Path) -> None:
+    ``rows`` restores the rows of a resumed run (from its checkpoint); later rows are appended to them.
+    """
+
+    def __init__(self, path: Path, rows: Iterable[Mapping[str, Any]] = ()) -> None:
         self.path = path
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
 
     def append(self, row: Mapping[str, Any]) -> None:
         self.rows.append(dict(row))
@@ -88,9 +118,99 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def find_run_dirs(root: Path) -> Iterable[Path]:
-    """Every folder below ``root`` (or ``root`` itself) holding a ``config.yaml``."""
-    return sorted(p.parent for p in Path(root).rglob(CONFIG_FILE))
+def find_run_dirs(root: Path) -> list[Path]:
+    """Every folder below ``root`` (or ``root`` itself) holding a ``config.yaml``, except inside hidden
+    folders (Hydra's ``.hydra/config.yaml`` copy, submitit's ``.submitit/``)."""
+    root = Path(root)
+    return sorted(
+        p.parent
+        for p in root.rglob(CONFIG_FILE)
+        if not any(part.startswith(".") for part in p.parent.relative_to(root).parts)
+    )
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """16 hex digits of SHA-256 over the flattened config, less :data:`HASH_EXCLUDED_KEYS`."""
+    flat = {
+        k: v for k, v in flatten(config).items() if not any(k == x or k.startswith(f"{x}.") for x in HASH_EXCLUDED_KEYS)
+    }
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stored_config_hash(run_dir: Path) -> str | None:
+    """The config hash of the ``config.yaml`` in ``run_dir``, or ``None`` when there is none."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        return None
+    return config_hash(yaml.safe_load(path.read_text()) or {})
+
+
+def code_version() -> str:
+    """``<package version>+g<commit>`` when the package runs from a git checkout, else the version."""
+    from bdl_bench import __version__
+
+    git = Path(__file__).resolve().parents[1] / ".git"
+    try:
+        if git.is_file():  # a worktree or submodule: ".git" names the real folder
+            git = (git.parent / git.read_text().strip().removeprefix("gitdir: ")).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head.removeprefix("ref: ")
+            ref_path = git / ref
+            if ref_path.exists():
+                head = ref_path.read_text().strip()
+            else:  # packed refs: "<sha> <ref>" lines
+                lines = (git / "packed-refs").read_text().splitlines()
+                head = next(line.split()[0] for line in lines if line.endswith(f" {ref}"))
+        return f"{__version__}+g{head[:10]}"
+    except (OSError, StopIteration, IndexError):
+        return __version__
+
+
+def read_run_record(run_dir: Path) -> dict[str, Any]:
+    """The ``run.json`` of ``run_dir`` (empty when absent)."""
+    path = Path(run_dir) / RUN_RECORD_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def update_run_record(run_dir: Path, **fields: Any) -> dict[str, Any]:
+    """Merge ``fields`` into ``run.json`` (written atomically) and return the new record."""
+    record = {**read_run_record(run_dir), **fields}
+    atomic_write_text(Path(run_dir) / RUN_RECORD_FILE, json.dumps(record, indent=2, default=str))
+    return record
+
+
+def write_failure(run_dir: Path, error: BaseException, config: Mapping[str, Any], overrides: list[str]) -> None:
+    """Record a failed attempt: ``failure.json`` (error, traceback, overrides, resolved config, where and
+    when) and the plain traceback in ``failure.txt``."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    record = {
+        "error_type": type(error).__name__,
+        "message": str(error),
+        "time": time.time(),
+        "host": socket.gethostname(),
+        "code_version": code_version(),
+        "overrides": list(overrides),
+        "traceback": text,
+        "config": dict(config),
+    }
+    atomic_write_text(Path(run_dir) / FAILURE_FILE, json.dumps(record, indent=2, default=str))
+    atomic_write_text(Path(run_dir) / FAILURE_TEXT_FILE, text)
+
+
+def read_failure(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / FAILURE_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def clear_attempt(run_dir: Path, *, finished: bool) -> None:
+    """Remove the failure record of an earlier attempt; with ``finished``, also the metrics and the
+    checkpoint (``force=true`` starts the run afresh)."""
+    names = [FAILURE_FILE, FAILURE_TEXT_FILE]
+    if finished:
+        names += [METRICS_FILE, CHECKPOINT_FILE]
+    for name in names:
+        (Path(run_dir) / name).unlink(missing_ok=True)
 
 
 def load_runs(root: Path, *, include_unfinished: bool = False) -> pd.DataFrame:
@@ -111,5 +231,6 @@ def load_runs(root: Path, *, include_unfinished: bool = False) -> pd.DataFrame:
             row.update(json.loads(metrics_path.read_text()))
         row["run_dir"] = str(run_dir)
         row["finished"] = finished
+        row["code_version"] = read_run_record(run_dir).get("code_version")
         rows.append(row)
     return pd.DataFrame(rows)

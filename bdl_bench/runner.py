@@ -1,16 +1,24 @@
 """One run: config → data, model, likelihood, method → fit → evaluate → results folder.
 
-``run(cfg, run_dir)`` is a plain function (the CLI's Hydra app calls it; tests call it with a
-composed config). It is the one place that seeds torch's global RNG (for ``nn.init``); every other
-source of randomness is a ``torch.Generator`` made here and passed down.
+``run(cfg, run_dir)`` is a plain function (the CLI's Hydra app calls it through
+:func:`bdl_bench.sweep.run_job`; tests call it with a composed config). It is the one place that seeds
+torch's global RNG (for ``nn.init``); every other source of randomness is a ``torch.Generator`` made
+here and passed down.
+
+Every ``trainer.checkpoint_every`` epochs the run saves a checkpoint (``checkpoint.pt``, see
+:mod:`bdl_bench.checkpoint`); a run started in a folder holding one continues from it and ends with the
+same metrics as an unbroken run (bit for bit on the CPU with one thread). The checkpoint is removed
+once ``metrics.json`` is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.gaussians.io import save_gaussian
@@ -28,7 +37,7 @@ from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.metrics import predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.results import HistoryWriter, write_config, write_metrics
+from bdl_bench.results import CHECKPOINT_FILE, HistoryWriter, config_hash, write_config, write_metrics
 
 
 @dataclass(frozen=True)
@@ -122,8 +131,38 @@ def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
     return OmegaConf.select(cfg, key, default=default)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> RunResult:
-    """Fit and evaluate the method described by ``cfg``; write the results into ``run_dir``."""
+@functools.lru_cache(maxsize=2)
+def _cached_dataset(data_json: str) -> Dataset:
+    return build_dataset(json.loads(data_json))
+
+
+def load_dataset(data_cfg: Mapping[str, Any]) -> Dataset:
+    """The dataset of a ``data`` config, loaded once per process (a sweep worker runs many splits of a
+    few datasets); every call returns fresh copies of the tensors, so no run can alter another's data."""
+    cached = _cached_dataset(json.dumps(dict(data_cfg), sort_keys=True, default=str))
+    return Dataset(
+        **{
+            f.name: v.clone() if isinstance(v := getattr(cached, f.name), torch.Tensor) else v
+            for f in dataclasses.fields(cached)
+        }
+    )
+
+
+EpochHook = Callable[[int], None]
+
+
+def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> RunResult:
+    """Fit and evaluate the method described by ``cfg``; write the results into ``run_dir``.
+
+    Args:
+        cfg: the composed root config.
+        run_dir: the run folder; a ``checkpoint.pt`` there (of the same config) is resumed from.
+        epoch_hook: called with the epoch number after each epoch's history row and checkpoint are
+            written (tests use it to simulate a crash).
+
+    Raises:
+        ValueError: when ``run_dir`` holds a checkpoint of a different config.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
@@ -132,9 +171,19 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     device = resolve_device(str(trainer.device))
     dtype = resolve_dtype(str(trainer.dtype))
     seed = int(trainer.seed)
-    write_config(run_dir, OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    config = OmegaConf.to_container(cfg, resolve=True)
+    chash = config_hash(config)  # type: ignore[arg-type]
+    checkpoint_path = run_dir / CHECKPOINT_FILE
+    checkpoint = load_checkpoint(checkpoint_path)
+    if checkpoint is not None and checkpoint.config_hash != chash:
+        raise ValueError(
+            f"{checkpoint_path} belongs to another config (hash {checkpoint.config_hash}, this run {chash}); "
+            "delete it or re-run with force=true"
+        )
+    checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
+    write_config(run_dir, config)  # type: ignore[arg-type]
 
-    dataset = _to_device(build_dataset(OmegaConf.to_container(cfg.data, resolve=True)), device, dtype)  # type: ignore[arg-type]
+    dataset = _to_device(load_dataset(config["data"]), device, dtype)  # type: ignore[index]
     torch.manual_seed(seed)  # the one global seed: nn.init of the model
     model = build_model(
         OmegaConf.to_container(cfg.model, resolve=True),
@@ -157,17 +206,44 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         )
     )
 
-    history = HistoryWriter(run_dir / "history.csv")
+    generators = {"method": method_generator, "data": data_generator, "eval": eval_generator}
+    start_epoch, elapsed_before, rows = 0, 0.0, []
+    if checkpoint is not None:
+        method.load_state_dict(checkpoint.method)
+        for name, gen in generators.items():
+            gen.set_state(checkpoint.generators[name])
+        torch.set_rng_state(checkpoint.torch_rng)
+        if checkpoint.cuda_rng is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
+        start_epoch, elapsed_before, rows = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
+
+    history = HistoryWriter(run_dir / "history.csv", rows)
     n_epochs = int(trainer.n_epochs)
     eval_every = int(trainer.eval_every)
     bar = tqdm(
         total=n_epochs,
+        initial=start_epoch,
         desc=f"{cfg.method.name} on {cfg.data.name}",
         unit="epoch",
         disable=not trainer.progress,
         leave=False,
     )
-    start = time.perf_counter()
+    start = time.perf_counter() - elapsed_before
+
+    def save(epoch: int) -> None:
+        save_checkpoint(
+            checkpoint_path,
+            Checkpoint(
+                epoch=epoch,
+                config_hash=chash,
+                method=method.state_dict(),
+                generators={name: gen.get_state() for name, gen in generators.items()},
+                torch_rng=torch.get_rng_state(),
+                cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                history=history.rows,
+                elapsed_s=time.perf_counter() - start,
+            ),
+        )
 
     def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
         row: dict[str, Any] = {"epoch": epoch, **train_stats, "time_s": time.perf_counter() - start}
@@ -183,8 +259,12 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
                     }
                 )
         history.append(row)
+        if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
+            save(epoch)
         bar.update(1)
         bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
+        if epoch_hook is not None:
+            epoch_hook(epoch)
 
     method.fit(
         dataset.x_train,
@@ -193,6 +273,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         batch_size=int(trainer.batch_size),
         data_generator=data_generator,
         on_epoch_end=on_epoch_end,
+        start_epoch=start_epoch,
     )
     bar.close()
     train_time = time.perf_counter() - start
@@ -221,6 +302,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     if bad:
         raise FloatingPointError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")
     write_metrics(run_dir, metrics)
+    checkpoint_path.unlink(missing_ok=True)
     return RunResult(run_dir=run_dir, metrics=metrics)
 
 

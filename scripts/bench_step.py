@@ -7,7 +7,10 @@ SLANG and SGD steps are timed in alternation (one SLANG step, then ``SGD_PER_ROU
 median. One JSON line per rank:
 
     {"method": "slang", "rank": 8, "step_ms": ..., "sgd_step_ms": ..., "ratio_to_sgd": ...,
-     "peak_mem_mib": ..., "sgd_peak_mem_mib": ..., ...}
+     "peak_mem_mib": ..., "sgd_peak_mem_mib": ..., "flop_ratio": ..., ...}
+
+``flop_ratio`` is the ratio of the two steps' GEMM multiply-adds (:func:`flop_ratio`): what
+``ratio_to_sgd`` would be if every GEMM of both steps ran at the same speed.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over setup plus two steps. On CPU, the
 peak of the bytes held by live tensors, from ``torch.profiler``'s memory timeline over the same
@@ -89,6 +92,24 @@ def _slang_stepper(device: torch.device, batch: int, rank: int, n_samples: int) 
     return step
 
 
+def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) -> float:
+    """Multiply-add count of a SLANG step over that of an SGD step (GEMMs only; the floor of the ratio).
+
+    SGD: forward, weight gradients, and input gradients of every layer but the first (autograd skips
+    the input's). SLANG: the same forward/backward without weight gradients, plus per MC sample the
+    summed gradient and diag(G Gᵀ) (one P·D GEMM each), U^T G and G W (L of them each), and per step
+    the rotation U W_U and U^T D^{-1} U (D·L² each).
+    """
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    weights = [m.in_features * m.out_features for m in linears]
+    total = sum(weights)
+    n_params = sum(p.numel() for p in model.parameters())
+    backprop = batch * (2 * total + total - weights[0])
+    cols = batch * n_samples
+    slang = n_samples * batch * (2 * total - weights[0]) + cols * (2 + 2 * rank) * total + 2 * n_params * rank**2
+    return slang / backprop
+
+
 def _timed(step: Callable[[], None], device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
@@ -160,12 +181,14 @@ def main() -> None:
             else peak_memory_mib(lambda rank=rank: _slang_stepper(device, args.batch, rank, args.mc_samples), device)
         )
         step_ms, sgd_step_ms = statistics.median(slang_ms), statistics.median(sgd_ms)
+        model, _, _ = _build(torch.device("cpu"), args.batch, seed=0)
         record = {
             "method": "slang",
             "rank": rank,
             "step_ms": round(step_ms, 2),
             "sgd_step_ms": round(sgd_step_ms, 3),
             "ratio_to_sgd": round(step_ms / sgd_step_ms, 2),
+            "flop_ratio": round(flop_ratio(model, args.batch, rank, args.mc_samples), 2),
             "peak_mem_mib": None if slang_mem is None else round(slang_mem, 1),
             "sgd_peak_mem_mib": None if sgd_mem is None else round(sgd_mem, 1),
             "device": device.type,

@@ -136,13 +136,14 @@ def _add_matmul_rows(
 
 def sq_diag(factors: PerExampleFactors) -> Tensor:
     """:math:`\\operatorname{diag}(GG^\\top) = \\sum_p g_p \\circ g_p`, shape ``(D,)``."""
-    out = torch.zeros(factors.n_params, dtype=factors.dtype, device=factors.device)
+    out = torch.empty(factors.n_params, dtype=factors.dtype, device=factors.device)  # every entry is written
     for layer in factors.layers:
         slot = layer.slot
         sq_grads = layer.output_grads.square()
-        out[slot.weight_slice].view(slot.out_features, slot.in_features).addmm_(sq_grads.mT, layer.inputs.square())
+        weight = out[slot.weight_slice].view(slot.out_features, slot.in_features)
+        torch.mm(sq_grads.mT, layer.inputs.square(), out=weight)
         if slot.bias_slice is not None:
-            out[slot.bias_slice] = sq_grads.sum(0)
+            torch.sum(sq_grads, 0, out=out[slot.bias_slice])
     return out
 
 
@@ -258,7 +259,7 @@ def low_rank_update(
     new_sqnorms = torch.zeros_like(factor_sqnorms)
     # + sqrt(w1) G W_G, squaring each finished block while it is in cache
     _add_matmul_rows(factors, top[rank:], new_factor.mT, new_weight**0.5, sqnorms=new_sqnorms)
-    residual = factor_sqnorms * old_weight + sq_diag(factors).mul_(new_weight) - new_sqnorms
+    residual = sq_diag(factors).mul_(new_weight).add_(factor_sqnorms, alpha=old_weight).sub_(new_sqnorms)
     if out is not None and new_factor is not out:
         new_factor = out.copy_(new_factor)
     return LowRankUpdate(

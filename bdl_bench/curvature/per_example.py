@@ -77,7 +77,7 @@ def linear_layout(model: nn.Module) -> LinearLayout:
 
     Raises:
         ValueError: if ``model`` is not an ``nn.Sequential``, holds a parametrised module other than
-            ``nn.Linear``, or has no ``nn.Linear`` layer.
+            ``nn.Linear``, uses one ``nn.Linear`` twice, or has no ``nn.Linear`` layer.
     """
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"per-example factors need an nn.Sequential model, got {type(model).__name__}")
@@ -87,8 +87,14 @@ def linear_layout(model: nn.Module) -> LinearLayout:
         offsets[id(p)] = offset
         offset += p.numel()
     slots = []
+    seen: set[int] = set()
     for index, module in enumerate(model):
         if isinstance(module, nn.Linear):
+            if id(module) in seen:
+                raise ValueError(
+                    f"per-example factors need distinct layers; module {index} reuses an earlier nn.Linear"
+                )
+            seen.add(id(module))
             bias = module.bias
             slots.append(
                 LinearSlot(
@@ -158,12 +164,13 @@ class PerExampleFactors:
 
     def grad_sum(self) -> Tensor:
         """:math:`\\sum_p g_p = G\\mathbf 1`, shape ``(D,)`` (one GEMM per layer: :math:`\\Delta^\\top A`)."""
-        out = torch.zeros(self.n_params, dtype=self.dtype, device=self.device)
+        out = torch.empty(self.n_params, dtype=self.dtype, device=self.device)  # the layers cover every entry
         for layer in self.layers:
             slot = layer.slot
-            out[slot.weight_slice].view(slot.out_features, slot.in_features).addmm_(layer.output_grads.mT, layer.inputs)
+            weight = out[slot.weight_slice].view(slot.out_features, slot.in_features)
+            torch.mm(layer.output_grads.mT, layer.inputs, out=weight)
             if slot.bias_slice is not None:
-                out[slot.bias_slice] = layer.output_grads.sum(0)
+                torch.sum(layer.output_grads, 0, out=out[slot.bias_slice])
         return out
 
     def dense(self) -> Tensor:

@@ -36,6 +36,11 @@ class Dataset:
     ``y_mean``/``y_std`` map predictions back to original units (RMSE and log-likelihood are reported
     in original units, as in Gal & Ghahramani's protocol). ``x_val``/``y_val`` are empty when no
     validation part was asked for.
+
+    Vision sets hold images as ``(N, C, H, W)`` floats (or ``(N, C·H·W)`` when flattened), text sets
+    token ids as ``(N, T)`` longs. Optional: an out-of-distribution set (``x_ood``, ``y_ood``,
+    ``ood_name``) preprocessed like the test inputs, and ``augmentation(x, generator) -> x``, a
+    random transform the training loop may apply to each training minibatch (CIFAR crop and flip).
     """
 
     name: str
@@ -49,8 +54,14 @@ class Dataset:
     y_mean: float = 0.0
     y_std: float = 1.0
     n_classes: int | None = None
+    x_ood: Tensor | None = None  # (N_ood, ...) out-of-distribution inputs, preprocessed like x_test
+    y_ood: Tensor | None = None  # (N_ood,) their own labels (not classes of this task), or None
+    ood_name: str | None = None  # dataset the OOD inputs come from, e.g. "vision/notmnist"
+    augmentation: Callable[[Tensor, torch.Generator], Tensor] | None = None  # training-batch transform
 
     def __post_init__(self) -> None:
+        if self.y_ood is not None and (self.x_ood is None or self.x_ood.shape[0] != self.y_ood.shape[0]):
+            raise ValueError(f"dataset {self.name!r}: y_ood needs an x_ood with as many rows")
         for part in ("train", "val", "test"):
             x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
             if x.shape[0] != y.shape[0]:
@@ -64,7 +75,13 @@ class Dataset:
 
     @property
     def n_features(self) -> int:
+        """Width of an input row; for images ``(N, C, H, W)`` the number of channels C."""
         return self.x_train.shape[1]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one input: ``(D,)``, ``(C, H, W)`` for images, ``(T,)`` for token sequences."""
+        return tuple(self.x_train.shape[1:])
 
     @property
     def n_train(self) -> int:

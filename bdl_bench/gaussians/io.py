@@ -10,12 +10,24 @@ from pathlib import Path
 import torch
 
 from bdl_bench.gaussians.base import StructuredGaussian
+from bdl_bench.gaussians.blocks import BlockDiagGaussian
+from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.gaussians.full import FullGaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
 from bdl_bench.gaussians.low_rank import LowRankPlusDiagGaussian
 
 CLASSES: dict[str, type[StructuredGaussian]] = {
-    cls.__name__: cls for cls in (DiagGaussian, FullGaussian, LowRankPlusDiagGaussian)
+    cls.__name__: cls
+    for cls in (
+        DiagGaussian,
+        FullGaussian,
+        LowRankPlusDiagGaussian,
+        BlockDiagGaussian,
+        KroneckerGaussian,
+        EigenKroneckerGaussian,
+        KroneckerLowRankPlusDiagGaussian,
+    )
 }
 
 

@@ -10,7 +10,8 @@ options of the authors' code ``lib/optimizers/slang.py``):
    :math:`\beta_t = \beta / (1 + t^{\gamma})` for ``decay`` :math:`\gamma > 0`; constant
    :math:`\alpha_t = \alpha`, :math:`\beta_t = \beta` for :math:`\gamma = 0`. (Paper's β; the authors'
    code passes :math:`1 - \beta` as Adam's second "beta" and decays :math:`\beta` itself.)
-2. S = ``n_train_mc_samples`` draws :math:`\theta_s \sim q_t` (:func:`sample_noise`: exact, O(D L) each).
+2. S = ``n_train_mc_samples`` draws :math:`\theta_s \sim q_t` (exact, O(D L) each:
+   :func:`bdl_bench.curvature.low_rank.sample_noise`).
 3. Per-example gradients :math:`g_{s,i} = \nabla_\theta[-\log p(y_i \mid x_i, \theta_s)]` as layer
    factors (:mod:`bdl_bench.curvature.per_example`), scaled as in the authors' code by
    :math:`c = N/(MS)`: :math:`\hat g = c\sum_{s,i} g_{s,i}`, :math:`\hat G = c\sum_{s,i} g_{s,i}g_{s,i}^\top`.
@@ -32,6 +33,15 @@ Their UCI setting ("Adam-like", Table 2): :math:`\alpha = 0.01`, :math:`\beta = 
 in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay; logistic regression
 (Table 1): :math:`\alpha = \beta = 0.05`, :math:`\gamma = 0.51`.
 
+Implementation: U is stored column-major (``torch.zeros(L, D).mT``: each column contiguous), so that
+every product with the per-example gradients is a GEMM of a training step's shape
+(:mod:`bdl_bench.curvature.gram`); the state's tensors are updated in place by ``train_step`` (U is
+rotated block by block, no second D x L buffer), so ``posterior()`` and ``state_dict()`` return
+copies. :math:`U^\top U` (the last eigenvalues), :math:`\operatorname{diag}(UU^\top)` and the Cholesky
+factor of :math:`I + U^\top D^{-1}U` are carried from one step to the next
+(:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of being recomputed. Samples of q (for
+training and ``predict``) are exact: :math:`\mu + P^{-1}(d^{1/2}\circ\epsilon_1 + U\epsilon_2)`.
+
 ``train_step`` reports ``nll`` (the minibatch mean of :math:`-\log p(y_i\mid\theta_s)`) and ``loss`` =
 ``nll`` + KL/N, the per-example negative ELBO estimate, where KL(:math:`q_t\,\|\,p`) is exact except
 for its trace term :math:`\operatorname{tr}(\operatorname{diag}(\lambda)\Sigma_t)`, replaced by its
@@ -48,7 +58,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.gram import column_sqnorms, low_rank_update
+from bdl_bench.curvature.gram import low_rank_update
+from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitance_cholesky, sample_noise, weighted_gram
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
@@ -65,80 +76,24 @@ class NonFiniteGradientError(NonFiniteLossError):
 class SlangState:
     """Everything that changes while SLANG fits (Mishkin et al. 2018, Alg. 1), plus momentum.
 
+    The method overwrites these tensors at each ``train_step`` (copy a state, or use
+    ``Slang.state_dict()``, to keep it).
+
     Attributes:
         mean: :math:`\\mu`, ``(D,)``.
-        prec_factor: U, ``(D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`.
+        prec_factor: U, ``(D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`; column-major
+            (``U.mT`` contiguous) in the method.
         prec_diag: d, ``(D,)``.
+        step: number of updates taken so far (t of the last update).
         momentum: :math:`m`, the EMA of the scaled data gradient :math:`\\hat g` (before bias
             correction), ``(D,)``.
-        step: number of updates taken so far (t of the last update).
     """
 
     mean: Tensor  # (D,)
     prec_factor: Tensor  # (D, L)
     prec_diag: Tensor  # (D,)
-    momentum: Tensor  # (D,)
     step: int
-
-
-@dataclass(frozen=True)
-class SlangCache:
-    """Quantities of a state's precision that the next step reuses instead of recomputing them.
-
-    With :math:`K = U^\\top D^{-1} U` and :math:`C = I_L + K = RR^\\top` (the Woodbury capacitance,
-    Alg. 2), every solve and sample costs O(D L) per vector (Alg. 2 and :func:`sample_noise`).
-
-    Attributes:
-        factor_gram: :math:`U^\\top U` ``(L, L)`` (after an update: ``diag`` of its eigenvalues).
-        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)`, ``(D,)``.
-        capacitance: K, ``(L, L)``.
-        capacitance_chol: R, the lower Cholesky factor of :math:`I + K`, ``(L, L)``.
-    """
-
-    factor_gram: Tensor  # (L, L)
-    factor_sqnorms: Tensor  # (D,)
-    capacitance: Tensor  # (L, L)
-    capacitance_chol: Tensor  # (L, L)
-
-
-_GRAM_BLOCK_ELEMENTS = 1 << 18  # entries of U per block of the weighted Gram matrix on CPU (about 1 MB)
-
-
-def _weighted_gram(factor: Tensor, weights: Tensor, rhs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """:math:`U^\\top\\operatorname{diag}(w)U` ``(L, L)`` and, if given, :math:`U^\\top(w \\circ v)` ``(L,)``.
-
-    U is read column-major (as SLANG stores it), on CPU in blocks of about 1 MB of rows of D, so
-    that no D x L temporary is allocated.
-    """
-    rows = factor.mT if factor.mT.is_contiguous() else factor.mT.contiguous()  # (L, D)
-    rank, n_params = rows.shape
-    cols = n_params if factor.device.type != "cpu" else max(1, _GRAM_BLOCK_ELEMENTS // max(rank, 1))
-    gram = torch.zeros(rank, rank, dtype=factor.dtype, device=factor.device)
-    proj = None if rhs is None else torch.zeros(rank, dtype=factor.dtype, device=factor.device)
-    buffer = torch.empty(rank, min(cols, n_params), dtype=factor.dtype, device=factor.device)
-    for start in range(0, n_params, cols):
-        block = rows[:, start : start + cols]
-        scaled = torch.mul(block, weights[start : start + cols], out=buffer[:, : block.shape[1]])
-        gram.addmm_(scaled, block.mT)
-        if proj is not None and rhs is not None:
-            proj.addmv_(scaled, rhs[start : start + cols])
-    return gram, proj
-
-
-def _capacitance_chol(capacitance: Tensor) -> Tensor:
-    eye = torch.eye(capacitance.shape[0], dtype=capacitance.dtype, device=capacitance.device)
-    return torch.linalg.cholesky(capacitance + eye)
-
-
-def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> SlangCache:
-    """:class:`SlangCache` of ``(U, d)`` computed from scratch (O(D L²))."""
-    capacitance, _ = _weighted_gram(prec_factor, prec_diag.reciprocal())
-    return SlangCache(
-        factor_gram=prec_factor.mT @ prec_factor,
-        factor_sqnorms=column_sqnorms(prec_factor),
-        capacitance=capacitance,
-        capacitance_chol=_capacitance_chol(capacitance),
-    )
+    momentum: Tensor  # (D,)
 
 
 def decayed_rate(rate: float, decay: float, step: int) -> float:
@@ -152,33 +107,6 @@ def decayed_rate(rate: float, decay: float, step: int) -> float:
     return rate / (1.0 + step**decay) if decay > 0 else rate
 
 
-def _chol_solve_rows(rows: Tensor, chol: Tensor) -> Tensor:
-    """:math:`x C^{-1}` for rows x ``(K, L)`` and :math:`C = RR^\\top` (C symmetric)."""
-    return torch.cholesky_solve(rows.mT, chol).mT
-
-
-def sample_noise(
-    prec_factor: Tensor, prec_diag: Tensor, cache: SlangCache, n_samples: int, generator: torch.Generator
-) -> Tensor:
-    """Draws of :math:`\\mathcal N(0, P^{-1})`, :math:`P = UU^\\top + \\operatorname{diag}(d)`: ``(n, D)``.
-
-    :math:`z = d^{1/2}\\circ\\epsilon_1 + U\\epsilon_2` with :math:`\\epsilon_1 \\sim \\mathcal N(0, I_D)`,
-    :math:`\\epsilon_2 \\sim \\mathcal N(0, I_L)` has covariance P, so :math:`P^{-1}z` has covariance
-    :math:`P^{-1}PP^{-1} = P^{-1}`: exact for any U (zero columns included). By Woodbury, with
-    :math:`U^\\top D^{-1} z = U^\\top(d^{-1/2}\\circ\\epsilon_1) + K\\epsilon_2`,
-    :math:`P^{-1}z = d^{-1/2}\\circ\\epsilon_1 + D^{-1}U(\\epsilon_2 - C^{-1}U^\\top D^{-1} z)`: two
-    passes over U for all n samples (as Alg. 3). The normals are drawn on the generator's device.
-    """
-    n_params, rank = prec_factor.shape
-    eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=prec_diag.dtype)
-    eps = eps.to(prec_diag.device)
-    white = eps[:, :n_params] * prec_diag.rsqrt()  # (n, D) d^{-1/2} e1
-    low = eps[:, n_params:]  # (n, L) e2
-    proj = white @ prec_factor + low @ cache.capacitance  # (n, L) rows of U^T D^{-1} z
-    coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (n, L)
-    return white.addcdiv_(coeffs @ prec_factor.mT, prec_diag)
-
-
 def slang_update(
     state: SlangState,
     factors: PerExampleFactors,
@@ -188,9 +116,9 @@ def slang_update(
     lr: float,
     beta: float,
     momentum: float,
-    cache: SlangCache | None = None,
+    cache: PrecisionCache | None = None,
     inplace: bool = False,
-) -> tuple[SlangState, SlangCache]:
+) -> tuple[SlangState, PrecisionCache]:
     """One SLANG update (module docstring, items 3-6) from factors evaluated at samples of q.
 
     Args:
@@ -216,7 +144,7 @@ def slang_update(
         cache = build_cache(state.prec_factor, state.prec_diag)
     scale = n_data / factors.n_columns  # N / (M S)
     grad = factors.grad_sum().mul_(scale)  # g_hat (D,)
-    if not bool(torch.isfinite(grad).all()):
+    if not bool(torch.isfinite(grad.sum())):  # a NaN or an infinity anywhere makes the sum non-finite
         raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step}")
     try:
         update = low_rank_update(
@@ -238,16 +166,17 @@ def slang_update(
     direction = torch.addcmul(new_momentum / (1.0 - momentum**step), prior_precision, state.mean)
     # eq. (11) by Woodbury, with U^T D^{-1} U and U^T D^{-1} direction in one blocked pass over U
     inv_diag = prec_diag.reciprocal()
-    capacitance, proj = _weighted_gram(update.prec_factor, inv_diag, direction)
-    chol = _capacitance_chol(capacitance)
+    capacitance, proj = weighted_gram(update.prec_factor, inv_diag, direction)
+    chol = capacitance_cholesky(capacitance)
     assert proj is not None
     inner = torch.cholesky_solve(proj[:, None], chol)[:, 0]
-    step_vec = (direction - update.prec_factor @ inner).mul_(inv_diag)
-    mean = state.mean.sub_(step_vec, alpha=lr) if inplace else state.mean - lr * step_vec
+    residual = torch.addmv(direction, update.prec_factor, inner, alpha=-1.0)  # direction - U inner
+    mean = state.mean if inplace else state.mean.clone()
+    mean.addcmul_(residual, inv_diag, value=-lr)  # mu - lr D^{-1}(direction - U inner)
     new_state = SlangState(
         mean=mean, prec_factor=update.prec_factor, prec_diag=prec_diag, momentum=new_momentum, step=step
     )
-    new_cache = SlangCache(
+    new_cache = PrecisionCache(
         factor_gram=torch.diag(update.eigenvalues),
         factor_sqnorms=update.factor_sqnorms,
         capacitance=capacitance,
@@ -338,9 +267,9 @@ class Slang(Method):
             momentum=torch.zeros_like(mean),
             step=0,
         )
-        self._cached: tuple[SlangState, SlangCache] | None = None
+        self._cached: tuple[SlangState, PrecisionCache] | None = None
 
-    def _cache(self) -> SlangCache:
+    def _cache(self) -> PrecisionCache:
         """The cache of ``self.state`` (kept from the last update, or rebuilt after a load)."""
         if self._cached is None or self._cached[0] is not self.state:
             self._cached = (self.state, build_cache(self.state.prec_factor, self.state.prec_diag))
@@ -367,9 +296,10 @@ class Slang(Method):
         factors = linear_factors(problem.model, state.mean + noise, x, y, problem.likelihood, self.layout)
         # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
         logdet = state.prec_diag.log().sum() + 2.0 * cache.capacitance_chol.diagonal().log().sum()
+        trace = (noise.square_() @ self.prior_precision).mean()  # noise is not needed any more
         kl_est = 0.5 * (
-            (noise.square() @ self.prior_precision).mean()
-            + (self.prior_precision * state.mean.square()).sum()
+            trace
+            + torch.dot(self.prior_precision * state.mean, state.mean)
             - state.mean.numel()
             + logdet
             - self._log_prior_det
@@ -445,13 +375,4 @@ class Slang(Method):
         self._cached = None
 
 
-__all__ = [
-    "NonFiniteGradientError",
-    "Slang",
-    "SlangCache",
-    "SlangState",
-    "build_cache",
-    "decayed_rate",
-    "sample_noise",
-    "slang_update",
-]
+__all__ = ["NonFiniteGradientError", "Slang", "SlangState", "decayed_rate", "slang_update"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,9 +23,16 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
     return add
 
 
+def import_all_models() -> None:
+    """Import every submodule of :mod:`bdl_bench.models` once, so that all builders are registered."""
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
 def build_model(cfg: Mapping[str, Any], *, in_features: int, out_features: int) -> nn.Module:
     """Build the model named ``cfg['name']`` for the given input and output widths."""
-    from bdl_bench.models import mlp  # noqa: F401  (registers)
+    import_all_models()
 
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
     name = cfg["name"]

@@ -113,3 +113,41 @@ def test_unknown_path_is_refused(generator: torch.Generator) -> None:
     factors, _ = _factors(generator)
     with pytest.raises(ValueError, match="'auto', 'gram' or 'dense'"):
         low_rank_update(factors, torch.zeros(32, 1, dtype=F64), old_weight=0.9, new_weight=0.1, path="lanczos")
+
+
+@pytest.mark.parametrize("layout", ["new", "column_major_out", "row_major_out", "in_place"])
+def test_update_into_given_output(layout: str, chunking: bool, generator: torch.Generator) -> None:
+    """``out`` (possibly U itself, rotated block by block in place) gives the same update."""
+    factors, _ = _factors(generator, n_samples=2)
+    u = gram.empty_columns_first(32, 3, like=factors.losses).copy_(torch.randn(32, 3, generator=generator, dtype=F64))
+    kwargs = dict(old_weight=0.8, new_weight=0.3, path="gram")
+    reference = low_rank_update(factors, u.clone(), **kwargs)
+    out = {
+        "new": None,
+        "column_major_out": gram.empty_columns_first(32, 3, like=u),
+        "row_major_out": torch.empty(32, 3, dtype=F64),
+        "in_place": u,
+    }[layout]
+    update = low_rank_update(factors, u, **kwargs, out=out)
+    if out is not None:
+        assert update.prec_factor is out
+    torch.testing.assert_close(update.prec_factor, reference.prec_factor)
+    torch.testing.assert_close(update.diag_residual, reference.diag_residual)
+
+
+def test_column_sqnorms(generator: torch.Generator) -> None:
+    m = torch.randn(11, 4, generator=generator, dtype=F64)
+    torch.testing.assert_close(gram.column_sqnorms(m), m.square().sum(1))
+    torch.testing.assert_close(gram.column_sqnorms(gram.empty_columns_first(11, 4, like=m).copy_(m)), m.square().sum(1))
+
+
+def test_rotate_columns_in_place(chunking: bool, generator: torch.Generator) -> None:
+    u = gram.empty_columns_first(50, 3, like=torch.zeros(1, dtype=F64)).copy_(
+        torch.randn(50, 3, generator=generator, dtype=F64)
+    )
+    rotation = torch.randn(3, 3, generator=generator, dtype=F64)
+    expected = u @ rotation
+    assert gram.rotate_columns(u, rotation, u) is u
+    torch.testing.assert_close(u, expected)
+    with pytest.raises(ValueError, match="column-major"):
+        gram.rotate_columns(torch.randn(50, 3, dtype=F64), rotation, u)

@@ -89,6 +89,7 @@ def test_layout_follows_parameter_order() -> None:
         (nn.Linear(3, 2), "nn.Sequential"),
         (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 1)), "LayerNorm"),
         (nn.Sequential(nn.ReLU()), "at least one nn.Linear"),
+        (nn.Sequential(*[nn.Linear(3, 3)] * 2), "reuses"),
     ],
 )
 def test_unsupported_models_are_refused(model: nn.Module, match: str) -> None:

@@ -12,19 +12,12 @@ from torch import Tensor, nn
 
 from bdl_bench.curvature import linear_factors
 from bdl_bench.curvature.dense import per_example_gradients
+from bdl_bench.curvature.low_rank import build_cache
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, LowRankPlusDiagGaussian, kl, sym_kl
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
-from bdl_bench.methods.slang import (
-    NonFiniteGradientError,
-    Slang,
-    SlangState,
-    build_cache,
-    decayed_rate,
-    sample_noise,
-    slang_update,
-)
+from bdl_bench.methods.slang import NonFiniteGradientError, Slang, SlangState, decayed_rate, slang_update
 from bdl_bench.models.mlp import logistic_regression, mlp
 
 F64 = torch.float64
@@ -128,16 +121,43 @@ def test_update_equals_dense_reference(n_samples: int, momentum: float, rank: in
         torch.testing.assert_close(getattr(cache, name), getattr(fresh, name))
 
 
+def test_in_place_update_equals_the_functional_one(generator: torch.Generator) -> None:
+    model, likelihood, x, y = _mlp_problem(generator, n=5)
+    state = _random_state(generator, 32, 2, step=2)
+    state = SlangState(
+        mean=state.mean,
+        prec_factor=state.prec_factor.mT.contiguous().mT,  # column-major, as the method keeps it
+        prec_diag=state.prec_diag,
+        momentum=state.momentum,
+        step=state.step,
+    )
+    copy = SlangState(
+        mean=state.mean.clone(),
+        prec_factor=state.prec_factor.clone(),
+        prec_diag=state.prec_diag.clone(),
+        step=2,
+        momentum=state.momentum.clone(),
+    )
+    factors = linear_factors(model, state.mean + 0.2, x, y, likelihood)
+    kwargs = dict(n_data=40, prior_precision=torch.full((32,), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
+    functional, _ = slang_update(copy, factors, **kwargs)
+    in_place, _ = slang_update(state, factors, **kwargs, inplace=True)
+    for name in ("mean", "prec_factor", "prec_diag", "momentum"):
+        torch.testing.assert_close(getattr(in_place, name), getattr(functional, name))
+        assert getattr(in_place, name) is getattr(state, name)  # the same tensors, overwritten
+    assert in_place.prec_factor.mT.is_contiguous()
+
+
 def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
     """The cached U^T U (the previous eigenvalues) stands in for the real one at the next step."""
     model, likelihood, x, y = _mlp_problem(generator)
     prior = torch.full((32,), 1.5, dtype=F64)
     state = ref = SlangState(
-        torch.zeros(32, dtype=F64),
-        torch.zeros(32, 2, dtype=F64),
-        torch.ones(32, dtype=F64),
-        torch.zeros(32, dtype=F64),
-        0,
+        mean=torch.zeros(32, dtype=F64),
+        prec_factor=torch.zeros(32, 2, dtype=F64),
+        prec_diag=torch.ones(32, dtype=F64),
+        step=0,
+        momentum=torch.zeros(32, dtype=F64),
     )
     cache = None
     for _ in range(3):
@@ -158,18 +178,6 @@ def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
         torch.testing.assert_close(state.mean, ref.mean)
         torch.testing.assert_close(state.prec_diag, ref.prec_diag)
         torch.testing.assert_close(state.prec_factor @ state.prec_factor.mT, ref.prec_factor @ ref.prec_factor.mT)
-
-
-def test_sample_noise_is_exactly_the_posterior_covariance(generator: torch.Generator) -> None:
-    """noise = P^{-1}(d^{1/2} e1 + U e2), whose covariance P^{-1}[diag d + U U^T]P^{-1} = P^{-1}."""
-    state = _random_state(generator, 6, 2, step=0)
-    cache = build_cache(state.prec_factor, state.prec_diag)
-    noise = sample_noise(state.prec_factor, state.prec_diag, cache, 5, torch.Generator().manual_seed(7))
-    eps = torch.randn((5, 8), generator=torch.Generator().manual_seed(7), dtype=F64).mT  # same draws
-    precision = state.prec_factor @ state.prec_factor.mT + torch.diag(state.prec_diag)
-    transform = torch.linalg.solve(precision, torch.cat([torch.diag(state.prec_diag.sqrt()), state.prec_factor], 1))
-    torch.testing.assert_close(noise, (transform @ eps).mT)
-    torch.testing.assert_close(transform @ transform.mT, torch.linalg.inv(precision))
 
 
 def test_decayed_rate() -> None:
@@ -225,6 +233,18 @@ def test_train_step_predict_posterior_and_kl(generator: torch.Generator) -> None
     )
     samples = method.predict(x, 5)
     assert samples.shape == (5, x.shape[0], 2) and samples.dtype == F64
+
+
+def test_posterior_is_a_snapshot(generator: torch.Generator) -> None:
+    model, likelihood, x, y = _mlp_problem(generator)
+    method = _setup(model, likelihood, 50, generator)
+    method.train_step(x, y)
+    q = method.posterior()
+    mean, factor = q.mean.clone(), q.prec_factor.clone()
+    method.train_step(x, y)  # updates the method's state in place
+    torch.testing.assert_close(q.mean, mean)
+    torch.testing.assert_close(q.prec_factor, factor)
+    assert not torch.equal(method.state.mean, mean)
 
 
 def test_checkpoint_resumes_identically(generator: torch.Generator) -> None:

@@ -1,0 +1,66 @@
+"""Training checkpoints: what a killed run needs to continue exactly where it stopped.
+
+A checkpoint is one file (``checkpoint.pt`` in the run folder), written atomically — ``torch.save`` to a
+temporary file in the same folder, then ``os.replace`` — and read with ``torch.load(weights_only=True)``,
+so it holds only tensors, numbers, strings and plain containers. It stores the method's
+``state_dict()``, the state of every ``torch.Generator`` the runner made, torch's global RNG state (the
+runner seeds it once, for ``nn.init``; anything drawing from it later continues the same stream), the
+epoch reached, the history rows so far and the training time spent, plus the config hash so that a
+checkpoint is never applied to another config.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The state of an unfinished run after ``epoch`` complete epochs."""
+
+    epoch: int
+    config_hash: str
+    method: dict[str, Any]  # Method.state_dict()
+    generators: dict[str, Tensor]  # name -> torch.Generator.get_state() (CPU byte tensors)
+    torch_rng: Tensor  # torch.get_rng_state()
+    cuda_rng: Tensor | None  # torch.cuda.get_rng_state() of the run's device, when it is a GPU
+    history: list[dict[str, Any]]
+    elapsed_s: float
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """Write ``checkpoint`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(asdict(checkpoint), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: Path) -> Checkpoint | None:
+    """The checkpoint at ``path`` (tensors on the CPU), or ``None`` when there is none.
+
+    Raises:
+        ValueError: when the file is not a checkpoint of this format (naming the file and the fix).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return Checkpoint(**state)
+    except TypeError as error:
+        raise ValueError(
+            f"{path} is not a bdl-bench checkpoint ({error}); delete it or re-run with force=true"
+        ) from error

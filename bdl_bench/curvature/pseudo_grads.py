@@ -1,0 +1,270 @@
+r"""Per-example "pseudo-gradients" whose outer products are the GGN or the sampled-label Fisher.
+
+For a network :math:`f(x;\theta)` with per-example loss :math:`\ell(f, y) = -\log p(y \mid f)`, the
+generalised Gauss-Newton (GGN) of example i is :math:`J_i^\top \Lambda_i J_i`, with
+:math:`J_i = \partial f_i / \partial\theta` and :math:`\Lambda_i = \partial^2 \ell / \partial f^2`. Writing
+:math:`\Lambda_i = L_iL_i^\top` it is :math:`\sum_k g_{ik}g_{ik}^\top` with
+:math:`g_{ik} = J_i^\top L_i e_k`, the backpropagation of the column :math:`L_ie_k` (Martens & Grosse
+2015, Sec. 5; Botev et al. 2017). The Fisher with labels sampled from the model,
+:math:`\mathbb E_{\tilde y\sim p(y\mid f_i)}[\nabla\ell\nabla\ell^\top]`, is estimated the same way with
+:math:`g_{is} = S^{-1/2}\nabla_\theta\ell(f_i, \tilde y_{is})` for S label draws. For the three
+likelihoods here (Gaussian, Bernoulli-logit, softmax) the exact Fisher equals the GGN.
+
+For an ``nn.Linear`` layer :math:`z = Wa + b` each pseudo-gradient restricted to the layer is
+:math:`\delta\,\tilde a^\top` with :math:`\tilde a = [a, 1]` (the bias absorbed, as in Lee et al.,
+eq. 1) and :math:`\delta` the backpropagated vector at the layer's pre-activation. One forward pass
+and K backward passes (K = the number of columns of :math:`L_i`, or S) give every
+:math:`\tilde a_i` and :math:`\delta_{ik}` of a minibatch; Kronecker factors, diagonals and exact
+blocks are then formed from these (:mod:`bdl_bench.curvature.kron`,
+:mod:`bdl_bench.curvature.exact`).
+
+Block layout: a layer's parameters, read in the "augmented row-major" order of
+:math:`\tilde W = [W, b]` (out x (in+1)), have the pseudo-gradient
+:math:`\operatorname{vec}_r(\delta\tilde a^\top) = \delta\otimes\tilde a`, so its curvature block is
+:math:`\sum \delta\delta^\top\otimes\tilde a\tilde a^\top` and KFAC's is :math:`G\otimes A`.
+(Lee et al. write :math:`A\otimes G` for column-stacked vec; the two are the same matrix up to the
+perfect shuffle.) :func:`block_index` maps that order to the flat parameter vector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bdl_bench.curvature.per_example import LinearLayout, LinearSlot, linear_layout
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+
+
+class CurvatureKind(str, Enum):
+    """Which per-example curvature the pseudo-gradients represent."""
+
+    GGN = "ggn"
+    """Generalised Gauss-Newton :math:`J^\\top\\Lambda J` (deterministic; equals the exact Fisher here)."""
+    FISHER = "fisher"
+    """Monte Carlo Fisher with labels sampled from the model's predictive (Lee et al., App. E)."""
+
+
+@dataclass(frozen=True)
+class LayerPseudoGrads:
+    """One ``nn.Linear`` layer's factors for a minibatch of M examples.
+
+    Attributes:
+        slot: where the layer sits in the flat parameter vector.
+        inputs: :math:`\\tilde a_i` (with a trailing 1 when the layer has a bias), ``(M, n)``.
+        output_grads: :math:`\\delta_{ik}`, ``(K, M, m)`` with m = out_features.
+    """
+
+    slot: LinearSlot
+    inputs: Tensor  # (M, n)
+    output_grads: Tensor  # (K, M, m)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(m, n): rows and columns of the augmented weight :math:`\\tilde W`."""
+        return self.output_grads.shape[-1], self.inputs.shape[-1]
+
+
+@dataclass(frozen=True)
+class PseudoGrads:
+    """Pseudo-gradients of one minibatch: ``sum_k g_ik g_ik^T`` is example i's curvature.
+
+    Attributes:
+        layers: one entry per ``nn.Linear`` layer, in model order.
+        layout: the layers' places in the flat vector (and D).
+        n_examples: M.
+    """
+
+    layers: tuple[LayerPseudoGrads, ...]
+    layout: LinearLayout
+    n_examples: int
+
+    def dense(self) -> Tensor:
+        """All pseudo-gradients in flat parameter order, ``(K·M, D)`` (small nets only)."""
+        first = self.layers[0].output_grads
+        n_rows = first.shape[0] * first.shape[1]
+        out = torch.zeros(n_rows, self.layout.n_params, dtype=first.dtype, device=first.device)
+        for layer in self.layers:
+            slot = layer.slot
+            a = layer.inputs[:, : slot.in_features]
+            d = layer.output_grads.reshape(n_rows, slot.out_features)
+            a_rows = a.repeat(layer.output_grads.shape[0], 1)
+            out[:, slot.weight_slice] = (d[:, :, None] * a_rows[:, None, :]).reshape(n_rows, -1)
+            if slot.bias_slice is not None:
+                out[:, slot.bias_slice] = d
+        return out
+
+
+def block_index(slot: LinearSlot, device: torch.device | None = None) -> Tensor:
+    """Flat positions of a layer's parameters in augmented row-major order of :math:`[W, b]`, ``(m·n,)``."""
+    m, n_in = slot.out_features, slot.in_features
+    weight = slot.weight_offset + torch.arange(m * n_in, device=device).view(m, n_in)
+    if slot.bias_offset is None:
+        return weight.reshape(-1)
+    bias = slot.bias_offset + torch.arange(m, device=device).view(m, 1)
+    return torch.cat([weight, bias], dim=1).reshape(-1)
+
+
+def sample_labels(likelihood: Likelihood, f: Tensor, n_samples: int, generator: torch.Generator) -> Tensor:
+    """Labels drawn from the model's predictive :math:`p(y \\mid f)`, ``(S, M)``.
+
+    Raises:
+        ValueError: for a likelihood this module does not know.
+    """
+    shape = (n_samples, *f.shape)
+    if isinstance(likelihood, Gaussian):
+        eps = torch.randn(shape, generator=generator, dtype=f.dtype, device=generator.device).to(f.device)
+        return (f + eps / math.sqrt(likelihood.noise_precision)).squeeze(-1)
+    if isinstance(likelihood, Bernoulli):
+        u = torch.rand(shape, generator=generator, dtype=f.dtype, device=generator.device).to(f.device)
+        return (u < torch.sigmoid(f)).to(f.dtype).squeeze(-1)
+    if isinstance(likelihood, Categorical):
+        probs = torch.softmax(f, dim=-1).expand(shape).reshape(-1, f.shape[-1])
+        draws = torch.multinomial(probs.to(generator.device), 1, generator=generator).to(f.device)
+        return draws.view(n_samples, f.shape[0])
+    raise ValueError(f"cannot sample labels for likelihood {type(likelihood).__name__}")
+
+
+def hessian_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
+    """Columns of :math:`L_i` with :math:`L_iL_i^\\top = \\partial^2\\ell/\\partial f^2`, ``(K, M, out)``.
+
+    Gaussian: :math:`\\sqrt\\tau`. Bernoulli: :math:`\\sqrt{p(1-p)}`. Softmax: with p the class
+    probabilities, :math:`L = \\operatorname{diag}(\\sqrt p) - p\\sqrt p^\\top` satisfies
+    :math:`LL^\\top = \\operatorname{diag}(p) - pp^\\top` because :math:`\\sum_k p_k = 1`.
+
+    Raises:
+        ValueError: for a likelihood this module does not know.
+    """
+    if isinstance(likelihood, Gaussian):
+        return torch.full_like(f, math.sqrt(likelihood.noise_precision)).unsqueeze(0)
+    if isinstance(likelihood, Bernoulli):
+        p = torch.sigmoid(f)
+        return (p * (1 - p)).sqrt().unsqueeze(0)
+    if isinstance(likelihood, Categorical):
+        p = torch.softmax(f, dim=-1)  # (M, C)
+        sqrt_p = p.sqrt()
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        # column k: sqrt(p_k) e_k - p sqrt(p_k)  ->  (C, M, C)
+        return sqrt_p.T[:, :, None] * (eye[:, None, :] - p[None, :, :])
+    raise ValueError(f"no GGN factor for likelihood {type(likelihood).__name__}")
+
+
+def _forward(model: nn.Module, layout: LinearLayout, theta: Tensor, x: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Network output at ``theta`` with every layer input and pre-activation (roots of the graph)."""
+    slot_of = {slot.module_index: slot for slot in layout.slots}
+    inputs: list[Tensor] = []
+    pre_activations: list[Tensor] = []
+    h = x
+    for index, module in enumerate(model):
+        slot = slot_of.get(index)
+        if slot is None:
+            h = module(h)
+            continue
+        weight = theta[slot.weight_slice].view(slot.out_features, slot.in_features)
+        bias = None if slot.bias_slice is None else theta[slot.bias_slice]
+        inputs.append(h.detach())
+        z = F.linear(h, weight, bias)
+        if not z.requires_grad:
+            z.requires_grad_(True)
+        pre_activations.append(z)
+        h = z
+    return h, inputs, pre_activations
+
+
+def pseudo_grads(
+    model: nn.Module,
+    theta: Tensor,
+    x: Tensor,
+    y: Tensor,
+    likelihood: Likelihood,
+    *,
+    kind: CurvatureKind | str = CurvatureKind.GGN,
+    n_samples: int = 1,
+    generator: torch.Generator | None = None,
+    labels: Tensor | None = None,
+    layout: LinearLayout | None = None,
+) -> PseudoGrads:
+    """Layer inputs and backpropagated vectors of one minibatch (see the module docstring).
+
+    Args:
+        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules.
+        theta: flat parameters ``(D,)`` at which the curvature is taken (e.g. the MAP).
+        x: inputs ``(M, in)``.
+        y: targets ``(M,)`` (unused: neither the GGN nor the model Fisher depends on them).
+        likelihood: gives :math:`\\ell` and its Hessian / predictive.
+        kind: ``ggn`` or ``fisher``.
+        n_samples: S label draws per example for ``fisher``.
+        generator: source of the label draws (``fisher`` only).
+        labels: ``(S, M)`` labels to use instead of drawing them (``fisher`` only; for tests).
+        layout: ``linear_layout(model)``, to skip recomputing it.
+
+    Returns:
+        The :class:`PseudoGrads`; K = S for ``fisher``, K = the number of columns of
+        :math:`L_i` for ``ggn`` (1 for one output, C for C classes).
+
+    Raises:
+        ValueError: on an unknown ``kind``, a missing generator, or ``n_samples < 1``.
+    """
+    del y
+    kind = CurvatureKind(kind)
+    layout = linear_layout(model) if layout is None else layout
+    theta = theta.detach()
+    x = x.to(theta.dtype)
+    with torch.enable_grad():
+        f, inputs, pre_activations = _forward(model, layout, theta, x)
+        if kind is CurvatureKind.GGN:
+            cotangents = hessian_sqrt(likelihood, f.detach())  # (K, M, out)
+        else:
+            if labels is None:
+                if generator is None:
+                    raise ValueError("curvature=fisher needs a generator to draw labels")
+                if n_samples < 1:
+                    raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+                labels = sample_labels(likelihood, f.detach(), n_samples, generator)
+            f_leaf = f.detach().expand(labels.shape[0], *f.shape).requires_grad_(True)
+            losses = torch.stack([likelihood.nll(f_s, label) for f_s, label in zip(f_leaf, labels)])
+            # (S, M, out): gradients of the nll at the sampled labels, scaled so that sum_s = mean_s
+            cotangents = torch.autograd.grad(losses.sum(), f_leaf)[0] / math.sqrt(labels.shape[0])
+        # One vectorised backward pass per layer output for all K cotangents: (K, M, m) per layer.
+        grads = torch.autograd.grad(f, pre_activations, grad_outputs=cotangents, is_grads_batched=True)
+    layers = []
+    for slot, a, deltas in zip(layout.slots, inputs, grads):
+        if slot.bias_slice is not None:
+            a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+        layers.append(LayerPseudoGrads(slot=slot, inputs=a, output_grads=deltas))
+    return PseudoGrads(layers=tuple(layers), layout=layout, n_examples=x.shape[0])
+
+
+def iter_pseudo_grads(
+    model: nn.Module,
+    theta: Tensor,
+    x: Tensor,
+    y: Tensor,
+    likelihood: Likelihood,
+    *,
+    batch_size: int,
+    kind: CurvatureKind | str = CurvatureKind.GGN,
+    n_samples: int = 1,
+    generator: torch.Generator | None = None,
+) -> Iterator[PseudoGrads]:
+    """:func:`pseudo_grads` over consecutive minibatches of ``batch_size`` rows of ``(x, y)``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    layout = linear_layout(model)
+    for start in range(0, x.shape[0], batch_size):
+        yield pseudo_grads(
+            model,
+            theta,
+            x[start : start + batch_size],
+            y[start : start + batch_size],
+            likelihood,
+            kind=kind,
+            n_samples=n_samples,
+            generator=generator,
+            layout=layout,
+        )

@@ -1,0 +1,316 @@
+"""Image datasets: shared preprocessing, CIFAR-style augmentation, MNIST and notMNIST (``vision/*``).
+
+Images are kept in memory as float32 tensors ``(N, C, H, W)`` scaled to [0, 1] — or flattened to
+``(N, C·H·W)`` for MLPs (``data.flatten=true``) — optionally standardised per channel with the
+statistics of the training part (``data.standardise=true``). The out-of-distribution set of a loader
+(``data.ood=...``) is preprocessed with the same statistics. Validation rows are the *last* ``n_val``
+rows of the official training set (SLANG Table 3: MNIST 50k / 10k; k-tied: CIFAR-100 last 10k).
+
+Files come through :func:`bdl_bench.data.registry_files.get_file` (verified download into the cache,
+``data.mirror`` for offline sites); all parsing (IDX here, CIFAR binary, SVHN .mat) is ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from bdl_bench.data.base import Dataset, Task, register_dataset
+from bdl_bench.data.idx import read_idx
+from bdl_bench.data.registry_files import get_file
+
+
+@dataclass(frozen=True)
+class ImageArrays:
+    """Raw images ``(N, C, H, W)`` uint8 and integer labels ``(N,)`` of one official split."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4 or self.images.shape[0] != self.labels.shape[0]:
+            raise ValueError(
+                f"images {self.images.shape} and labels {self.labels.shape} do not match (N, C, H, W)/(N,)"
+            )
+
+
+@dataclass(frozen=True)
+class ImageAugmentation:
+    """Random crop after zero padding, and random horizontal flip, applied per example to a batch.
+
+    Works on ``(N, C, H, W)`` batches, or on flattened ``(N, C·H·W)`` ones given ``image_shape``.
+    Randomness comes only from the ``generator`` argument (drawn on the CPU, applied on ``x``'s device).
+
+    Attributes:
+        crop_padding: Pixels of zero padding on each side before a random crop back to ``H × W`` (0: off).
+        horizontal_flip: Flip each image left-right with probability 1/2.
+        image_shape: ``(C, H, W)``, needed to unflatten 2-D batches.
+    """
+
+    crop_padding: int
+    horizontal_flip: bool
+    image_shape: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        if self.crop_padding < 0:
+            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
+
+    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        flat = x.dim() == 2
+        if flat:
+            x = x.view(x.shape[0], *self.image_shape)
+        n, _, height, width = x.shape
+        pad = self.crop_padding
+        if pad:
+            padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+            dy = torch.randint(0, 2 * pad + 1, (n,), generator=generator).to(x.device)
+            dx = torch.randint(0, 2 * pad + 1, (n,), generator=generator).to(x.device)
+            rows = (dy[:, None] + torch.arange(height, device=x.device))[:, None, :, None]  # (N, 1, H, 1)
+            cols = (dx[:, None] + torch.arange(width, device=x.device))[:, None, None, :]  # (N, 1, 1, W)
+            batch = torch.arange(n, device=x.device)[:, None, None, None]
+            channel = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+            x = padded[batch, channel, rows, cols]
+        if self.horizontal_flip:
+            flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+            x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+        return x.reshape(n, -1) if flat else x
+
+
+def make_augmentation(
+    crop_padding: int, horizontal_flip: bool, image_shape: tuple[int, int, int]
+) -> ImageAugmentation | None:
+    """An :class:`ImageAugmentation`, or ``None`` when both parts are off."""
+    if crop_padding == 0 and not horizontal_flip:
+        return None
+    return ImageAugmentation(int(crop_padding), bool(horizontal_flip), tuple(image_shape))  # type: ignore[arg-type]
+
+
+def split_last(arrays: ImageArrays, n_val: int, name: str) -> tuple[ImageArrays, ImageArrays]:
+    """The first ``N - n_val`` rows for training and the last ``n_val`` for validation."""
+    n = arrays.images.shape[0]
+    if not 0 <= n_val < n:
+        raise ValueError(f"{name}: n_val must be in [0, {n}), got {n_val}")
+    cut = n - n_val
+    return (
+        ImageArrays(arrays.images[:cut], arrays.labels[:cut]),
+        ImageArrays(arrays.images[cut:], arrays.labels[cut:]),
+    )
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """uint8 images → float tensors: scale to [0, 1], optionally standardise per channel, optionally flatten."""
+
+    mean: Tensor | None  # (C,) training-part channel means (after scaling), or None
+    std: Tensor | None  # (C,)
+    flatten: bool
+
+    @staticmethod
+    def fit(train_images: np.ndarray, *, standardise: bool, flatten: bool) -> Preprocess:
+        if not standardise:
+            return Preprocess(None, None, flatten)
+        n, channels = train_images.shape[:2]
+        total = np.zeros(channels)
+        total_sq = np.zeros(channels)
+        for start in range(0, n, 2048):  # float64 moments in blocks: no full-size float copy of the data
+            block = train_images[start : start + 2048].astype(np.float64) / 255.0
+            total += block.sum(axis=(0, 2, 3))
+            total_sq += np.square(block).sum(axis=(0, 2, 3))
+        count = n * train_images.shape[2] * train_images.shape[3]
+        mean = total / count
+        std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0)).clip(min=1e-8)
+        return Preprocess(torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32), flatten)
+
+    def __call__(self, images: np.ndarray) -> Tensor:
+        x = torch.from_numpy(np.array(images, dtype=np.uint8)).to(torch.float32).div_(255.0)
+        if self.mean is not None and self.std is not None:
+            x.sub_(self.mean[None, :, None, None]).div_(self.std[None, :, None, None])
+        return x.reshape(x.shape[0], -1) if self.flatten else x
+
+
+def image_dataset(
+    name: str,
+    *,
+    train: ImageArrays,
+    test: ImageArrays,
+    n_classes: int,
+    n_val: int,
+    flatten: bool,
+    standardise: bool,
+    ood: tuple[str, ImageArrays] | None = None,
+    augmentation: tuple[int, bool] | None = None,
+) -> Dataset:
+    """Assemble a multiclass :class:`Dataset` from raw uint8 splits (see module docstring).
+
+    Args:
+        name: Dataset name (``vision/mnist``).
+        train, test: Official training and test splits.
+        n_classes: Number of classes.
+        n_val: Rows at the end of ``train`` held out for validation.
+        flatten: Return ``(N, C·H·W)`` rows instead of ``(N, C, H, W)`` images.
+        standardise: Subtract the training part's channel means and divide by its channel stds.
+        ood: ``(name, arrays)`` of an out-of-distribution set, preprocessed like ``test``.
+        augmentation: ``(crop_padding, horizontal_flip)`` for the training loop, or ``None``.
+    """
+    fit, val = split_last(train, n_val, name)
+    prep = Preprocess.fit(fit.images, standardise=standardise, flatten=flatten)
+    shape = tuple(train.images.shape[1:])
+    if ood is not None and tuple(ood[1].images.shape[1:]) != shape:
+        raise ValueError(f"{name}: OOD set {ood[0]} has images {ood[1].images.shape[1:]}, not {shape}")
+
+    def labels(a: ImageArrays) -> Tensor:
+        return torch.from_numpy(np.asarray(a.labels, dtype=np.int64).copy())
+
+    return Dataset(
+        name=name,
+        task=Task.MULTICLASS,
+        x_train=prep(fit.images),
+        y_train=labels(fit),
+        x_val=prep(val.images),
+        y_val=labels(val),
+        x_test=prep(test.images),
+        y_test=labels(test),
+        n_classes=n_classes,
+        x_ood=prep(ood[1].images) if ood is not None else None,
+        y_ood=labels(ood[1]) if ood is not None else None,
+        ood_name=ood[0] if ood is not None else None,
+        augmentation=make_augmentation(*augmentation, shape) if augmentation is not None else None,  # type: ignore[arg-type]
+    )
+
+
+# --- OOD sets ----------------------------------------------------------------------------------------------
+
+OodReader = Callable[[str | Path | None, str | Path | None], ImageArrays]
+OOD_READERS: dict[str, OodReader] = {}
+"""Short OOD name (``notmnist``, ``svhn``, ...) → reader of its test images; filled by the modules below."""
+
+
+def register_ood(name: str) -> Callable[[OodReader], OodReader]:
+    def add(fn: OodReader) -> OodReader:
+        OOD_READERS[name] = fn
+        return fn
+
+    return add
+
+
+def check_ood(ood: str | None, allowed: tuple[str, ...], name: str) -> str | None:
+    """``ood`` if it is one of ``allowed``, ``None`` for no OOD set (called before any download).
+
+    Raises:
+        ValueError: Naming the choices.
+    """
+    if ood is None or ood in ("", "none", "null"):
+        return None
+    if ood not in allowed:
+        raise ValueError(f"{name}: unknown ood set {ood!r}; choose one of {', '.join(allowed)} or null")
+    return ood
+
+
+def read_ood(
+    ood: str | None, allowed: tuple[str, ...], *, root: str | Path | None, mirror: str | Path | None, name: str
+) -> tuple[str, ImageArrays] | None:
+    """The OOD test set named ``ood`` (one of ``allowed``) as ``(dataset name, arrays)``, or ``None``."""
+    ood = check_ood(ood, allowed, name)
+    if ood is None:
+        return None
+    if ood not in OOD_READERS:  # the reader lives in another module of this package
+        from bdl_bench.data import import_all_loaders
+
+        import_all_loaders()
+    return f"vision/{ood}", OOD_READERS[ood](root, mirror)
+
+
+# --- MNIST and notMNIST ------------------------------------------------------------------------------------
+
+
+def _idx_split(
+    prefix: str, images: str, labels: str, root: str | Path | None, mirror: str | Path | None
+) -> ImageArrays:
+    x = read_idx(get_file(f"{prefix}/{images}", root=root, mirror=mirror))
+    y = read_idx(get_file(f"{prefix}/{labels}", root=root, mirror=mirror))
+    if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"{prefix}/{images}: expected (N, H, W) images and (N,) labels, got {x.shape} and {y.shape}")
+    return ImageArrays(x[:, None, :, :], y.astype(np.int64))
+
+
+def read_mnist(root: str | Path | None = None, mirror: str | Path | None = None) -> tuple[ImageArrays, ImageArrays]:
+    """MNIST's official 60k training and 10k test split (LeCun's IDX files)."""
+    train = _idx_split("mnist", "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", root, mirror)
+    test = _idx_split("mnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror)
+    return train, test
+
+
+@register_ood("notmnist")
+def read_notmnist(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
+    """The 10k-image IDX sample of notMNIST_small (letters A–J as labels 0–9)."""
+    return _idx_split("notmnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror)
+
+
+@register_ood("mnist")
+def _mnist_test(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
+    return read_mnist(root, mirror)[1]
+
+
+@register_dataset("vision/mnist")
+def load_mnist(
+    *,
+    n_val: int = 10000,
+    flatten: bool = True,
+    standardise: bool = False,
+    ood: str | None = "notmnist",
+    root: str | Path | None = None,
+    mirror: str | Path | None = None,
+) -> Dataset:
+    """MNIST digits, 10 classes: 60k official training images (the last ``n_val`` for validation), 10k test.
+
+    Args:
+        n_val: Training images held out for validation (SLANG Table 3: 10000, leaving 50k to train).
+        flatten: ``(N, 784)`` rows for MLPs instead of ``(N, 1, 28, 28)`` images.
+        standardise: Standardise with the training part's pixel mean/std (default: pixels in [0, 1]).
+        ood: Out-of-distribution set: ``notmnist`` (DEF Table 1) or ``None``.
+        root: Cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``).
+        mirror: Folder or base URL holding the files, tried before the canonical URLs.
+    """
+    check_ood(ood, ("notmnist",), "vision/mnist")
+    train, test = read_mnist(root, mirror)
+    return image_dataset(
+        "vision/mnist",
+        train=train,
+        test=test,
+        n_classes=10,
+        n_val=n_val,
+        flatten=flatten,
+        standardise=standardise,
+        ood=read_ood(ood, ("notmnist",), root=root, mirror=mirror, name="vision/mnist"),
+    )
+
+
+@register_dataset("vision/notmnist")
+def load_notmnist(
+    *,
+    n_test: int = 2000,
+    n_val: int = 0,
+    flatten: bool = True,
+    standardise: bool = False,
+    root: str | Path | None = None,
+    mirror: str | Path | None = None,
+) -> Dataset:
+    """notMNIST letters A–J as a 10-class task on the 10k IDX sample: the last ``n_test`` images are the
+    test part, the ``n_val`` before them validation. Mostly used as MNIST's OOD set (``vision/mnist``'s
+    ``ood``); see :func:`load_mnist` for the options."""
+    sample = read_notmnist(root, mirror)
+    rest, test = split_last(sample, n_test, "vision/notmnist")
+    return image_dataset(
+        "vision/notmnist",
+        train=rest,
+        test=test,
+        n_classes=10,
+        n_val=n_val,
+        flatten=flatten,
+        standardise=standardise,
+    )

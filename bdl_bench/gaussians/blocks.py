@@ -1,0 +1,244 @@
+r"""Gaussians whose precision is block diagonal in a permuted order: the base of the Laplace family.
+
+A network's curvature is approximated layer by layer (Lee et al. 2020, Sec. 2.1: the weights of
+different layers are uncorrelated). ``BlockGaussian`` holds that layout once:
+
+* ``index`` ``(D,)`` (long): a permutation; position p of the *blocked order* holds flat coordinate
+  ``index[p]``, i.e. the blocked vector is ``v[index]``;
+* ``shapes`` ``(B, 2)`` (long): block b covers the next :math:`m_b n_b` positions of the blocked
+  order, read as an :math:`m_b\times n_b` matrix, row-major (for a linear layer :math:`[W, b]`:
+  m = outputs, n = inputs + 1; see ``bdl_bench.curvature.pseudo_grads``).
+
+:math:`P = \Pi^\top\operatorname{blockdiag}(P_1,\dots,P_B)\,\Pi` with :math:`\Pi` the permutation, so
+every operation of ``StructuredGaussian`` is the blockwise operation (:math:`\log|P| = \sum_b\log|P_b|`,
+:math:`\Sigma = \Pi^\top\operatorname{blockdiag}(P_b^{-1})\Pi`, samples blockwise). Subclasses give
+the per-block pieces on right-hand sides shaped ``(K, m, n)``. ``BlockDiagGaussian`` (dense blocks)
+is the exact block-diagonal Laplace ("FB" in Lee et al., Fig. 4); ``kron.py`` and ``def_lowrank.py``
+hold the Kronecker structures.
+
+Every field is a tensor (per-block matrices are flattened and concatenated), so ``io.save_gaussian``
+stores them as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from bdl_bench.gaussians.base import StructuredGaussian
+from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.gaussians.full import FullGaussian, _symmetry_tolerance
+from bdl_bench.gaussians.kl import register_kl
+
+
+def pack(matrices: Sequence[Tensor]) -> Tensor:
+    """Flatten and concatenate per-block tensors into one vector (the storage of the fields)."""
+    return torch.cat([m.reshape(-1) for m in matrices])
+
+
+def _check_long(name: str, value: Tensor, ndim: int) -> None:
+    if not isinstance(value, Tensor) or value.dtype != torch.long or value.ndim != ndim:
+        got = f"{value.dtype} with {value.ndim} dims" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{name} must be a {ndim}-D torch.long tensor, got {got}")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BlockGaussian(StructuredGaussian):
+    """Abstract block-diagonal precision in a permuted order (see the module docstring).
+
+    Args:
+        mean: :math:`\\mu`, ``(D,)``.
+        index: the permutation, ``(D,)`` long.
+        shapes: block shapes ``(B, 2)`` long, :math:`\\sum_b m_b n_b = D`.
+
+    Raises:
+        ValueError: if ``index`` is not a permutation of ``0..D-1`` on ``mean``'s device, or the
+            shapes are not positive or do not add up to D.
+    """
+
+    index: Tensor  # (D,)
+    shapes: Tensor  # (B, 2)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_long("index", self.index, 1)
+        _check_long("shapes", self.shapes, 2)
+        if self.index.device != self.device or self.shapes.device != self.device:
+            raise ValueError(f"index and shapes must be on mean's device {self.device}")
+        if self.index.shape[0] != self.dim:
+            raise ValueError(f"index must have D={self.dim} entries, got {self.index.shape[0]}")
+        if not torch.equal(torch.sort(self.index).values, torch.arange(self.dim, device=self.device)):
+            raise ValueError("index must be a permutation of 0..D-1")
+        if self.shapes.shape[1] != 2 or self.shapes.shape[0] < 1 or bool((self.shapes < 1).any()):
+            raise ValueError(f"shapes must be (B, 2) with positive entries, got {self.shapes.tolist()}")
+        if int(self.shapes.prod(1).sum()) != self.dim:
+            raise ValueError(f"blocks of shapes {self.shapes.tolist()} cover {int(self.shapes.prod(1).sum())} != D={self.dim}")
+
+    # ------------------------------------------------------------------ layout helpers
+    @cached_property
+    def block_shapes(self) -> list[tuple[int, int]]:
+        """``[(m_b, n_b), ...]`` as Python ints."""
+        return [(int(m), int(n)) for m, n in self.shapes.tolist()]
+
+    @cached_property
+    def _block_index(self) -> list[Tensor]:
+        """Flat coordinates of each block, in its row-major order."""
+        return list(torch.split(self.index, [m * n for m, n in self.block_shapes]))
+
+    def _unpack(self, flat: Tensor, sizes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+        """Split a packed field into per-block tensors of the given shapes."""
+        counts = [math.prod(s) for s in sizes]
+        if flat.ndim != 1 or flat.shape[0] != sum(counts):
+            raise ValueError(f"packed field has {flat.numel()} entries, blocks {list(sizes)} need {sum(counts)}")
+        return [part.view(*s) for part, s in zip(torch.split(flat, counts), sizes)]
+
+    def _split(self, v: Tensor) -> list[Tensor]:
+        """``(D, K)`` flat → per block ``(K, m, n)``."""
+        return [v[idx].mT.reshape(v.shape[1], m, n) for idx, (m, n) in zip(self._block_index, self.block_shapes)]
+
+    def _join(self, blocks: Sequence[Tensor]) -> Tensor:
+        """Per block ``(K, m, n)`` → ``(D, K)`` flat."""
+        n_cols = blocks[0].shape[0]
+        out = torch.empty(self.dim, n_cols, dtype=self.dtype, device=self.device)
+        for idx, block in zip(self._block_index, blocks):
+            out[idx] = block.reshape(n_cols, -1).mT
+        return out
+
+    def _map_blocks(self, v: Tensor, fn_name: str) -> Tensor:
+        self._check_rhs(v)
+        cols = v if v.ndim == 2 else v[:, None]
+        out = self._join([getattr(self, fn_name)(b, x) for b, x in enumerate(self._split(cols))])
+        return out if v.ndim == 2 else out[:, 0]
+
+    # ------------------------------------------------------------ per-block pieces
+    @abstractmethod
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        """:math:`P_b x` for ``x`` ``(K, m, n)``."""
+
+    @abstractmethod
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        """:math:`P_b^{-1} x` for ``x`` ``(K, m, n)``."""
+
+    @abstractmethod
+    def _block_logdet(self, b: int) -> Tensor:
+        """:math:`\\log|P_b|`."""
+
+    @abstractmethod
+    def _block_variance(self, b: int) -> Tensor:
+        """:math:`\\operatorname{diag}(P_b^{-1})` as an ``(m, n)`` grid."""
+
+    @abstractmethod
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        """:math:`A_b\\epsilon` with :math:`A_bA_b^\\top = P_b^{-1}`, for ``eps`` ``(K, m, n)``."""
+
+    @abstractmethod
+    def _block_dense(self, b: int) -> Tensor:
+        """:math:`P_b` as a dense ``(m·n, m·n)`` matrix (for tests)."""
+
+    # ------------------------------------------------------------ the interface, blockwise
+    def precision_matvec(self, v: Tensor) -> Tensor:
+        """Blockwise :math:`P_b x`; see ``StructuredGaussian.precision_matvec``."""
+        return self._map_blocks(v, "_block_matvec")
+
+    def solve(self, v: Tensor) -> Tensor:
+        """Blockwise :math:`P_b^{-1} x`; see ``StructuredGaussian.solve``."""
+        return self._map_blocks(v, "_block_solve")
+
+    def logdet_precision(self) -> Tensor:
+        """:math:`\\sum_b \\log|P_b|`."""
+        return torch.stack([self._block_logdet(b) for b in range(len(self.block_shapes))]).sum()
+
+    def variance(self) -> Tensor:
+        """The blocks' marginal variances, scattered to flat order, ``(D,)``."""
+        return self._join([self._block_variance(b)[None] for b in range(len(self.block_shapes))])[:, 0]
+
+    def _sample_transform(self, eps: Tensor) -> Tensor:
+        """Rows :math:`\\mu + \\Pi^\\top\\operatorname{blockdiag}(A_b)\\Pi\\epsilon`."""
+        blocks = self._split(eps.mT)
+        return self.mean + self._join([self._block_sample(b, e) for b, e in enumerate(blocks)]).mT
+
+    def to_dense(self) -> FullGaussian:
+        """``FullGaussian`` with the blocks scattered into a D x D precision."""
+        precision = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+        for b, idx in enumerate(self._block_index):
+            precision[idx[:, None], idx[None, :]] = self._block_dense(b)
+        return FullGaussian(self.mean, 0.5 * (precision + precision.mT))
+
+
+def _cholesky(matrix: Tensor, what: str) -> Tensor:
+    chol, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0:
+        raise ValueError(f"{what} is not positive definite (Cholesky failed at column {int(info)})")
+    return chol
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BlockDiagGaussian(BlockGaussian):
+    """Dense precision blocks :math:`P_b` (exact block-diagonal Laplace, "FB" in Lee et al.).
+
+    Args:
+        mean: :math:`\\mu`, ``(D,)``.
+        index: the permutation, ``(D,)`` long.
+        shapes: ``(B, 2)`` long; block b is :math:`P_b` of size :math:`m_bn_b`.
+        blocks: the :math:`P_b` flattened and concatenated (:func:`pack`), SPD.
+
+    Raises:
+        ValueError: as ``BlockGaussian``, or on a badly sized or asymmetric block; a block that is
+            not positive definite raises ``ValueError`` on first use.
+    """
+
+    blocks: Tensor  # (sum (m n)^2,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("blocks", self.blocks, (sum((m * n) ** 2 for m, n in self.block_shapes),))
+        for b, block in enumerate(self._blocks):
+            if not torch.allclose(block, block.mT, rtol=0.0, atol=_symmetry_tolerance(block)):
+                raise ValueError(f"precision block {b} must be symmetric")
+
+    @cached_property
+    def _blocks(self) -> list[Tensor]:
+        return self._unpack(self.blocks, [(m * n, m * n) for m, n in self.block_shapes])
+
+    @cached_property
+    def _chols(self) -> list[Tensor]:
+        return [_cholesky(block, f"precision block {b}") for b, block in enumerate(self._blocks)]
+
+    def _flat(self, b: int, x: Tensor) -> Tensor:
+        return x.reshape(x.shape[0], -1).mT  # (mn, K)
+
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        return (self._blocks[b] @ self._flat(b, x)).mT.reshape(x.shape)
+
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        return torch.cholesky_solve(self._flat(b, x), self._chols[b]).mT.reshape(x.shape)
+
+    def _block_logdet(self, b: int) -> Tensor:
+        return 2.0 * self._chols[b].diagonal().log().sum()
+
+    def _block_variance(self, b: int) -> Tensor:
+        m, n = self.block_shapes[b]
+        return torch.cholesky_inverse(self._chols[b]).diagonal().reshape(m, n)
+
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        """:math:`L_b^{-\\top}\\epsilon` with :math:`P_b = L_bL_b^\\top`."""
+        out = torch.linalg.solve_triangular(self._chols[b].mT, self._flat(b, eps), upper=True)
+        return out.mT.reshape(eps.shape)
+
+    def _block_dense(self, b: int) -> Tensor:
+        return self._blocks[b]
+
+
+@register_kl(BlockGaussian, DiagGaussian)
+def _kl_block_to_diag(p: BlockGaussian, q: DiagGaussian) -> Tensor:
+    r"""KL to a diagonal q: :math:`\operatorname{tr}(P_q\Sigma_p) = \sum_i d_{q,i}\Sigma_{p,ii}` blockwise."""
+    trace = (q.prec_diag * p.variance()).sum()
+    delta = q.mean - p.mean
+    maha = delta @ q.precision_matvec(delta)
+    return 0.5 * (trace + maha - p.dim + p.logdet_precision() - q.logdet_precision())

@@ -1,0 +1,172 @@
+r"""Kronecker-factored precisions: KFAC (``KroneckerGaussian``) and EFB (``EigenKroneckerGaussian``).
+
+Both are ``BlockGaussian``\ s (see ``blocks.py``): block b is an :math:`m\times n` matrix X read
+row-major, for which :math:`(B\otimes C)\operatorname{vec}_r(X) = \operatorname{vec}_r(BXC^\top)`.
+
+* KFAC Laplace (Ritter et al. 2018; Lee et al. eqs. 2-3): :math:`P_b = B\otimes C` with SPD
+  :math:`B` (m x m) and :math:`C` (n x n). With Choleskys :math:`B = L_BL_B^\top`,
+  :math:`C = L_CL_C^\top`: :math:`P_b^{-1}x = B^{-1}XC^{-1}`,
+  :math:`\log|P_b| = n\log|B| + m\log|C|`, samples :math:`L_B^{-\top}EL_C^{-1}` (the matrix-normal
+  sampler), variances :math:`\operatorname{diag}(B^{-1})\operatorname{diag}(C^{-1})^\top`.
+  Cost O(m³ + n³) once, O(mn(m+n)) per vector.
+* EFB Laplace (George et al. 2018; Lee et al. eq. 4): :math:`P_b = (Q_B\otimes Q_C)\operatorname{diag}
+  (\operatorname{vec}_r\Lambda)(Q_B\otimes Q_C)^\top` with orthogonal :math:`Q_B, Q_C` and a positive
+  m x n grid :math:`\Lambda`: :math:`P_b x = Q_B(\Lambda\circ Q_B^\top XQ_C)Q_C^\top`, the inverse with
+  :math:`1/\Lambda`, :math:`\log|P_b| = \sum\log\Lambda`, samples :math:`Q_B(\Lambda^{-1/2}\circ E)
+  Q_C^\top`, variances :math:`(Q_B\circ Q_B)\Lambda^{-1}(Q_C\circ Q_C)^\top`. O(mn(m+n)) per vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from bdl_bench.gaussians.blocks import BlockGaussian, _cholesky
+from bdl_bench.gaussians.diag import _check_positive
+from bdl_bench.gaussians.full import _symmetry_tolerance
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KroneckerGaussian(BlockGaussian):
+    """KFAC precision :math:`P_b = B_b\\otimes C_b` per block (see the module docstring).
+
+    Args:
+        mean: :math:`\\mu`, ``(D,)``.
+        index: the permutation to blocked order, ``(D,)`` long.
+        shapes: ``(B, 2)`` long block shapes (m, n).
+        prec_out: the :math:`B_b` (m x m, SPD), packed (``blocks.pack``).
+        prec_in: the :math:`C_b` (n x n, SPD), packed.
+
+    Raises:
+        ValueError: on a bad layout, size, dtype or device, or an asymmetric factor; a factor
+            that is not positive definite raises ``ValueError`` on first use.
+
+    Example:
+        >>> from bdl_bench.gaussians.blocks import pack
+        >>> q = KroneckerGaussian(torch.zeros(6), torch.arange(6), torch.tensor([[2, 3]]),
+        ...                       pack([torch.eye(2)]), pack([2 * torch.eye(3)]))
+        >>> q.variance()
+        tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000])
+    """
+
+    prec_out: Tensor  # (sum m^2,)
+    prec_in: Tensor  # (sum n^2,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("prec_out", self.prec_out, (sum(m * m for m, _ in self.block_shapes),))
+        self._check_param("prec_in", self.prec_in, (sum(n * n for _, n in self.block_shapes),))
+        for name, factors in (("prec_out", self._outs), ("prec_in", self._ins)):
+            for b, f in enumerate(factors):
+                if not torch.allclose(f, f.mT, rtol=0.0, atol=_symmetry_tolerance(f)):
+                    raise ValueError(f"{name} factor of block {b} must be symmetric")
+
+    @cached_property
+    def _outs(self) -> list[Tensor]:
+        return self._unpack(self.prec_out, [(m, m) for m, _ in self.block_shapes])
+
+    @cached_property
+    def _ins(self) -> list[Tensor]:
+        return self._unpack(self.prec_in, [(n, n) for _, n in self.block_shapes])
+
+    @cached_property
+    def _chols(self) -> list[tuple[Tensor, Tensor]]:
+        return [
+            (_cholesky(b_out, f"prec_out factor of block {b}"), _cholesky(c_in, f"prec_in factor of block {b}"))
+            for b, (b_out, c_in) in enumerate(zip(self._outs, self._ins))
+        ]
+
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        return self._outs[b] @ x @ self._ins[b]
+
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        l_out, l_in = self._chols[b]
+        left = torch.cholesky_solve(x, l_out)  # B^{-1} X
+        return torch.cholesky_solve(left.mT, l_in).mT  # (C^{-1} (B^{-1}X)^T)^T
+
+    def _block_logdet(self, b: int) -> Tensor:
+        m, n = self.block_shapes[b]
+        l_out, l_in = self._chols[b]
+        return 2.0 * (n * l_out.diagonal().log().sum() + m * l_in.diagonal().log().sum())
+
+    def _block_variance(self, b: int) -> Tensor:
+        l_out, l_in = self._chols[b]
+        return torch.cholesky_inverse(l_out).diagonal()[:, None] * torch.cholesky_inverse(l_in).diagonal()[None, :]
+
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        """:math:`L_B^{-\\top}EL_C^{-1}`: covariance :math:`B^{-1}\\otimes C^{-1}`."""
+        l_out, l_in = self._chols[b]
+        left = torch.linalg.solve_triangular(l_out.mT, eps, upper=True)
+        return torch.linalg.solve_triangular(l_in, left, upper=False, left=False)
+
+    def _block_dense(self, b: int) -> Tensor:
+        return torch.kron(self._outs[b], self._ins[b])
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class EigenKroneckerGaussian(BlockGaussian):
+    """EFB precision :math:`(Q_B\\otimes Q_C)\\operatorname{diag}(\\Lambda)(Q_B\\otimes Q_C)^\\top` per block.
+
+    Args:
+        mean: :math:`\\mu`, ``(D,)``.
+        index: the permutation to blocked order, ``(D,)`` long.
+        shapes: ``(B, 2)`` long block shapes (m, n).
+        eigvecs_out: the orthogonal :math:`Q_B` (m x m), packed.
+        eigvecs_in: the orthogonal :math:`Q_C` (n x n), packed.
+        eigenvalues: the grids :math:`\\Lambda_b > 0` (m x n), packed, i.e. ``(D,)`` in blocked order.
+
+    Raises:
+        ValueError: on a bad layout, size, dtype or device, or a non-positive eigenvalue. (The
+            factors' orthogonality is the caller's promise: it is not checked, since that costs
+            O(m³ + n³) per block.)
+    """
+
+    eigvecs_out: Tensor  # (sum m^2,)
+    eigvecs_in: Tensor  # (sum n^2,)
+    eigenvalues: Tensor  # (D,) blocked order
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("eigvecs_out", self.eigvecs_out, (sum(m * m for m, _ in self.block_shapes),))
+        self._check_param("eigvecs_in", self.eigvecs_in, (sum(n * n for _, n in self.block_shapes),))
+        self._check_param("eigenvalues", self.eigenvalues, (self.dim,))
+        _check_positive("eigenvalues", self.eigenvalues)
+
+    @cached_property
+    def _outs(self) -> list[Tensor]:
+        return self._unpack(self.eigvecs_out, [(m, m) for m, _ in self.block_shapes])
+
+    @cached_property
+    def _ins(self) -> list[Tensor]:
+        return self._unpack(self.eigvecs_in, [(n, n) for _, n in self.block_shapes])
+
+    @cached_property
+    def _eigs(self) -> list[Tensor]:
+        return self._unpack(self.eigenvalues, self.block_shapes)
+
+    def _rotate_scale_back(self, b: int, x: Tensor, scale: Tensor) -> Tensor:
+        q_out, q_in = self._outs[b], self._ins[b]
+        return q_out @ (scale * (q_out.mT @ x @ q_in)) @ q_in.mT
+
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        return self._rotate_scale_back(b, x, self._eigs[b])
+
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        return self._rotate_scale_back(b, x, self._eigs[b].reciprocal())
+
+    def _block_logdet(self, b: int) -> Tensor:
+        return self._eigs[b].log().sum()
+
+    def _block_variance(self, b: int) -> Tensor:
+        return self._outs[b].square() @ self._eigs[b].reciprocal() @ self._ins[b].square().mT
+
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        """:math:`Q_B(\\Lambda^{-1/2}\\circ E)Q_C^\\top`."""
+        return self._outs[b] @ (self._eigs[b].rsqrt() * eps) @ self._ins[b].mT
+
+    def _block_dense(self, b: int) -> Tensor:
+        vectors = torch.kron(self._outs[b], self._ins[b])
+        return (vectors * self._eigs[b].reshape(-1)) @ vectors.mT

@@ -1,0 +1,109 @@
+r"""Deep ensemble (Lakshminarayanan et al., 2017) as Lee et al. (2020, App. E.3.1) ran it.
+
+M networks (``n_members``; 15 in Lee et al.) with different random initialisations, each fitted by
+MAP (Adam, the prior precision as weight decay, as ``methods/map.py``), without adversarial
+training. The predictive is the equal mixture :math:`\frac1M\sum_m p(y \mid f(x;\theta_m))`.
+
+Member 0 starts from the model's own parameters; members 1..M-1 are re-drawn from PyTorch's
+default initialisation, :math:`\mathcal U(-1/\sqrt{\text{fan-in}}, 1/\sqrt{\text{fan-in}})` for every
+weight and bias of a layer (what ``nn.Linear``/``nn.Conv*`` use), from ``problem.generator``. All
+members are trained together as one ``(M, D)`` tensor: the loss is the sum of the members' losses
+and Adam acts elementwise, so this is exactly M independent Adam fits, which share the minibatch
+order (the default loop shuffles once per epoch; the initialisations are the source of diversity,
+as in Lee et al.).
+
+``predict(x, S)`` returns member ``s mod M`` as sample s, deterministically: the metrics are the
+exact equal mixture when S is a multiple of M (set ``trainer.n_test_mc_samples`` to 15, 30, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+
+from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.models.params import flat_params, forward_with
+
+
+def default_init(model: nn.Module, generator: torch.Generator) -> Tensor:
+    """A fresh flat parameter vector from PyTorch's default layer initialisation, drawn from ``generator``.
+
+    Every module with a weight of 2 or more dimensions gets :math:`\\mathcal U(-b, b)`,
+    :math:`b = 1/\\sqrt{\\text{fan-in}}`, on its weight and bias; other parameters keep their values.
+    """
+    theta = flat_params(model)
+    offset = 0
+    bounds: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        prefix = name.rpartition(".")[0]
+        if name.endswith("weight") and p.ndim >= 2:
+            bounds[prefix] = 1.0 / math.sqrt(p[0].numel())
+        bound = bounds.get(prefix) if name.endswith(("weight", "bias")) else None
+        if bound is not None:
+            u = torch.rand(p.numel(), generator=generator, dtype=theta.dtype, device=generator.device)
+            theta[offset : offset + p.numel()] = (2 * u - 1).to(theta.device) * bound
+        offset += p.numel()
+    return theta
+
+
+@register_method("ensemble")
+class DeepEnsemble(Method):
+    """M independently initialised MAP networks (see the module docstring).
+
+    Args:
+        n_members: M >= 1.
+        lr: Adam learning rate of every member.
+
+    Raises:
+        ValueError: on ``n_members < 1`` or a non-positive ``lr``.
+    """
+
+    def __init__(self, *, n_members: int, lr: float) -> None:
+        if int(n_members) != n_members or n_members < 1:
+            raise ValueError(f"ensemble: n_members must be an integer >= 1, got {n_members}")
+        if not lr > 0:
+            raise ValueError(f"ensemble: lr must be positive, got {lr}")
+        self.n_members = int(n_members)
+        self.lr = lr
+
+    def setup(self, problem: Problem) -> None:
+        super().setup(problem)
+        first = flat_params(problem.model)
+        others = [default_init(problem.model, problem.generator) for _ in range(self.n_members - 1)]
+        self.thetas = torch.stack([first, *others]).requires_grad_(True)  # (M, D)
+        self.optimizer = torch.optim.Adam([self.thetas], lr=self.lr)
+
+    def _outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
+        model = self.problem.model
+        return vmap(lambda th: forward_with(model, th, x))(thetas)  # (M, N, out)
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        """One Adam step of every member; reports the members' mean loss and nll."""
+        p = self.problem
+        self.optimizer.zero_grad(set_to_none=True)
+        f = self._outputs(self.thetas, x)
+        nll = p.likelihood.nll(f.reshape(-1, f.shape[-1]), y.repeat(self.n_members)).view(self.n_members, -1).mean(1)
+        penalty = 0.5 * (p.prior_precision * self.thetas**2).sum(1) / p.n_data
+        losses = nll + penalty  # (M,)
+        losses.sum().backward()
+        self.optimizer.step()
+        return {"loss": losses.mean().item(), "nll": nll.mean().item()}
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """Sample s is member ``s mod M``: ``(n_samples, N, out)``."""
+        f = self._outputs(self.thetas.detach(), x)
+        return f[torch.arange(n_samples, device=f.device) % self.n_members]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"thetas": self.thetas.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.thetas.copy_(state["thetas"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,436 @@
+r"""Laplace approximations after a MAP fit: diagonal, KFAC, EFB, DEF, exact block-diagonal and full.
+
+Lee et al. (2020), "Representing model uncertainty of neural networks in sparse information form".
+The posterior is :math:`\mathcal N(\theta_{MAP}, P^{-1})` with
+
+.. math::
+
+    P \approx N\,\mathbf I + \operatorname{diag}(\tau),\qquad
+    \mathbf I = \tfrac1n\textstyle\sum_i \mathbb E[\delta\theta_i\,\delta\theta_i^\top],
+
+the mean curvature :math:`\mathbf I` over the n training examples (GGN, or the Fisher with labels
+sampled from the model: ``curvature``), the prior precision :math:`\tau` (``prior_precision``; by
+default the run's per-parameter prior, which is also MAP's weight decay) and the paper's
+dataset-size scaling N (``dataset_scale``; by default n, which makes P the Hessian of the negative
+log joint under the GGN). Lee et al. tune N and :math:`\tau` as hyperparameters (App. E.3.1).
+``structure`` picks the approximation of :math:`\mathbf I` (``bdl_bench.curvature``), each held by
+its own ``StructuredGaussian``:
+
+* ``diag``: :math:`\operatorname{diag}(\mathbf I)` → ``DiagGaussian`` (Ritter et al. 2018's Diag);
+* ``kfac``: per layer :math:`(\sqrt N G + \sqrt{\tau_l}I)\otimes(\sqrt N A + \sqrt{\tau_l}I)`, eq. 3
+  → ``KroneckerGaussian`` (needs one :math:`\tau_l` per layer);
+* ``efb``: :math:`(U_G\otimes U_A)(N\Lambda + \tau_l)(U_G\otimes U_A)^\top`, eq. 4 → ``EigenKroneckerGaussian``;
+* ``def``: :math:`(U_{G,1:g}\otimes U_{A,1:a})(N\Lambda_{1:L})(\cdot)^\top + \operatorname{diag}(N D + \tau)`,
+  eq. 9, with Alg. 1 keeping the top ``rank`` eigenvalues per layer (``null``: all) and D the
+  diagonal correction of eq. 5 → ``KroneckerLowRankPlusDiagGaussian``. Where D < 0 (the exact
+  diagonal is below that of the kept low-rank part; Lemma 3's condition fails) D is clipped at 0,
+  the remedy Lee et al. recommend; ``fit_info["n_clipped"]`` counts the entries;
+* ``block``: the exact per-layer blocks :math:`N\mathbf I_l + \operatorname{diag}(\tau)` ("FB") →
+  ``BlockDiagGaussian``;
+* ``full``: the whole :math:`N\mathbf I + \operatorname{diag}(\tau)` → ``FullGaussian`` (small nets).
+
+Curvature is computed in float64 from the whole training set in chunks of ``curvature_batch_size``
+and the posterior is then cast to the model's dtype. ``predict`` either samples networks
+(``predictive: sample``, Lee et al. eq. 7) or the linearised model
+:math:`f(x;\theta_{MAP}) + J(x)(\theta_s - \theta_{MAP})` (``predictive: linearised``).
+
+The MAP: by default ``fit`` runs the MAP loop of ``methods/map.py`` (Adam, learning rate ``lr``,
+``trainer.n_epochs`` epochs) and fits the posterior right before the last epoch's callback, so the
+last ``history.csv`` row and the final metrics are the Laplace predictive (earlier rows are MAP).
+With ``map_dir`` it instead takes :math:`\theta_{MAP}` from a finished run folder (see
+:func:`load_map_parameters`) and trains nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import Tensor, nn
+from torch.func import jvp, vmap
+
+from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
+from bdl_bench.curvature.exact import exact_blocks, exact_matrix
+from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
+from bdl_bench.curvature.per_example import LinearLayout, linear_layout
+from bdl_bench.curvature.pseudo_grads import CurvatureKind, block_index, iter_pseudo_grads
+from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
+from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
+from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
+from bdl_bench.gaussians.io import load_gaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
+from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
+from bdl_bench.methods.vogn import parse_choice
+from bdl_bench.models import build_model
+from bdl_bench.models.params import flat_params, forward_with
+
+logger = logging.getLogger(__name__)
+
+_PREDICT_CHUNK = 64  # posterior samples per vectorised forward pass
+
+
+class Structure(str, Enum):
+    """The approximation of the curvature (module docstring)."""
+
+    DIAG = "diag"
+    """Exact diagonal only (Diag Laplace)."""
+    KFAC = "kfac"
+    """Per-layer Kronecker factors with eq. 3's damping (KFAC Laplace)."""
+    EFB = "efb"
+    """Kronecker eigenbasis with refitted eigenvalues (George et al. 2018)."""
+    DEF = "def"
+    """EFB, low rank by Alg. 1, plus the diagonal correction (Lee et al. 2020)."""
+    BLOCK = "block"
+    """Exact per-layer blocks (FB)."""
+    FULL = "full"
+    """The whole D x D curvature."""
+
+
+class Predictive(str, Enum):
+    """How ``predict`` turns parameter samples into output samples."""
+
+    SAMPLE = "sample"
+    """Evaluate the network at sampled parameters."""
+    LINEARISED = "linearised"
+    """Evaluate the network's first-order Taylor expansion around the MAP."""
+
+
+_STRUCTURE_CLASSES: dict[Structure, type[StructuredGaussian]] = {
+    Structure.DIAG: DiagGaussian,
+    Structure.KFAC: KroneckerGaussian,
+    Structure.EFB: EigenKroneckerGaussian,
+    Structure.DEF: KroneckerLowRankPlusDiagGaussian,
+    Structure.BLOCK: BlockDiagGaussian,
+    Structure.FULL: FullGaussian,
+}
+
+
+def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
+    """:math:`\\theta_{MAP}` from a finished run folder, after checking its model matches ``model``.
+
+    The folder must hold the run's ``config.yaml`` and either ``checkpoint.pt`` (a method state dict
+    with ``theta``, as ``MAP.state_dict`` writes it, optionally under a ``"method"`` key) or
+    ``posterior.pt`` (a saved Gaussian; its mean is used: a Laplace run's posterior is centred at the
+    MAP it trained). The folder's ``model`` config is rebuilt with ``model``'s input and output widths
+    and must give the same modules.
+
+    Raises:
+        ValueError: if the folder holds neither file, or its model config differs from ``model``
+            (both are named).
+    """
+    folder = Path(map_dir)
+    cfg_path = folder / "config.yaml"
+    if not cfg_path.is_file():
+        raise ValueError(f"laplace: map_dir {folder} is not a run folder (no config.yaml)")
+    saved_cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    saved_model = saved_cfg.get("model")
+    layout = linear_layout(model)
+    widths = {"in_features": layout.slots[0].in_features, "out_features": layout.slots[-1].out_features}
+    try:
+        rebuilt = repr(build_model(saved_model, **widths)) if isinstance(saved_model, dict) else None
+    except (TypeError, ValueError):
+        rebuilt = None
+    if rebuilt != repr(model):
+        raise ValueError(
+            f"laplace: the MAP in {folder} was trained with model config {saved_model} "
+            f"(data {saved_cfg.get('data', {}).get('name')!r}), which does not match this run's model "
+            f"{_describe(model)}; point method.map_dir at a run with the same model config"
+        )
+    checkpoint = folder / "checkpoint.pt"
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        state = state.get("method", state)
+        if "theta" not in state:
+            raise ValueError(f"laplace: {checkpoint} has no 'theta' entry (keys: {sorted(state)})")
+        theta = state["theta"]
+    elif (folder / "posterior.pt").is_file():
+        theta = load_gaussian(folder / "posterior.pt").mean
+    else:
+        raise ValueError(f"laplace: {folder} holds neither checkpoint.pt nor posterior.pt to take the MAP from")
+    n_params = sum(p.numel() for p in model.parameters())
+    if theta.shape != (n_params,):
+        raise ValueError(f"laplace: the parameters in {folder} have shape {tuple(theta.shape)}, the model needs ({n_params},)")
+    return theta
+
+
+def _describe(model: nn.Module) -> str:
+    return " → ".join(repr(m) for m in model.children()) if isinstance(model, nn.Sequential) else repr(model)
+
+
+@register_method("laplace")
+class Laplace(Method):
+    """Post-hoc Laplace approximation (see the module docstring).
+
+    Args:
+        structure: ``diag``, ``kfac``, ``efb``, ``def``, ``block`` or ``full``.
+        curvature: ``ggn`` or ``fisher`` (labels sampled from the model).
+        n_curvature_samples: label draws per example for ``curvature=fisher``.
+        prior_precision: :math:`\\tau` > 0 of the posterior, or ``None`` for the run's prior.
+        dataset_scale: the paper's N > 0, or ``None`` for the number of training examples.
+        rank: ``def`` only: the number K of top eigenvalues kept per layer, or ``None`` for all.
+        predictive: ``sample`` or ``linearised``.
+        lr: Adam learning rate of the MAP fit.
+        map_dir: a finished run folder to take the MAP from instead of training, or ``None``.
+        curvature_batch_size: examples per chunk when accumulating the curvature.
+
+    Raises:
+        ValueError: on an unknown structure, curvature or predictive (the choices are listed), a
+            non-positive ``prior_precision``, ``dataset_scale`` or ``lr``, or a bad count.
+    """
+
+    def __init__(
+        self,
+        *,
+        structure: str,
+        curvature: str,
+        n_curvature_samples: int,
+        prior_precision: float | None,
+        dataset_scale: float | None,
+        rank: int | None,
+        predictive: str,
+        lr: float,
+        map_dir: str | None,
+        curvature_batch_size: int,
+    ) -> None:
+        self.structure = parse_choice(Structure, structure, "structure", "laplace")
+        self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
+        self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
+        if prior_precision is not None and not prior_precision > 0:
+            raise ValueError(f"laplace: prior_precision τ must be positive (or null for the run's prior), got {prior_precision}")
+        if dataset_scale is not None and not dataset_scale > 0:
+            raise ValueError(f"laplace: dataset_scale N must be positive (or null for the training-set size), got {dataset_scale}")
+        if not lr > 0:
+            raise ValueError(f"laplace: lr must be positive, got {lr}")
+        for name, value in (("n_curvature_samples", n_curvature_samples), ("curvature_batch_size", curvature_batch_size)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"laplace: {name} must be an integer >= 1, got {value}")
+        if rank is not None and (int(rank) != rank or rank < 1):
+            raise ValueError(f"laplace: rank must be an integer >= 1 or null (all eigenvalues), got {rank}")
+        self.prior_precision = None if prior_precision is None else float(prior_precision)
+        self.dataset_scale = None if dataset_scale is None else float(dataset_scale)
+        self.rank = None if rank is None else int(rank)
+        self.n_curvature_samples = int(n_curvature_samples)
+        self.curvature_batch_size = int(curvature_batch_size)
+        self.lr = lr
+        self.map_dir = map_dir
+        self._posterior: StructuredGaussian | None = None
+        self.fit_info: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ MAP part
+    def setup(self, problem: Problem) -> None:
+        """Start the MAP fit from the model's parameters (or load them from ``map_dir``).
+
+        Raises:
+            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear`` and
+                parameter-free modules, or ``map_dir`` does not match it.
+        """
+        super().setup(problem)
+        try:
+            self._layout: LinearLayout = linear_layout(problem.model)
+        except ValueError as err:
+            raise ValueError(f"laplace: {err}") from None
+        theta = flat_params(problem.model)
+        if self.map_dir is not None:
+            theta = load_map_parameters(self.map_dir, problem.model).to(theta)
+        self.theta = theta.requires_grad_(True)
+        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+        self._posterior = None
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        """One MAP step (as ``methods/map.py``)."""
+        p = self.problem
+        self.optimizer.zero_grad(set_to_none=True)
+        nll = p.likelihood.nll(forward_with(p.model, self.theta, x), y).mean()
+        loss = nll + 0.5 * (p.prior_precision * self.theta**2).sum() / p.n_data
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.item(), "nll": nll.item()}
+
+    def fit(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        n_epochs: int,
+        batch_size: int,
+        data_generator: torch.Generator,
+        on_epoch_end: EpochCallback | None = None,
+        start_epoch: int = 0,
+    ) -> None:
+        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)``."""
+        if self.map_dir is not None:
+            self.fit_posterior(x, y)
+            if on_epoch_end is not None:
+                on_epoch_end(max(n_epochs, 1), {})
+            return
+
+        def callback(epoch: int, stats: Any) -> None:
+            if epoch == n_epochs:
+                self.fit_posterior(x, y)
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, stats)
+
+        super().fit(
+            x,
+            y,
+            n_epochs=n_epochs,
+            batch_size=batch_size,
+            data_generator=data_generator,
+            on_epoch_end=callback,
+            start_epoch=start_epoch,
+        )
+        if self._posterior is None:
+            self.fit_posterior(x, y)
+
+    # ------------------------------------------------------------------ Laplace part
+    def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
+        """Compute the curvature at the current parameters and build the posterior."""
+        p = self.problem
+        theta = self.theta.detach().double()
+        scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
+        tau = (
+            p.prior_precision.detach().double()
+            if self.prior_precision is None
+            else torch.full_like(theta, self.prior_precision)
+        )
+
+        def batches():
+            return iter_pseudo_grads(
+                p.model,
+                theta,
+                x.double(),
+                y,
+                p.likelihood,
+                batch_size=self.curvature_batch_size,
+                kind=self.curvature,
+                n_samples=self.n_curvature_samples,
+                generator=p.generator,
+            )
+
+        posterior = self._build(theta, scale, tau, batches)
+        fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
+        dtype = self.theta.dtype
+        self._posterior = type(posterior)(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
+        return self._posterior
+
+    def _layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        index = torch.cat([block_index(slot, device) for slot in self._layout.slots])
+        shapes = torch.tensor(
+            [[s.out_features, s.in_features + (s.bias_offset is not None)] for s in self._layout.slots], device=device
+        )
+        return index, shapes
+
+    def _layer_tau(self, tau: Tensor) -> list[float]:
+        """One prior precision per layer (KFAC and EFB add it inside the Kronecker structure)."""
+        out = []
+        for slot in self._layout.slots:
+            values = tau[block_index(slot, tau.device)]
+            if not bool((values == values[0]).all()):
+                raise ValueError(
+                    f"laplace: structure={self.structure.value} needs one prior precision per layer, but layer "
+                    f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ> or "
+                    "bias_prior_precision=null"
+                )
+            out.append(float(values[0]))
+        return out
+
+    def _build(self, theta: Tensor, scale: float, tau: Tensor, batches: Any) -> StructuredGaussian:
+        s = self.structure
+        if s is Structure.DIAG:
+            return DiagGaussian(theta, scale * diagonal(batches()) + tau)
+        if s is Structure.FULL:
+            return FullGaussian(theta, scale * exact_matrix(batches()) + torch.diag(tau))
+        index, shapes = self._layer_index(theta.device)
+        if s is Structure.BLOCK:
+            blocks = [
+                scale * block + torch.diag(tau[block_index(slot, theta.device)])
+                for block, slot in zip(exact_blocks(batches()), self._layout.slots)
+            ]
+            return BlockDiagGaussian(theta, index, shapes, pack(blocks))
+        factors = kron_factors(batches())
+        if s is Structure.KFAC:
+            taus = self._layer_tau(tau)
+            outs, ins = [], []
+            for f, t in zip(factors, taus):
+                outs.append(math.sqrt(scale) * f.g_factor + math.sqrt(t) * torch.eye(f.g_factor.shape[0]).to(theta))
+                ins.append(math.sqrt(scale) * f.a_factor + math.sqrt(t) * torch.eye(f.a_factor.shape[0]).to(theta))
+            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+        bases = eigenbasis(factors)
+        eigs, exact_diag = efb_eigenvalues(batches(), bases)
+        if s is Structure.EFB:
+            taus = self._layer_tau(tau)
+            values = [scale * e + t for e, t in zip(eigs, taus)]
+            return EigenKroneckerGaussian(
+                theta, index, shapes, pack([b.eigvecs_out for b in bases]), pack([b.eigvecs_in for b in bases]), pack(values)
+            )
+        # DEF
+        lows, corrections = [], torch.zeros_like(theta)
+        for basis, e in zip(bases, eigs):
+            low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, e, self.rank)
+            lows.append(low)
+            correction = diagonal_correction(flat_to_grid(exact_diag, basis.slot), low)
+            corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
+        n_clipped = int((corrections < 0).sum())
+        self.fit_info = {"n_clipped": n_clipped, "kept_rank": sum(low.rank for low in lows)}
+        if n_clipped:
+            logger.info("laplace def: clipped %d negative diagonal-correction entries at 0 (Lemma 3)", n_clipped)
+        return KroneckerLowRankPlusDiagGaussian(
+            theta,
+            index,
+            shapes,
+            torch.tensor([list(low.eigenvalues.shape) for low in lows], device=theta.device),
+            pack([low.factor_out for low in lows]),
+            pack([low.factor_in for low in lows]),
+            pack([scale * low.eigenvalues for low in lows]),
+            scale * corrections.clamp_min(0.0) + tau,
+        )
+
+    # ------------------------------------------------------------------ prediction
+    def posterior(self) -> StructuredGaussian | None:
+        return self._posterior
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """``(n_samples, N, out)`` outputs at posterior samples (the MAP's, repeated, before the posterior is fitted)."""
+        model, theta = self.problem.model, self.theta.detach()
+        if self._posterior is None:
+            f = forward_with(model, theta, x)
+            return f.unsqueeze(0).expand(n_samples, *f.shape)
+        chunks = []
+        for start in range(0, n_samples, _PREDICT_CHUNK):
+            thetas = self._posterior.rsample(min(_PREDICT_CHUNK, n_samples - start), self.problem.generator)
+            if self.predictive is Predictive.SAMPLE:
+                chunks.append(vmap(lambda th: forward_with(model, th, x))(thetas))
+            else:
+                f0 = forward_with(model, theta, x)
+
+                def linear(delta: Tensor) -> Tensor:
+                    return jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))[1]
+
+                chunks.append(f0 + vmap(linear)(thetas - theta))
+        return torch.cat(chunks) if chunks else forward_with(model, theta, x)[None][:0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "theta": self.theta.detach().clone(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
+        if self._posterior is not None:
+            for f in dataclasses.fields(self._posterior):
+                state[f"posterior.{f.name}"] = getattr(self._posterior, f.name).detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.theta.copy_(state["theta"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
+        self._posterior = _STRUCTURE_CLASSES[self.structure](**fields) if fields else None

@@ -1,0 +1,115 @@
+"""Small convolutional networks of the DEF and k-tied papers, and the image-input convention.
+
+Convention for every image model: ``in_features`` is what the runner passes (``dataset.n_features``,
+i.e. ``x.shape[1]``): the number of channels C for ``(N, C, H, W)`` images, or ``C·H·W`` for
+flattened rows, which the model then unflattens itself (so ``data.flatten=true`` also works).
+
+- ``cnn_def`` — DEF Laplace's CIFAR-10 network (Lee et al., 2020, App. E; the TensorFlow CIFAR-10
+  tutorial): conv 5×5×64 → ReLU → max-pool 3×3/2 → LRN → conv 5×5×64 → ReLU → LRN → max-pool 3×3/2
+  → FC 384 → FC 192 → FC C ("2 conv + 3 FC"). TensorFlow's ``lrn(depth_radius=4, bias=1,
+  alpha=0.001/9, beta=0.75)`` is ``nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1)`` (PyTorch
+  divides ``alpha`` by the window size).
+- ``cnn_ktied`` — the k-tied paper's "LeNet with 2 convolutional and 2 dense layers" for CIFAR-100
+  (Swiatkowski et al., 2020, Sec. 2.3): conv 5×5×32 → ReLU → max-pool 2 → conv 5×5×64 → ReLU →
+  max-pool 2 → FC 512 → FC C. The widths are not printed in the paper; these reproduce its Table 3
+  parameter counts exactly up to rounding: 2,202,660 weights, so 4,405k mean-field parameters
+  (2 per weight) and 2,262k for 1-tied dense layers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from bdl_bench.models import register_model
+
+
+def image_input(in_features: int, image_size: int, model: str, max_channels: int = 4) -> tuple[list[nn.Module], int]:
+    """Leading modules and the channel count for an image model (see module docstring).
+
+    Returns:
+        ``([nn.Unflatten(...)], C)`` for flattened input of ``C·image_size²`` features, ``([], C)``
+        for ``in_features = C`` channels.
+
+    Raises:
+        ValueError: When ``in_features`` is neither a channel count nor ``C·image_size²``.
+    """
+    pixels = image_size * image_size
+    if 1 <= in_features <= max_channels:
+        return [], in_features
+    if in_features % pixels == 0 and 1 <= in_features // pixels <= max_channels:
+        channels = in_features // pixels
+        return [nn.Unflatten(1, (channels, image_size, image_size))], channels
+    raise ValueError(
+        f"model {model!r} needs images (N, C, {image_size}, {image_size}) or rows of C*{pixels} features; "
+        f"got in_features={in_features} (set data.flatten=false, or check model.image_size)"
+    )
+
+
+def _pooled(size: int, kernel: int, stride: int, padding: int) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+@register_model("cnn_def")
+def cnn_def(
+    *,
+    in_features: int,
+    out_features: int,
+    image_size: int,
+    channels: int,
+    hidden: list[int],
+    local_response_norm: bool,
+) -> nn.Sequential:
+    """DEF's CIFAR-10 CNN (module docstring); ``channels`` = 64 and ``hidden`` = [384, 192] in the paper."""
+    head, c_in = image_input(in_features, image_size, "cnn_def")
+    size = _pooled(_pooled(image_size, 3, 2, 1), 3, 2, 1)  # 32 → 16 → 8 (TensorFlow "SAME" pooling)
+
+    def lrn() -> list[nn.Module]:
+        return [nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1.0)] if local_response_norm else []
+
+    layers: list[nn.Module] = [
+        *head,
+        nn.Conv2d(c_in, channels, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        *lrn(),
+        nn.Conv2d(channels, channels, 5, padding=2),
+        nn.ReLU(),
+        *lrn(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+    ]
+    widths = [channels * size * size, *map(int, hidden)]
+    for w_in, w_out in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(w_in, w_out), nn.ReLU()]
+    layers.append(nn.Linear(widths[-1], out_features))
+    return nn.Sequential(*layers)
+
+
+@register_model("cnn_ktied")
+def cnn_ktied(
+    *,
+    in_features: int,
+    out_features: int,
+    image_size: int,
+    channels: list[int],
+    hidden: int,
+) -> nn.Sequential:
+    """The k-tied CIFAR-100 LeNet (module docstring); ``channels`` = [32, 64], ``hidden`` = 512."""
+    head, c_in = image_input(in_features, image_size, "cnn_ktied")
+    if len(channels) != 2:
+        raise ValueError(f"cnn_ktied has two convolutional layers; got channels={list(channels)}")
+    c1, c2 = map(int, channels)
+    size = image_size // 4
+    return nn.Sequential(
+        *head,
+        nn.Conv2d(c_in, c1, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(c2 * size * size, int(hidden)),
+        nn.ReLU(),
+        nn.Linear(int(hidden), out_features),
+    )

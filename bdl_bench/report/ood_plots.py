@@ -1,0 +1,117 @@
+"""Calibration and out-of-distribution figures: reliability diagrams and entropy histograms (DEF Fig. 6).
+
+They are drawn from run folders only: a run that evaluates a classifier may save
+``uncertainty.npz`` with the arrays of :func:`bdl_bench.metrics.uncertainty_arrays`
+(``test_confidence``, ``test_correct``, ``test_entropy`` and, with an OOD set, ``ood_entropy``).
+:func:`plot_uncertainty` draws, per run, its reliability diagram and the histograms of normalised
+predictive entropy on the in-distribution test set and on the OOD set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from bdl_bench.metrics import ReliabilityDiagram, reliability_from_confidence  # noqa: E402
+
+UNCERTAINTY_FILE = "uncertainty.npz"
+
+
+def plot_reliability_diagram(diagram: ReliabilityDiagram, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Bars of per-bin accuracy against the bin centres, the gap to the diagonal, and the ECE in the title."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4, 4))
+    edges = diagram.bin_edges.numpy()
+    width = np.diff(edges)
+    centres = edges[:-1] + width / 2
+    accuracy = np.nan_to_num(diagram.accuracy.numpy(), nan=0.0)
+    confidence = np.where(diagram.counts.numpy() > 0, diagram.confidence.numpy(), centres)
+    ax.bar(centres, accuracy, width=width, edgecolor="black", linewidth=0.5, label="accuracy")
+    ax.bar(
+        centres,
+        confidence - accuracy,
+        bottom=accuracy,
+        width=width,
+        color="tab:red",
+        alpha=0.3,
+        edgecolor="tab:red",
+        label="gap",
+    )
+    ax.plot([0, 1], [0, 1], "k--", linewidth=1)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy")
+    ax.set_title(f"{title + ': ' if title else ''}ECE {diagram.ece:.4f}", fontsize="medium")
+    ax.legend(loc="upper left", fontsize="small")
+    return ax.figure  # type: ignore[return-value]
+
+
+def plot_entropy_histograms(
+    entropies: Mapping[str, np.ndarray], ax: Axes | None = None, title: str | None = None, bins: int = 20
+) -> Figure:
+    """Overlaid density histograms of normalised predictive entropy (values in [0, 1]), one per label."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5, 3.5))
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    for label, values in entropies.items():
+        values = np.asarray(values, dtype=float)
+        ax.hist(values, bins=edges, density=True, alpha=0.5, label=f"{label} (mean {values.mean():.3f})")
+    ax.set(xlim=(0, 1), xlabel="predictive entropy / log C", ylabel="density")
+    if title:
+        ax.set_title(title, fontsize="medium")
+    ax.legend(fontsize="small")
+    return ax.figure  # type: ignore[return-value]
+
+
+def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
+    """The arrays a run saved in ``uncertainty.npz``.
+
+    Raises:
+        FileNotFoundError: If the run has none (it was not a classification run, or predates the file).
+    """
+    path = Path(run_dir) / UNCERTAINTY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the run saved no per-example uncertainty arrays")
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def plot_uncertainty(
+    run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None = None, n_bins: int = 15
+) -> Path:
+    """One row per run: its reliability diagram and its in-distribution vs OOD entropy histograms.
+
+    Args:
+        run_dirs: Run folders holding ``uncertainty.npz``.
+        out: Image file to write (format from the suffix).
+        labels: Row titles (default: the folder names).
+        n_bins: Confidence bins of the reliability diagram.
+
+    Returns:
+        ``out``.
+    """
+    if not run_dirs:
+        raise ValueError("plot_uncertainty needs at least one run folder")
+    labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]
+    fig, axes = plt.subplots(len(run_dirs), 2, figsize=(10, 3.8 * len(run_dirs)), squeeze=False)
+    for row, (run_dir, label) in enumerate(zip(run_dirs, labels)):
+        arrays = load_uncertainty(Path(run_dir))
+        diagram = reliability_from_confidence(
+            torch.from_numpy(arrays["test_confidence"]), torch.from_numpy(arrays["test_correct"]), n_bins
+        )
+        plot_reliability_diagram(diagram, axes[row, 0], title=label)
+        entropies = {"test (in-distribution)": arrays["test_entropy"]}
+        if "ood_entropy" in arrays:
+            entropies["out-of-distribution"] = arrays["ood_entropy"]
+        plot_entropy_histograms(entropies, axes[row, 1], title=label)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

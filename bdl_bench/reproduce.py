@@ -1,0 +1,397 @@
+"""``bdl-bench reproduce <experiment>``: run (or resume) a paper experiment's sweep and compare with the paper.
+
+1. The experiment's sweep (``hydra.sweeper.params`` of ``conf/experiment/<experiment>.yaml``, with any
+   ``key=values`` given on the command line in place of the experiment's) is expanded into jobs; a
+   dataset's splits beyond its ``protocol.n_splits`` are dropped.
+2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``),
+   each job's Optuna study runs first, into ``<results_root>/<experiment_name>_tuning/<job folder>``;
+   a finished study of the same config is not run again.
+3. The test runs run as Hydra sweeps (one per dataset), with the joblib launcher on ``--jobs`` cores
+   unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
+   killed ones resume.
+4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
+   agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
+   printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
+
+The table is refused when the results folder holds runs of another config version (a run folder this
+sweep would reuse whose config hash differs, or a finished run outside this sweep that its config no
+longer reproduces): mixing them would compare two protocols at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
+from bdl_bench.results import (
+    METRICS_FILE,
+    atomic_write_text,
+    config_hash,
+    find_run_dirs,
+    read_failure,
+    stored_config_hash,
+)
+from bdl_bench.sweep import summarise, version_warnings
+from bdl_bench.tuning import STUDY_RESULTS_FILE, apply_tuned, override_dirname
+
+QUICK_SPLITS = 2
+QUICK_EPOCHS = 3
+QUICK_TRIALS = 4
+STUDY_RECORD_FILE = "study.json"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``reproduce`` runs: the test jobs (overrides each), grouped into one Hydra sweep per dataset."""
+
+    experiment: str
+    config: DictConfig  # the experiment's composed config, Hydra node included
+    fixed: list[str]  # overrides of every job (experiment=…, the user's single values, --quick settings)
+    launcher: list[str]  # hydra/launcher and hydra.launcher.* overrides
+    keys: list[str]  # the swept keys, in order
+    jobs: list[list[str]]  # per job: "key=value" for every swept key
+    sweep_dir: Path
+    tuning_dir: Path | None  # None: no tuning
+
+    @property
+    def dirname_settings(self) -> tuple[list[str], str, str]:
+        settings = self.config.hydra.job.config.override_dirname
+        return list(settings.exclude_keys), str(settings.item_sep), str(settings.kv_sep)
+
+    def job_folder(self, job: Sequence[str]) -> str:
+        return override_dirname([*self.fixed, *job], *self.dirname_settings)
+
+
+def _load(overrides: Sequence[str], multirun: bool = True) -> DictConfig:
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+        return loader.load_configuration("config", list(overrides), run_mode=mode)
+
+
+def _expand(key: str, value: str) -> list[str]:
+    """The values of one sweep entry (``range(20)``, ``a,b``, ``glob(slang_table1/*)``) as strings."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        override = parser.parse_override(f"{key}={value}")
+        if override.is_sweep_override():
+            return [str(v) for v in override.sweep_string_iterator()]
+        return [override.get_value_element_as_str()]
+
+
+def _n_splits(data_name: str) -> int | None:
+    path = CONF_DIR / "data" / f"{data_name}.yaml"
+    protocol = (yaml.safe_load(path.read_text()) or {}).get("protocol", {}) if path.exists() else {}
+    return protocol.get("n_splits")
+
+
+def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: bool) -> Plan:
+    """Compose the experiment with ``overrides`` and expand its sweep into jobs.
+
+    Raises:
+        SystemExit: for an unknown experiment, listing the available ones.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    available = group_choices("experiment")
+    if experiment not in available:
+        raise SystemExit(f"bdl-bench reproduce: unknown experiment {experiment!r}; available: {', '.join(available)}")
+    launcher = [o for o in overrides if o.startswith(("hydra/launcher", "hydra.launcher", "hydra.sweeper"))]
+    task = [o for o in overrides if o not in launcher]
+    quick_fixed = [f"experiment_name={experiment}_quick", f"trainer.n_epochs={QUICK_EPOCHS}"] if quick else []
+    config = _load([f"experiment={experiment}", *task, *quick_fixed])
+    params: dict[str, str] = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
+    fixed = [f"experiment={experiment}", *quick_fixed]
+    for parsed, text in zip(OverridesParser.create().parse_overrides(task), task):
+        key = parsed.get_key_element()
+        if key in params or parsed.is_sweep_override():
+            params[key] = text.split("=", 1)[1]
+        else:
+            fixed.append(text)
+    values = {key: _expand(key, value) for key, value in params.items()}
+    if quick and "data.split" in values:
+        values["data.split"] = values["data.split"][:QUICK_SPLITS]
+    keys = list(values)
+    jobs, dropped = [], set()
+    for combo in itertools.product(*(values[k] for k in keys)):
+        job = dict(zip(keys, combo))
+        n_splits = _n_splits(job.get("data", str(config.data.name)))
+        if "data.split" in job and n_splits is not None and int(job["data.split"]) >= n_splits:
+            dropped.add(job.get("data", str(config.data.name)))
+            continue
+        jobs.append([f"{k}={v}" for k, v in job.items()])
+    for name in sorted(dropped):
+        print(f"note: {name} has {_n_splits(name)} splits; its higher split numbers are left out")
+    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
+    tuning_dir = sweep_dir.with_name(f"{sweep_dir.name}_tuning") if tuned else None
+    return Plan(experiment, config, fixed, launcher, keys, jobs, sweep_dir, tuning_dir)
+
+
+def _quoted(key: str, path: Path) -> str:
+    """``key='path'``: a folder name made of overrides holds ``=`` and ``,``, which Hydra's grammar needs quoted."""
+    if "'" in str(path):
+        raise ValueError(f"{key}: the folder {path} contains a single quote; choose results_root without one")
+    return f"{key}='{path}'"
+
+
+def _launcher_overrides(plan: Plan, jobs: int) -> list[str]:
+    if any(o.startswith("hydra/launcher") for o in plan.launcher):
+        return plan.launcher
+    try:
+        import hydra_plugins.hydra_joblib_launcher  # noqa: F401
+    except ImportError:
+        print("note: jobs run one after another; `pip install -e '.[cluster]'` runs them in parallel (joblib)")
+        return plan.launcher
+    return ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}", *plan.launcher]
+
+
+def _task_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config without its Hydra node (what a job's ``config.yaml`` holds)."""
+    task = copy.deepcopy(cfg)
+    with open_dict(task):
+        del task["hydra"]
+    return OmegaConf.to_container(task, resolve=True)  # type: ignore[return-value]
+
+
+def _study_hash(plan: Plan, job: Sequence[str], extra: Sequence[str]) -> str:
+    cfg = _load([*plan.fixed, f"tune={plan.experiment}", *job, *extra])
+    sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
+    return config_hash({"task": _task_container(cfg), "sweeper": sweeper})  # type: ignore[dict-item]
+
+
+def run_studies(plan: Plan, launcher: list[str], *, jobs: int, quick: bool, force: bool) -> list[str]:
+    """Run every job's Optuna study that has not finished for this config; returns the failed jobs."""
+    assert plan.tuning_dir is not None
+    extra = [f"hydra.sweeper.n_jobs={jobs}"] + ([f"hydra.sweeper.n_trials={QUICK_TRIALS}"] if quick else [])
+    failed = []
+    for i, job in enumerate(plan.jobs, 1):
+        study_dir = plan.tuning_dir / plan.job_folder(job)
+        record = study_dir / STUDY_RECORD_FILE
+        key = _study_hash(plan, job, extra)
+        done = (study_dir / STUDY_RESULTS_FILE).exists() and record.exists()
+        if done and not force and yaml.safe_load(record.read_text()).get("study_hash") == key:
+            continue
+        print(f"[tuning {i}/{len(plan.jobs)}] {' '.join(job)} → {study_dir}", flush=True)
+        args = [
+            "-m",
+            *plan.fixed,
+            f"tune={plan.experiment}",
+            *job,
+            *extra,
+            *launcher,
+            _quoted("hydra.sweep.dir", study_dir),
+        ]
+        error = run_hydra([*args, *(["force=true"] if force else [])])
+        if error is not None or not (study_dir / STUDY_RESULTS_FILE).exists():
+            failed.append(" ".join(job))
+            continue
+        atomic_write_text(record, yaml.safe_dump({"study_hash": key}))
+    return failed
+
+
+def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
+    """One Hydra sweep per dataset over the plan's jobs (skipping finished runs, resuming killed ones)."""
+    by_data: dict[str, list[list[str]]] = {}
+    for job in plan.jobs:
+        by_data.setdefault(next((o for o in job if o.startswith("data=")), ""), []).append(job)
+    for data, group in by_data.items():
+        values = {
+            k: list(dict.fromkeys(o.split("=", 1)[1] for o in (j[i] for j in group))) for i, k in enumerate(plan.keys)
+        }
+        sweep = [f"{k}={','.join(v)}" for k, v in values.items()]
+        extra = [_quoted("tuned_from", plan.tuning_dir)] if plan.tuning_dir is not None else []
+        print(f"[runs] {data or plan.experiment}: {len(group)} runs → {plan.sweep_dir}", flush=True)
+        run_hydra(["-m", *plan.fixed, *sweep, *extra, *launcher, *(["force=true"] if force else [])])
+
+
+def _stored_overrides(run_dir: Path) -> list[str] | None:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    return list(yaml.safe_load(path.read_text()) or []) if path.exists() else None
+
+
+def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
+    """Finished runs below the results folder that this sweep did not run and its config does not
+    reproduce (a different config version), with the reason."""
+    found = []
+    for run_dir in find_run_dirs(plan.sweep_dir):
+        if run_dir in expected or not (run_dir / METRICS_FILE).exists():
+            continue
+        overrides = _stored_overrides(run_dir)
+        if overrides is None:
+            found.append((run_dir, "no .hydra/overrides.yaml to check it against"))
+            continue
+        try:
+            cfg = _load(overrides, multirun=False)
+            current = config_hash(_task_container(apply_tuned(cfg, overrides, plan.dirname_settings)))
+        except Exception as error:  # noqa: BLE001 - any failure to recompose means it cannot be vouched for
+            found.append((run_dir, f"its overrides no longer compose ({type(error).__name__}: {error})"))
+            continue
+        if current != stored_config_hash(run_dir):
+            found.append(
+                (run_dir, f"config hash {stored_config_hash(run_dir)}, today's config of its overrides {current}")
+            )
+    return found
+
+
+def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float] | None) -> pd.DataFrame:
+    """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric]`` where the
+    experiment states one, else build_table's ``within_2se_<metric>``; empty where the paper has no value."""
+    frame = frame.copy()
+    tolerance = dict(tolerance or {})
+    for column in [c for c in frame.columns if c.startswith("paper_") and not c.endswith("_se")]:
+        metric = column.removeprefix("paper_")
+        ours, paper = frame[metric], frame[column]
+        if metric in tolerance:
+            verdict = (ours - paper).abs() <= float(tolerance[metric])
+        else:
+            verdict = frame.get(f"within_2se_{metric}", pd.Series([None] * len(frame), index=frame.index))
+        frame[f"agrees_{metric}"] = [
+            None if (pd.isna(p) or pd.isna(o)) else bool(v) for o, p, v in zip(ours, paper, verdict)
+        ]
+    return frame
+
+
+def _fmt(mean: Any, se: Any) -> str:
+    if mean is None or pd.isna(mean):
+        return "–"
+    return f"{mean:.3f}" if se is None or pd.isna(se) else f"{mean:.3f} ± {se:.3f}"
+
+
+def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float] | None) -> str:
+    """The table with, per paper metric, ours, the paper's and whether they agree."""
+    metrics = [c.removeprefix("agrees_") for c in frame.columns if c.startswith("agrees_")]
+    if not metrics:
+        metrics = [c for c in frame.columns if f"{c}_se" in frame.columns]
+    headers = ["dataset", "method", "n"]
+    for m in metrics:
+        headers += [f"{m} (ours)", f"{m} (paper)", f"{m} agrees"] if f"agrees_{m}" in frame else [m]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for _, row in frame.iterrows():
+        cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
+        for m in metrics:
+            cells.append(_fmt(row[m], row.get(f"{m}_se")))
+            if f"agrees_{m}" in frame:
+                verdict = row[f"agrees_{m}"]
+                cells += [
+                    _fmt(row[f"paper_{m}"], row.get(f"paper_{m}_se")),
+                    "–" if verdict is None else ("yes" if verdict else "NO"),
+                ]
+        lines.append("| " + " | ".join(cells) + " |")
+    rule = "agrees: |ours − paper| ≤ 2·√(se_ours² + se_paper²)"
+    if tolerance:
+        rule += (
+            "; "
+            + ", ".join(f"{m}: |ours − paper| ≤ {t}" for m, t in tolerance.items())
+            + " (the experiment's tolerance)"
+        )
+    return "\n".join(lines) + f"\n\n{rule}"
+
+
+def _default_jobs() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="bdl-bench reproduce",
+        description="Run (or resume) a paper experiment's sweep, tuning included where the paper tuned, "
+        "then print the table with the paper's numbers beside ours.",
+        epilog="example: bdl-bench reproduce slang_table2 method=bbb,dropout data=uci/boston --jobs 2",
+    )
+    parser.add_argument("experiment", help=f"one of: {', '.join(group_choices('experiment'))}")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides for every run (key=values replace the experiment's sweep)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke check: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs, {QUICK_TRIALS} tuning trials, into <experiment>_quick",
+    )
+    parser.add_argument(
+        "--no-tune", action="store_true", help="skip the hyperparameter search (use the configs' fixed values)"
+    )
+    parser.add_argument("--force", action="store_true", help="re-run finished runs and studies")
+    parser.add_argument("--jobs", type=int, default=_default_jobs(), help="parallel jobs (default: the usable cores)")
+    ns = parser.parse_intermixed_args(args)
+    started = time.perf_counter()
+    plan = make_plan(ns.experiment, ns.overrides, quick=ns.quick, tune=not ns.no_tune)
+    launcher = _launcher_overrides(plan, ns.jobs)
+    print(
+        f"{plan.experiment}: {len(plan.jobs)} runs over {', '.join(plan.keys)}"
+        + (f"; tuning first ({plan.tuning_dir})" if plan.tuning_dir else ""),
+        flush=True,
+    )
+    failed_studies = (
+        run_studies(plan, launcher, jobs=ns.jobs, quick=ns.quick, force=ns.force) if plan.tuning_dir else []
+    )
+    run_tests(plan, launcher, force=ns.force)
+
+    expected = [plan.sweep_dir / plan.job_folder(job) for job in plan.jobs]
+    summary = summarise(plan.sweep_dir, run_dirs=[d for d in expected if d.exists()])
+    missing = [d for d in expected if not d.exists()]
+    print(summary.render(plan.sweep_dir))
+    for study in failed_studies:
+        print(f"  TUNING FAILED {study} (its test run has no tuned values)")
+    conflicts = [
+        (d, (read_failure(d) or {}).get("message", ""))
+        for d, _ in summary.failed
+        if (read_failure(d) or {}).get("error_type") == "ConfigVersionError"
+    ]
+    conflicts += foreign_runs(plan, set(expected))
+    if conflicts:
+        lines = "\n".join(f"  {d}: {why}" for d, why in conflicts[:10])
+        raise SystemExit(
+            f"bdl-bench reproduce: {plan.sweep_dir} holds {len(conflicts)} run(s) of another config version, "
+            f"so no table is made from it:\n{lines}\nRe-run with --force to replace them, move them away, "
+            "or pass results_root=<new folder>."
+        )
+    for warning in version_warnings(plan.sweep_dir):
+        print(f"warning: {warning}")
+    from bdl_bench.report.tables import build_table
+
+    if not any((d / METRICS_FILE).exists() for d in expected):
+        raise SystemExit(f"bdl-bench reproduce: no run of this sweep finished below {plan.sweep_dir}; no table")
+    tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
+    paper = plan.config.get("paper_table")
+    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None)
+    frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
+    text = markdown(frame, tolerance)  # type: ignore[arg-type]
+    title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
+    atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{text}\n")
+    atomic_write_text(plan.sweep_dir / "reproduce.csv", frame.to_csv(index=False))
+    verdicts = [v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None]
+    print(f"\n{title}\n\n{text}\n")
+    if verdicts:
+        print(f"{sum(verdicts)} of {len(verdicts)} cells agree with the paper.")
+    print(
+        f"(Markdown: {plan.sweep_dir / 'reproduce.md'}; CSV: {plan.sweep_dir / 'reproduce.csv'}; "
+        f"{time.perf_counter() - started:.0f} s)"
+    )
+    if summary.failed or summary.unfinished or missing or failed_studies:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

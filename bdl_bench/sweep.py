@@ -1,0 +1,242 @@
+"""Sweep members and sweep summaries: skip finished runs, resume, record failures, report at the end.
+
+:func:`run_job` is what the Hydra app runs for every member of a sweep (and for a single run):
+
+- a folder whose ``metrics.json`` exists is **skipped** when its ``config.yaml`` has the config hash
+  of the job (:func:`bdl_bench.results.config_hash`); when the hash differs the job **refuses**
+  (:class:`ConfigVersionError`): the folder holds a run of another config version (an experiment or
+  method default changed since), which must not be mixed into a table. ``force=true`` re-runs either;
+- an unfinished run **resumes** from its checkpoint (:mod:`bdl_bench.runner`);
+- a run that raises leaves ``failure.json``/``failure.txt`` (traceback, overrides, resolved config)
+  and re-raises, so Hydra marks the job failed while the other members go on. Under submitit
+  (``hydra/launcher=submitit_slurm`` or ``submitit_local``) the job process then also exits with
+  status 1: Hydra's submitit launcher returns a failed job's record as a normal result, which Slurm
+  would otherwise account as COMPLETED (facebookresearch/hydra#1928).
+
+Every attempt updates ``run.json`` (status, start and end times, code version, config hash), from which
+:func:`summarise` lists what a sweep started at a given time did.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from bdl_bench.results import (
+    METRICS_FILE,
+    RUN_RECORD_FILE,
+    clear_attempt,
+    code_version,
+    config_hash,
+    read_failure,
+    read_run_record,
+    stored_config_hash,
+    update_run_record,
+    write_failure,
+)
+from bdl_bench.runner import EpochHook, run
+from bdl_bench.tuning import apply_tuned
+
+EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
+
+
+class ConfigVersionError(RuntimeError):
+    """A run folder holds a finished run whose config differs from the job's."""
+
+
+@dataclass(frozen=True)
+class JobResult:
+    run_dir: Path
+    metrics: dict[str, float]
+    skipped: bool
+
+
+def _task_overrides() -> list[str]:
+    """The job's own command-line overrides (empty outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)
+
+
+def _exit_with_failure_status() -> None:
+    """Make this process end with exit status 1 after the launcher has stored its result."""
+
+    def _exit() -> None:
+        print(EXIT_MESSAGE, file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    atexit.register(_exit)
+
+
+def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> JobResult:
+    """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it.
+
+    Raises:
+        ConfigVersionError: when ``run_dir`` holds a finished run of a different config (without ``force``).
+        Exception: whatever the run raised (after writing the failure record).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = _task_overrides()
+    force = bool(OmegaConf.select(cfg, "force", default=False))
+    config: dict[str, Any] = {}
+    try:
+        cfg = apply_tuned(cfg, overrides)
+        config = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        chash = config_hash(config)
+        finished = (run_dir / METRICS_FILE).exists()
+        if finished and not force:
+            stored = stored_config_hash(run_dir)
+            if stored != chash:
+                raise ConfigVersionError(
+                    f"{run_dir} holds a finished run of another config version (config hash {stored}, this job "
+                    f"{chash}): a default or the experiment changed since it ran. Re-run it with force=true, "
+                    "or write this sweep elsewhere (hydra.sweep.dir=… or results_root=…)"
+                )
+            update_run_record(run_dir, status="skipped", last_seen=time.time())
+            clear_attempt(run_dir, finished=False)
+            metrics = json.loads((run_dir / METRICS_FILE).read_text())
+            return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
+        clear_attempt(run_dir, finished=force)
+        attempts = int(read_run_record(run_dir).get("attempts", 0)) + 1
+        update_run_record(
+            run_dir,
+            status="running",
+            started=time.time(),
+            last_seen=time.time(),
+            ended=None,
+            attempts=attempts,
+            host=os.uname().nodename,
+            pid=os.getpid(),
+            code_version=code_version(),
+            config_hash=chash,
+            overrides=overrides,
+        )
+        result = run(cfg, run_dir, epoch_hook=epoch_hook)
+    except Exception as error:
+        write_failure(run_dir, error, config, overrides)
+        update_run_record(run_dir, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            _exit_with_failure_status()
+        raise
+    update_run_record(run_dir, status="finished", ended=time.time(), error=None)
+    return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
+
+
+@dataclass(frozen=True)
+class SweepSummary:
+    """What the members of one sweep did, from their ``run.json`` records."""
+
+    finished: list[Path] = field(default_factory=list)
+    skipped: list[Path] = field(default_factory=list)
+    failed: list[tuple[Path, str]] = field(default_factory=list)  # (run folder, "ErrorType: message")
+    unfinished: list[Path] = field(default_factory=list)  # still running, or killed
+
+    @property
+    def n_runs(self) -> int:
+        return len(self.finished) + len(self.skipped) + len(self.failed) + len(self.unfinished)
+
+    def render(self, root: Path | None = None) -> str:
+        def name(path: Path) -> str:
+            return str(path.relative_to(root)) if root is not None and path.is_relative_to(root) else str(path)
+
+        lines = [
+            f"sweep summary: {self.n_runs} runs: {len(self.finished)} ran, {len(self.skipped)} skipped "
+            f"(finished earlier), {len(self.failed)} failed, {len(self.unfinished)} unfinished"
+            + (f" (below {root})" if root is not None else "")
+        ]
+        for path, error in self.failed:
+            lines.append(f"  FAILED {name(path)}: {error}  [see {name(path / 'failure.txt')}]")
+        for path in self.unfinished:
+            lines.append(f"  UNFINISHED {name(path)} (still running or killed; re-run the sweep to resume it)")
+        return "\n".join(lines)
+
+
+def _error_line(run_dir: Path) -> str:
+    failure = read_failure(run_dir) or {}
+    message = str(failure.get("message", "")).splitlines()[0] if failure.get("message") else ""
+    return f"{failure.get('error_type', 'error')}: {message}"[:300]
+
+
+def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | None = None) -> SweepSummary:
+    """Classify the run folders below ``root`` seen by a sweep that started at ``since`` (or exactly
+    ``run_dirs``) by the status of their latest attempt."""
+    if run_dirs is None:
+        root = Path(root)
+        records = sorted(p.parent for p in root.rglob(RUN_RECORD_FILE))
+        run_dirs = [
+            d
+            for d in records
+            if not any(part.startswith(".") for part in d.relative_to(root).parts)
+            and read_run_record(d).get("last_seen", 0) >= (since or 0) - 1
+        ]
+    summary = SweepSummary()
+    for run_dir in run_dirs:
+        status = read_run_record(run_dir).get("status")
+        if status == "failed":
+            summary.failed.append((run_dir, _error_line(run_dir)))
+        elif status == "skipped":
+            summary.skipped.append(run_dir)
+        elif status == "finished" and (run_dir / METRICS_FILE).exists():
+            summary.finished.append(run_dir)
+        else:
+            summary.unfinished.append(run_dir)
+    return summary
+
+
+def multirun_folder(conf_dir: Path, args: list[str]) -> Path | None:
+    """The sweep folder of ``bdl-bench run`` with command-line ``args`` when they start a sweep (``-m``),
+    else ``None`` (a single run, ``--cfg``, ``--help``, …)."""
+    from hydra import initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    ns = get_args_parser().parse_args(args)
+    if not ns.multirun or ns.cfg or ns.help or ns.hydra_help or ns.info or ns.shell_completion:
+        return None
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=RunMode.MULTIRUN)
+        return Path(str(cfg.hydra.sweep.dir)).absolute()
+
+
+def version_warnings(root: Path) -> list[str]:
+    """Reasons not to trust a table of the runs below ``root`` blindly: finished runs made by different
+    code versions, and finished runs whose latest attempt failed (e.g. a newer config version refused)."""
+    from bdl_bench.results import find_run_dirs
+
+    versions: dict[str, int] = {}
+    stale = []
+    for run_dir in find_run_dirs(Path(root)):
+        if not (run_dir / METRICS_FILE).exists():
+            continue
+        record = read_run_record(run_dir)
+        version = str(record.get("code_version", "unknown (no run.json)"))
+        versions[version] = versions.get(version, 0) + 1
+        if record.get("status") == "failed":
+            stale.append(run_dir)
+    warnings = []
+    if len(versions) > 1:
+        counts = ", ".join(f"{v}: {n} runs" for v, n in sorted(versions.items()))
+        warnings.append(f"the runs below {root} come from {len(versions)} code versions ({counts})")
+    if stale:
+        warnings.append(
+            f"{len(stale)} finished run(s) below {root} have a later failed attempt, e.g. {stale[0]} "
+            f"({_error_line(stale[0])}); their metrics may be from an older config version"
+        )
+    return warnings

@@ -1,0 +1,56 @@
+"""The column-major precision helpers against dense linear algebra."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bdl_bench.curvature import gram, low_rank
+
+F64 = torch.float64
+
+
+def _factor_and_diag(generator: torch.Generator, n_params: int = 9, rank: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    factor = gram.empty_columns_first(n_params, rank, like=torch.zeros(1, dtype=F64))
+    factor.copy_(torch.randn(n_params, rank, generator=generator, dtype=F64))
+    return factor, torch.rand(n_params, generator=generator, dtype=F64) + 0.5
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_weighted_gram_and_cache(
+    block: int | None, generator: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if block is not None:
+        monkeypatch.setattr(low_rank, "_GRAM_BLOCK_ELEMENTS", block)  # several blocks of rows
+    factor, diag = _factor_and_diag(generator)
+    rhs = torch.randn(9, generator=generator, dtype=F64)
+    weights = diag.reciprocal()
+    gram_matrix, proj = low_rank.weighted_gram(factor, weights, rhs)
+    torch.testing.assert_close(gram_matrix, factor.mT @ torch.diag(weights) @ factor)
+    torch.testing.assert_close(proj, factor.mT @ (weights * rhs))
+    cache = low_rank.build_cache(factor, diag)
+    torch.testing.assert_close(cache.factor_gram, factor.mT @ factor)
+    torch.testing.assert_close(cache.factor_sqnorms, factor.square().sum(1))
+    chol = cache.capacitance_chol
+    torch.testing.assert_close(chol @ chol.mT, torch.eye(3, dtype=F64) + gram_matrix)
+
+
+def test_sample_noise_is_exactly_the_posterior_covariance(generator: torch.Generator) -> None:
+    """noise = P^{-1}(d^{1/2} e1 + U e2), whose covariance P^{-1}[diag d + U U^T]P^{-1} = P^{-1}."""
+    factor, diag = _factor_and_diag(generator, n_params=6, rank=2)
+    cache = low_rank.build_cache(factor, diag)
+    noise = low_rank.sample_noise(factor, diag, cache, 5, torch.Generator().manual_seed(7))
+    eps = torch.randn((5, 8), generator=torch.Generator().manual_seed(7), dtype=F64).mT  # the same draws
+    precision = factor @ factor.mT + torch.diag(diag)
+    transform = torch.linalg.solve(precision, torch.cat([torch.diag(diag.sqrt()), factor], 1))
+    torch.testing.assert_close(noise, (transform @ eps).mT)
+    torch.testing.assert_close(transform @ transform.mT, torch.linalg.inv(precision))
+
+
+def test_sample_noise_with_a_zero_factor(generator: torch.Generator) -> None:
+    """SLANG starts from U = 0: the draws are then d^{-1/2} e1."""
+    diag = torch.rand(6, generator=generator, dtype=F64) + 0.5
+    factor = torch.zeros(2, 6, dtype=F64).mT
+    noise = low_rank.sample_noise(factor, diag, low_rank.build_cache(factor, diag), 3, torch.Generator().manual_seed(1))
+    eps = torch.randn((3, 8), generator=torch.Generator().manual_seed(1), dtype=F64)[:, :6]
+    torch.testing.assert_close(noise, eps * diag.rsqrt())
