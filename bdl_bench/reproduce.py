@@ -60,7 +60,8 @@ class Plan:
     experiment: str
     config: DictConfig  # the experiment's composed config, Hydra node included
     fixed: list[str]  # overrides of every job (experiment=…, the user's single values, --quick settings)
-    launcher: list[str]  # hydra/launcher and hydra.launcher.* overrides
+    launcher: list[str]  # the user's hydra/… and hydra.… overrides (launcher choice and settings)
+    sweeper: list[str]  # the user's hydra.sweeper.… overrides (for the studies)
     keys: list[str]  # the swept keys, in order
     jobs: list[list[str]]  # per job: "key=value" for every swept key
     sweep_dir: Path
@@ -87,14 +88,21 @@ def _load(overrides: Sequence[str], multirun: bool = True) -> DictConfig:
 
 
 def _expand(key: str, value: str) -> list[str]:
-    """The values of one sweep entry (``range(20)``, ``a,b``, ``glob(slang_table1/*)``) as strings."""
+    """The values of one sweep entry (``range(20)``, ``a,b``, ``glob(slang_table1/*)``) as strings.
+
+    ``glob()`` over a config group matches nested options too (``slang_table1/*``), which Hydra's own
+    expansion does not list.
+    """
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        override = parser.parse_override(f"{key}={value}")
+        (override,) = parser.parse_overrides([f"{key}={value}"])  # (this sets the loader that glob() needs)
+        if isinstance(override.value(), Glob) and (CONF_DIR / key).is_dir():
+            return override.value().filter(group_choices(key))
         if override.is_sweep_override():
             return [str(v) for v in override.sweep_string_iterator()]
         return [override.get_value_element_as_str()]
@@ -117,10 +125,11 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
     available = group_choices("experiment")
     if experiment not in available:
         raise SystemExit(f"bdl-bench reproduce: unknown experiment {experiment!r}; available: {', '.join(available)}")
-    launcher = [o for o in overrides if o.startswith(("hydra/launcher", "hydra.launcher", "hydra.sweeper"))]
-    task = [o for o in overrides if o not in launcher]
+    sweeper = [o for o in overrides if o.startswith("hydra.sweeper.")]  # for the studies only
+    launcher = [o for o in overrides if o.startswith(("hydra/", "hydra.")) and o not in sweeper]
+    task = [o for o in overrides if o not in launcher and o not in sweeper]
     quick_fixed = [f"experiment_name={experiment}_quick", f"trainer.n_epochs={QUICK_EPOCHS}"] if quick else []
-    config = _load([f"experiment={experiment}", *task, *quick_fixed])
+    config = _load([f"experiment={experiment}", *quick_fixed, *task, *launcher])
     params: dict[str, str] = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
     fixed = [f"experiment={experiment}", *quick_fixed]
     for parsed, text in zip(OverridesParser.create().parse_overrides(task), task):
@@ -143,10 +152,12 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
         jobs.append([f"{k}={v}" for k, v in job.items()])
     for name in sorted(dropped):
         print(f"note: {name} has {_n_splits(name)} splits; its higher split numbers are left out")
+    if not jobs:
+        raise SystemExit(f"bdl-bench reproduce: the sweep of {experiment} {dict(params)} expands to no run")
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
     tuning_dir = sweep_dir.with_name(f"{sweep_dir.name}_tuning") if tuned else None
-    return Plan(experiment, config, fixed, launcher, keys, jobs, sweep_dir, tuning_dir)
+    return Plan(experiment, config, fixed, launcher, sweeper, keys, jobs, sweep_dir, tuning_dir)
 
 
 def _quoted(key: str, path: Path) -> str:
@@ -185,6 +196,7 @@ def run_studies(plan: Plan, launcher: list[str], *, jobs: int, quick: bool, forc
     """Run every job's Optuna study that has not finished for this config; returns the failed jobs."""
     assert plan.tuning_dir is not None
     extra = [f"hydra.sweeper.n_jobs={jobs}"] + ([f"hydra.sweeper.n_trials={QUICK_TRIALS}"] if quick else [])
+    extra += plan.sweeper
     failed = []
     for i, job in enumerate(plan.jobs, 1):
         study_dir = plan.tuning_dir / plan.job_folder(job)

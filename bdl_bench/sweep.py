@@ -209,10 +209,13 @@ def multirun_folder(conf_dir: Path, args: list[str]) -> Path | None:
     ns = get_args_parser().parse_args(args)
     if not ns.multirun or ns.cfg or ns.help or ns.hydra_help or ns.info or ns.shell_completion:
         return None
-    with initialize_config_dir(str(conf_dir), version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=RunMode.MULTIRUN)
-        return Path(str(cfg.hydra.sweep.dir)).absolute()
+    try:
+        with initialize_config_dir(str(conf_dir), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=RunMode.MULTIRUN)
+            return Path(str(cfg.hydra.sweep.dir)).absolute()
+    except Exception:  # noqa: BLE001 - a config that does not compose: Hydra itself reports why, next
+        return None
 
 
 def version_warnings(root: Path) -> list[str]:

@@ -19,6 +19,20 @@ data, the method's state and every temporary, not the interpreter or BLAS worksp
 
     python scripts/bench_step.py                      # CPU, 1 thread, ranks 8 and 32
     python scripts/bench_step.py --device cuda --ranks 1,8,32,64
+
+The layer-wise VI methods of the k-tied and ELRG papers are timed the same way with ``--methods``
+(comma-separated; ``slang`` stands for SLANG at every rank of ``--ranks``): ``gmfvi``, ``ktied:<k>``,
+``elrg:<K>`` (constant diagonal, ELRG-VI) and ``elrg_d:<K>`` (learned diagonal, ELRG-D-VI), built from
+their ``conf/method`` defaults with one MC sample (``--mc-samples``), no KL annealing and no SNR
+tracking; ``rank`` in the record is k or K (``null`` for gmfvi). Their ``flop_ratio``
+(:func:`vi_flop_ratio`) is 2 for GMFVI (mean and variance paths), about 1 for k-tied (its variance path
+is a rank-k² product) and 1 + K for ELRG (K + 2 with the learned diagonal).
+
+    python scripts/bench_step.py --methods gmfvi,ktied:2,elrg:1,elrg:5 --no-memory
+
+``--clock thread`` times with ``time.thread_time`` (this thread's CPU time) instead of the wall clock,
+for machines shared with other jobs, where a long step is preempted more often than a short one; the
+record then carries ``"clock": "thread"``.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from bdl_bench.likelihoods import Categorical
+from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
@@ -110,12 +125,73 @@ def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) ->
     return slang / backprop
 
 
-def _timed(step: Callable[[], None], device: torch.device) -> float:
+def vi_config(spec: str, n_samples: int) -> dict:
+    """``gmfvi`` | ``ktied:<k>`` | ``elrg:<K>`` | ``elrg_d:<K>`` → a ``build_method`` config.
+
+    Raises:
+        ValueError: on another spec.
+    """
+    name, _, rank = spec.partition(":")
+    common = {"lr": 1e-3, "n_train_mc_samples": n_samples, "init_std": 0.01, "kl_annealing_steps": 0, "snr_window": 0}
+    if name == "gmfvi":
+        return {"name": "gmfvi", **common}
+    if name == "ktied":
+        return {"name": "ktied", "k": int(rank or 2), **common}
+    if name in ("elrg", "elrg_d"):
+        return {"name": "elrg", "rank": int(rank or 1), "learn_diag": name == "elrg_d", **common}
+    raise ValueError(f"unknown method {spec!r}; use slang, gmfvi, ktied:<k>, elrg:<K> or elrg_d:<K>")
+
+
+def _vi_stepper(device: torch.device, batch: int, cfg: dict) -> Callable[[], None]:
+    model, x, y = _build(device, batch, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    method = build_method(cfg)
+    method.setup(
+        Problem(
+            model=model,
+            likelihood=Categorical(),
+            n_data=N_DATA,
+            prior_precision=torch.ones(n_params, device=device),
+            generator=torch.Generator(device=device).manual_seed(1),
+        )
+    )
+
+    def step() -> None:
+        method.train_step(x, y)
+
+    return step
+
+
+def vi_flop_ratio(model: torch.nn.Module, batch: int, cfg: dict, n_samples: int) -> float:
+    """GEMM multiply-adds of a GMFVI / k-tied / ELRG step over those of an SGD step (as :func:`flop_ratio`).
+
+    A layer-sized path costs what SGD's forward and backward cost. GMFVI runs two (mean and variance).
+    k-tied runs one plus its Khatri–Rao variance path (``k_l² (in + out)`` per example and product) and
+    forms ``U Vᵀ`` with its two gradients (``3 k_l · in · out``). ELRG runs 1 + K paths (+1 for the
+    learned diagonal) plus the K×K Gram matrix of Lemma 2 and its gradient (``2 K² D``).
+    """
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    weights = [m.in_features * m.out_features for m in linears]
+    one_path = batch * (3 * sum(weights) - weights[0])  # forward, weight grads, input grads but the first
+    paths = n_samples * one_path
+    if cfg["name"] == "gmfvi":
+        step = 2 * paths
+    elif cfg["name"] == "ktied":
+        ranks = [min(cfg["k"], m.in_features, m.out_features) for m in linears]
+        side = sum(k**2 * (m.in_features + m.out_features) for k, m in zip(ranks, linears))
+        step = paths + 3 * n_samples * batch * side + 3 * sum(k * w for k, w in zip(ranks, weights))
+    else:
+        n_params = sum(p.numel() for p in model.parameters())
+        step = (1 + cfg["rank"] + int(cfg["learn_diag"])) * paths + 2 * cfg["rank"] ** 2 * n_params
+    return step / one_path
+
+
+def _timed(step: Callable[[], None], device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     step()
     _sync(device)
-    return (time.perf_counter() - start) * 1e3
+    return (clock() - start) * 1e3
 
 
 def peak_memory_mib(make: Callable[[], Callable[[], None]], device: torch.device) -> float:
@@ -153,6 +229,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed rounds (>= 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="skip the (slow, profiled) memory measurement")
+    parser.add_argument(
+        "--methods", default="slang", help="comma-separated: slang, gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K>"
+    )
+    parser.add_argument("--clock", default="wall", choices=["wall", "thread"], help="wall clock or thread CPU time")
     args = parser.parse_args()
     if args.steps < 20:
         parser.error("--steps must be >= 20")
@@ -161,35 +241,58 @@ def main() -> None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    if args.clock == "thread" and device.type == "cuda":
+        parser.error("--clock thread measures CPU time; use the wall clock on CUDA")
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
 
+    # (method, rank, stepper factory, flop ratio) per JSON line
+    model, _, _ = _build(torch.device("cpu"), args.batch, seed=0)
+    entries: list[tuple[str, int | None, Callable[[], Callable[[], None]], float]] = []
+    for spec in (m.strip() for m in args.methods.split(",") if m.strip()):
+        if spec == "slang":
+            for rank in ranks:
+                entries.append(
+                    (
+                        "slang",
+                        rank,
+                        lambda rank=rank: _slang_stepper(device, args.batch, rank, args.mc_samples),
+                        flop_ratio(model, args.batch, rank, args.mc_samples),
+                    )
+                )
+        else:
+            cfg = vi_config(spec, args.mc_samples)
+            entries.append(
+                (
+                    spec.partition(":")[0],
+                    cfg.get("k", cfg.get("rank")),
+                    lambda cfg=cfg: _vi_stepper(device, args.batch, cfg),
+                    vi_flop_ratio(model, args.batch, cfg, args.mc_samples),
+                )
+            )
+
     sgd_mem = None if args.no_memory else peak_memory_mib(lambda: _sgd_stepper(device, args.batch), device)
-    for rank in ranks:
+    for name, rank, make, flops in entries:
         sgd = _sgd_stepper(device, args.batch)
-        slang = _slang_stepper(device, args.batch, rank, args.mc_samples)
+        method = make()
         for _ in range(args.warmup):
-            slang()
+            method()
             sgd()
-        slang_ms, sgd_ms = [], []
+        method_ms, sgd_ms = [], []
         for _ in range(args.steps):
-            slang_ms.append(_timed(slang, device))
-            sgd_ms.extend(_timed(sgd, device) for _ in range(SGD_PER_ROUND))
-        del slang, sgd
-        slang_mem = (
-            None
-            if args.no_memory
-            else peak_memory_mib(lambda rank=rank: _slang_stepper(device, args.batch, rank, args.mc_samples), device)
-        )
-        step_ms, sgd_step_ms = statistics.median(slang_ms), statistics.median(sgd_ms)
-        model, _, _ = _build(torch.device("cpu"), args.batch, seed=0)
+            method_ms.append(_timed(method, device, clock))
+            sgd_ms.extend(_timed(sgd, device, clock) for _ in range(SGD_PER_ROUND))
+        del method, sgd
+        method_mem = None if args.no_memory else peak_memory_mib(make, device)
+        step_ms, sgd_step_ms = statistics.median(method_ms), statistics.median(sgd_ms)
         record = {
-            "method": "slang",
+            "method": name,
             "rank": rank,
             "step_ms": round(step_ms, 2),
             "sgd_step_ms": round(sgd_step_ms, 3),
             "ratio_to_sgd": round(step_ms / sgd_step_ms, 2),
-            "flop_ratio": round(flop_ratio(model, args.batch, rank, args.mc_samples), 2),
-            "peak_mem_mib": None if slang_mem is None else round(slang_mem, 1),
+            "flop_ratio": round(flops, 2),
+            "peak_mem_mib": None if method_mem is None else round(method_mem, 1),
             "sgd_peak_mem_mib": None if sgd_mem is None else round(sgd_mem, 1),
             "device": device.type,
             "threads": args.threads,
@@ -197,6 +300,8 @@ def main() -> None:
             "mc_samples": args.mc_samples,
             "n_rounds": args.steps,
         }
+        if args.clock != "wall":
+            record["clock"] = args.clock
         print(json.dumps(record), flush=True)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,16 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline() -> Iterator[None]:
+    """Tests never touch the internet: downloads use the cache or a mirror only (download tests that
+    serve files from 127.0.0.1 unset this themselves)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BDL_BENCH_OFFLINE", "1")
+    yield
+    mp.undo()
 
 
 @pytest.fixture(autouse=True, scope="session")

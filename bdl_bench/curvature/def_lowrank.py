@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.per_example import LinearSlot
+from bdl_bench.curvature.pseudo_grads import KronSlot
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class KronLowRank:
         cols: indices of the kept columns of :math:`U_A`, ``(a,)``.
     """
 
-    slot: LinearSlot
+    slot: KronSlot
     factor_out: Tensor  # (m, g)
     factor_in: Tensor  # (n, a)
     eigenvalues: Tensor  # (g, a)
@@ -62,7 +62,7 @@ class KronLowRank:
 
 
 def sparsify(
-    slot: LinearSlot, eigvecs_out: Tensor, eigvecs_in: Tensor, eigenvalues: Tensor, rank: int | None
+    slot: KronSlot, eigvecs_out: Tensor, eigvecs_in: Tensor, eigenvalues: Tensor, rank: int | None
 ) -> KronLowRank:
     """Lee et al., Alg. 1: keep the top-``rank`` eigenvalues with their Kronecker structure.
 

@@ -1,7 +1,7 @@
 r"""Exact curvature matrices for small networks: layer blocks, the whole D x D matrix, and an autograd twin.
 
 * :func:`exact_blocks`: each layer's block :math:`\frac1N\sum_{i,k} g_{ik}g_{ik}^\top` with
-  :math:`g_{ik} = \delta_{ik}\otimes\tilde a_i` (augmented row-major order), the "exact block-diagonal"
+  :math:`g_{ik} = \operatorname{vec}_r\sum_t\delta_{ikt}\tilde a_{it}^\top` (augmented row-major order), the "exact block-diagonal"
   matrix of Lee et al. (FB Laplace, Fig. 4; the reference of Fig. 5). O(K N (m n)^2) time.
 * :func:`exact_matrix`: the whole mean curvature, ``(D, D)`` in flat order.
 * :func:`ggn_by_autograd`: the same GGN from full Jacobians by ``torch.func.jacrev`` and the
@@ -44,13 +44,13 @@ def exact_blocks(batches: Iterable[PseudoGrads]) -> tuple[Tensor, ...]:
             for layer in batch.layers:
                 _check_size(layer.shape[0] * layer.shape[1], "layer block")
             sums = [
-                torch.zeros(l.shape[0] * l.shape[1], l.shape[0] * l.shape[1], dtype=l.inputs.dtype, device=l.inputs.device)
-                for l in batch.layers
+                torch.zeros(
+                    size := layer.shape[0] * layer.shape[1], size, dtype=layer.inputs.dtype, device=layer.inputs.device
+                )
+                for layer in batch.layers
             ]
         for acc, layer in zip(sums, batch.layers):
-            n_k, n_m, m = layer.output_grads.shape
-            outer = layer.output_grads[:, :, :, None] * layer.inputs[None, :, None, :]  # (K, M, m, n)
-            rows = outer.reshape(n_k * n_m, -1)
+            rows = layer.per_example().flatten(2).flatten(0, 1)  # (K·M, m·n)
             acc += rows.mT @ rows
         n_total += batch.n_examples
     if sums is None:

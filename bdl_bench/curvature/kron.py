@@ -4,20 +4,22 @@ Every quantity is a *mean* over the N training examples (the information matrix
 :math:`\mathbf I = \mathbb E[\delta\theta\,\delta\theta^\top]` of Lee et al., Sec. 2.1); a Laplace
 posterior scales it by N (or the paper's hyperparameter N) and adds the prior precision.
 
-Per ``nn.Linear`` layer, in the augmented row-major order of :mod:`bdl_bench.curvature.pseudo_grads`
-(pseudo-gradients :math:`\delta_{ik}\otimes\tilde a_i`):
+Per weight layer, in the augmented row-major order of :mod:`bdl_bench.curvature.pseudo_grads`
+(pseudo-gradients :math:`g_{ik} = \sum_t\delta_{ikt}\tilde a_{it}^\top`; for a linear layer T = 1 and
+:math:`g_{ik} = \delta_{ik}\otimes\tilde a_i`):
 
 * KFAC (Martens & Grosse 2015; Lee et al. eq. 1): :math:`\mathbf I_l \approx G\otimes A` with
-  :math:`A = \frac1N\sum_i \tilde a_i\tilde a_i^\top` (n x n) and
-  :math:`G = \frac1N\sum_{i,k}\delta_{ik}\delta_{ik}^\top` (m x m) (:func:`kron_factors`);
+  :math:`A = \frac1N\sum_{i,t}\tilde a_{it}\tilde a_{it}^\top` (n x n) and
+  :math:`G = \frac1{NT}\sum_{i,k,t}\delta_{ikt}\delta_{ikt}^\top` (m x m) (:func:`kron_factors`; for a
+  convolution this is KFC, Grosse & Martens 2016);
 * the Kronecker eigenbasis :math:`G = U_GS_GU_G^\top`, :math:`A = U_AS_AU_A^\top` (:func:`eigenbasis`);
 * EFB (George et al. 2018; Lee et al. eq. 4): eigenvalues refitted in the fixed basis
-  :math:`V = U_G\otimes U_A`, :math:`\Lambda_{\beta\zeta} = \frac1N\sum_{i,k}
-  ((U_G^\top\delta_{ik})_\beta\,(U_A^\top\tilde a_i)_\zeta)^2`, i.e. :math:`\operatorname{diag}(V^\top
-  \mathbf I_lV)`: the Frobenius-optimal diagonal in that basis (:func:`efb_eigenvalues`), as an
-  m x n grid (entry :math:`(\beta, \zeta)` belongs to :math:`u_{G,\beta}\otimes u_{A,\zeta}`);
-* the exact diagonal :math:`\frac1N\sum_{i,k}\delta_{ik}^2\otimes\tilde a_i^2` (:func:`diagonal`), in
-  flat parameter order (all layers at once), one GEMM per layer and K.
+  :math:`V = U_G\otimes U_A`, :math:`\Lambda_{\beta\zeta} = \frac1N\sum_{i,k}(U_G^\top g_{ik}U_A)^2_{\beta\zeta}`,
+  i.e. :math:`\operatorname{diag}(V^\top\mathbf I_lV)`: the Frobenius-optimal diagonal in that basis
+  (:func:`efb_eigenvalues`), as an m x n grid (entry :math:`(\beta, \zeta)` belongs to
+  :math:`u_{G,\beta}\otimes u_{A,\zeta}`);
+* the exact diagonal :math:`\frac1N\sum_{i,k}g_{ik}\circ g_{ik}` (:func:`diagonal`), in flat parameter
+  order (all layers at once); one GEMM per linear layer, the per-example matrices for a convolution.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.per_example import LinearSlot
-from bdl_bench.curvature.pseudo_grads import LayerPseudoGrads, PseudoGrads
+from bdl_bench.curvature.pseudo_grads import KronSlot, LayerPseudoGrads, PseudoGrads
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class KronFactors:
         g_factor: G, ``(m, m)``, m = out_features.
     """
 
-    slot: LinearSlot
+    slot: KronSlot
     a_factor: Tensor  # (n, n)
     g_factor: Tensor  # (m, m)
 
@@ -63,7 +64,7 @@ class KronEigenbasis:
         eigvals_in: :math:`S_A`, ``(n,)`` (clamped at 0).
     """
 
-    slot: LinearSlot
+    slot: KronSlot
     eigvecs_out: Tensor  # (m, m)
     eigvecs_in: Tensor  # (n, n)
     eigvals_out: Tensor  # (m,)
@@ -75,9 +76,10 @@ class KronEigenbasis:
 
 
 def _accumulate_pairs(layer: LayerPseudoGrads) -> tuple[Tensor, Tensor]:
-    """:math:`\\sum_i\\tilde a_i\\tilde a_i^\\top` and :math:`\\sum_{i,k}\\delta_{ik}\\delta_{ik}^\\top` of a minibatch."""
+    """:math:`\\sum_{i,t}\\tilde a\\tilde a^\\top` and :math:`\\frac1T\\sum_{i,k,t}\\delta\\delta^\\top` of a minibatch."""
+    inputs = layer.inputs.reshape(-1, layer.inputs.shape[-1])
     deltas = layer.output_grads.reshape(-1, layer.output_grads.shape[-1])
-    return layer.inputs.mT @ layer.inputs, deltas.mT @ deltas
+    return inputs.mT @ inputs, deltas.mT @ deltas / layer.n_positions
 
 
 def kron_factors(batches: Iterable[PseudoGrads]) -> tuple[KronFactors, ...]:
@@ -88,7 +90,7 @@ def kron_factors(batches: Iterable[PseudoGrads]) -> tuple[KronFactors, ...]:
     """
     sums: list[list[Tensor]] | None = None
     n_total = 0
-    slots: tuple[LinearSlot, ...] = ()
+    slots: tuple[KronSlot, ...] = ()
     for batch in batches:
         pairs = [_accumulate_pairs(layer) for layer in batch.layers]
         if sums is None:
@@ -120,20 +122,20 @@ def eigenbasis(factors: Iterable[KronFactors]) -> tuple[KronEigenbasis, ...]:
 
 
 def _layer_diag(layer: LayerPseudoGrads) -> Tensor:
-    """:math:`\\sum_{i,k}\\delta_{ik}^2\\otimes\\tilde a_i^2` as an ``(m, n)`` grid (sum, not mean)."""
-    sq_deltas = layer.output_grads.square().sum(0)  # (M, m) summed over k below via GEMM
-    # sum_k sum_i d_ik^2 a_i^2 = sum_i (sum_k d_ik^2) a_i^2
-    return sq_deltas.mT @ layer.inputs.square()
+    """:math:`\\sum_{i,k}g_{ik}\\circ g_{ik}` as an ``(m, n)`` grid (sum, not mean)."""
+    if layer.n_positions == 1:  # sum_i (sum_k d_ik^2) a_i^2: one GEMM
+        return layer.output_grads[:, :, 0].square().sum(0).mT @ layer.inputs[:, 0].square()
+    return layer.per_example().square().sum((0, 1))
 
 
-def _grid_to_flat(grid: Tensor, slot: LinearSlot, out: Tensor) -> None:
+def _grid_to_flat(grid: Tensor, slot: KronSlot, out: Tensor) -> None:
     """Write an ``(m, n)`` grid in augmented order into the flat vector ``out`` (weights, then bias)."""
     out[slot.weight_slice] += grid[:, : slot.in_features].reshape(-1)
     if slot.bias_slice is not None:
         out[slot.bias_slice] += grid[:, slot.in_features]
 
 
-def flat_to_grid(flat: Tensor, slot: LinearSlot) -> Tensor:
+def flat_to_grid(flat: Tensor, slot: KronSlot) -> Tensor:
     """The layer's entries of a flat ``(D,)`` vector as an ``(m, n)`` grid in augmented order."""
     weight = flat[slot.weight_slice].view(slot.out_features, slot.in_features)
     if slot.bias_slice is None:
@@ -169,9 +171,12 @@ def efb_eigenvalues(
             eig_sums = [torch.zeros(layer.shape, dtype=first.dtype, device=first.device) for layer in batch.layers]
         assert eig_sums is not None
         for acc, layer, basis in zip(eig_sums, batch.layers, bases):
-            proj_in = (layer.inputs @ basis.eigvecs_in).square()  # (M, n)
-            proj_out = (layer.output_grads @ basis.eigvecs_out).square().sum(0)  # (M, m)
-            acc += proj_out.mT @ proj_in
+            proj_in = layer.inputs @ basis.eigvecs_in  # (M, T, n)
+            proj_out = layer.output_grads @ basis.eigvecs_out  # (K, M, T, m)
+            if layer.n_positions == 1:  # ((U_G^T d)(U_A^T a)^T)^2 summed: one GEMM
+                acc += proj_out[:, :, 0].square().sum(0).mT @ proj_in[:, 0].square()
+            else:
+                acc += torch.einsum("kitm,itn->kimn", proj_out, proj_in).square().sum((0, 1))
             _grid_to_flat(_layer_diag(layer), layer.slot, diag)
         n_total += batch.n_examples
     if diag is None or eig_sums is None:

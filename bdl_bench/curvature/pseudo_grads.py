@@ -12,18 +12,22 @@ likelihoods here (Gaussian, Bernoulli-logit, softmax) the exact Fisher equals th
 
 For an ``nn.Linear`` layer :math:`z = Wa + b` each pseudo-gradient restricted to the layer is
 :math:`\delta\,\tilde a^\top` with :math:`\tilde a = [a, 1]` (the bias absorbed, as in Lee et al.,
-eq. 1) and :math:`\delta` the backpropagated vector at the layer's pre-activation. One forward pass
-and K backward passes (K = the number of columns of :math:`L_i`, or S) give every
-:math:`\tilde a_i` and :math:`\delta_{ik}` of a minibatch; Kronecker factors, diagonals and exact
-blocks are then formed from these (:mod:`bdl_bench.curvature.kron`,
+eq. 1) and :math:`\delta` the backpropagated vector at the layer's pre-activation. An ``nn.Conv2d``
+layer is a linear layer applied at T spatial positions to the input patches :math:`\tilde a_t`
+(``F.unfold``, with a trailing 1 for the bias), so its pseudo-gradient is
+:math:`\sum_t\delta_t\tilde a_t^\top` (Grosse & Martens 2016, KFC); a linear layer is the case T = 1.
+One forward pass and one vectorised backward pass of the K cotangents (K = the number of columns of
+:math:`L_i`, or S) give every :math:`\tilde a_{it}` and :math:`\delta_{ikt}` of a minibatch; Kronecker
+factors, diagonals and exact blocks are then formed from these (:mod:`bdl_bench.curvature.kron`,
 :mod:`bdl_bench.curvature.exact`).
 
 Block layout: a layer's parameters, read in the "augmented row-major" order of
-:math:`\tilde W = [W, b]` (out x (in+1)), have the pseudo-gradient
-:math:`\operatorname{vec}_r(\delta\tilde a^\top) = \delta\otimes\tilde a`, so its curvature block is
-:math:`\sum \delta\delta^\top\otimes\tilde a\tilde a^\top` and KFAC's is :math:`G\otimes A`.
-(Lee et al. write :math:`A\otimes G` for column-stacked vec; the two are the same matrix up to the
-perfect shuffle.) :func:`block_index` maps that order to the flat parameter vector.
+:math:`\tilde W = [W, b]` (m x n: m outputs or output channels, n inputs or C_in·k_h·k_w, plus 1 with a
+bias; a conv weight ``(m, C_in, k_h, k_w)`` flattens row-major into the unfold order), have for T = 1
+the pseudo-gradient :math:`\operatorname{vec}_r(\delta\tilde a^\top) = \delta\otimes\tilde a`, so the
+curvature block is :math:`\sum \delta\delta^\top\otimes\tilde a\tilde a^\top` and KFAC's is
+:math:`G\otimes A`. (Lee et al. write :math:`A\otimes G` for column-stacked vec; the two are the same
+matrix up to the perfect shuffle.) :func:`block_index` maps that order to the flat parameter vector.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bdl_bench.curvature.per_example import LinearLayout, LinearSlot, linear_layout
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 
 
@@ -51,23 +54,129 @@ class CurvatureKind(str, Enum):
 
 
 @dataclass(frozen=True)
+class ConvSpec:
+    """Geometry of an ``nn.Conv2d`` layer (``groups=1``, zero padding)."""
+
+    kernel_size: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class KronSlot:
+    """Where one ``nn.Linear`` or ``nn.Conv2d`` layer sits in the model and the flat parameter vector.
+
+    Attributes:
+        module_index: position of the layer in the ``nn.Sequential``.
+        in_features: n without the bias: inputs (linear) or C_in·k_h·k_w (conv).
+        out_features: m: outputs (linear) or output channels (conv).
+        weight_offset: index of the weight's first entry in the flat vector (row-major).
+        bias_offset: index of ``bias[0]``, or ``None`` for a layer without bias.
+        conv: the convolution's geometry, ``None`` for a linear layer.
+    """
+
+    module_index: int
+    in_features: int
+    out_features: int
+    weight_offset: int
+    bias_offset: int | None
+    conv: ConvSpec | None = None
+
+    @property
+    def weight_slice(self) -> slice:
+        return slice(self.weight_offset, self.weight_offset + self.out_features * self.in_features)
+
+    @property
+    def bias_slice(self) -> slice | None:
+        if self.bias_offset is None:
+            return None
+        return slice(self.bias_offset, self.bias_offset + self.out_features)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(m, n) of the augmented weight :math:`[W, b]`."""
+        return self.out_features, self.in_features + (self.bias_offset is not None)
+
+
+@dataclass(frozen=True)
+class KronLayout:
+    """The weight layers of an ``nn.Sequential`` and the size D of its flat parameter vector."""
+
+    slots: tuple[KronSlot, ...]
+    n_params: int
+
+
+def kron_layout(model: nn.Module) -> KronLayout:
+    """Locate every ``nn.Linear`` and ``nn.Conv2d`` layer of ``model`` in the flat parameter vector.
+
+    Raises:
+        ValueError: if ``model`` is not an ``nn.Sequential``, holds another parametrised module or a
+            grouped / non-zero-padded / string-padded convolution, or has no weight layer.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"Kronecker curvature needs an nn.Sequential model, got {type(model).__name__}")
+    offsets: dict[int, int] = {}
+    offset = 0
+    for p in model.parameters():
+        offsets[id(p)] = offset
+        offset += p.numel()
+    slots = []
+    for index, module in enumerate(model):
+        bias = getattr(module, "bias", None)
+        bias_offset = None if bias is None else offsets[id(bias)]
+        if isinstance(module, nn.Linear):
+            slots.append(KronSlot(index, module.in_features, module.out_features, offsets[id(module.weight)], bias_offset))
+        elif isinstance(module, nn.Conv2d):
+            if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+                raise ValueError(
+                    f"module {index} ({module}): Kronecker curvature handles convolutions with groups=1, zero "
+                    "padding given as numbers"
+                )
+            spec = ConvSpec(
+                tuple(module.kernel_size), tuple(module.stride), tuple(module.padding), tuple(module.dilation)  # type: ignore[arg-type]
+            )
+            n_in = module.in_channels * spec.kernel_size[0] * spec.kernel_size[1]
+            slots.append(KronSlot(index, n_in, module.out_channels, offsets[id(module.weight)], bias_offset, spec))
+        elif any(True for _ in module.parameters()):
+            raise ValueError(
+                f"Kronecker curvature handles nn.Linear, nn.Conv2d and parameter-free modules; module {index} is "
+                f"{type(module).__name__}"
+            )
+    if not slots:
+        raise ValueError("Kronecker curvature needs at least one nn.Linear or nn.Conv2d layer")
+    return KronLayout(slots=tuple(slots), n_params=offset)
+
+
+@dataclass(frozen=True)
 class LayerPseudoGrads:
-    """One ``nn.Linear`` layer's factors for a minibatch of M examples.
+    """One weight layer's factors for a minibatch of M examples at T positions (T = 1: linear).
 
     Attributes:
         slot: where the layer sits in the flat parameter vector.
-        inputs: :math:`\\tilde a_i` (with a trailing 1 when the layer has a bias), ``(M, n)``.
-        output_grads: :math:`\\delta_{ik}`, ``(K, M, m)`` with m = out_features.
+        inputs: :math:`\\tilde a_{it}` (with a trailing 1 when the layer has a bias), ``(M, T, n)``.
+        output_grads: :math:`\\delta_{ikt}`, ``(K, M, T, m)``.
     """
 
-    slot: LinearSlot
-    inputs: Tensor  # (M, n)
-    output_grads: Tensor  # (K, M, m)
+    slot: KronSlot
+    inputs: Tensor  # (M, T, n)
+    output_grads: Tensor  # (K, M, T, m)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(m, n): rows and columns of the augmented weight :math:`\\tilde W`."""
         return self.output_grads.shape[-1], self.inputs.shape[-1]
+
+    @property
+    def n_positions(self) -> int:
+        """T, the spatial positions (1 for a linear layer)."""
+        return self.inputs.shape[1]
+
+    def per_example(self) -> Tensor:
+        """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``."""
+        if self.n_positions == 1:
+            return self.output_grads[:, :, 0, :, None] * self.inputs[None, :, 0, None, :]
+        return torch.einsum("kitm,itn->kimn", self.output_grads, self.inputs)
 
 
 @dataclass(frozen=True)
@@ -75,13 +184,13 @@ class PseudoGrads:
     """Pseudo-gradients of one minibatch: ``sum_k g_ik g_ik^T`` is example i's curvature.
 
     Attributes:
-        layers: one entry per ``nn.Linear`` layer, in model order.
+        layers: one entry per weight layer, in model order.
         layout: the layers' places in the flat vector (and D).
         n_examples: M.
     """
 
     layers: tuple[LayerPseudoGrads, ...]
-    layout: LinearLayout
+    layout: KronLayout
     n_examples: int
 
     def dense(self) -> Tensor:
@@ -91,16 +200,14 @@ class PseudoGrads:
         out = torch.zeros(n_rows, self.layout.n_params, dtype=first.dtype, device=first.device)
         for layer in self.layers:
             slot = layer.slot
-            a = layer.inputs[:, : slot.in_features]
-            d = layer.output_grads.reshape(n_rows, slot.out_features)
-            a_rows = a.repeat(layer.output_grads.shape[0], 1)
-            out[:, slot.weight_slice] = (d[:, :, None] * a_rows[:, None, :]).reshape(n_rows, -1)
+            grads = layer.per_example().reshape(n_rows, slot.out_features, -1)
+            out[:, slot.weight_slice] = grads[:, :, : slot.in_features].reshape(n_rows, -1)
             if slot.bias_slice is not None:
-                out[:, slot.bias_slice] = d
+                out[:, slot.bias_slice] = grads[:, :, slot.in_features]
         return out
 
 
-def block_index(slot: LinearSlot, device: torch.device | None = None) -> Tensor:
+def block_index(slot: KronSlot, device: torch.device | None = None) -> Tensor:
     """Flat positions of a layer's parameters in augmented row-major order of :math:`[W, b]`, ``(m·n,)``."""
     m, n_in = slot.out_features, slot.in_features
     weight = slot.weight_offset + torch.arange(m * n_in, device=device).view(m, n_in)
@@ -154,8 +261,9 @@ def hessian_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
     raise ValueError(f"no GGN factor for likelihood {type(likelihood).__name__}")
 
 
-def _forward(model: nn.Module, layout: LinearLayout, theta: Tensor, x: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Network output at ``theta`` with every layer input and pre-activation (roots of the graph)."""
+def _forward(model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Network output at ``theta``, every layer's input patches ``(M, T, n_in)`` and its pre-activation
+    (the roots of the graph), in layer order."""
     slot_of = {slot.module_index: slot for slot in layout.slots}
     inputs: list[Tensor] = []
     pre_activations: list[Tensor] = []
@@ -165,10 +273,17 @@ def _forward(model: nn.Module, layout: LinearLayout, theta: Tensor, x: Tensor) -
         if slot is None:
             h = module(h)
             continue
-        weight = theta[slot.weight_slice].view(slot.out_features, slot.in_features)
+        weight = theta[slot.weight_slice]
         bias = None if slot.bias_slice is None else theta[slot.bias_slice]
-        inputs.append(h.detach())
-        z = F.linear(h, weight, bias)
+        if slot.conv is None:
+            inputs.append(h.detach()[:, None, :])
+            z = F.linear(h, weight.view(slot.out_features, slot.in_features), bias)
+        else:
+            spec = slot.conv
+            patches = F.unfold(h.detach(), spec.kernel_size, spec.dilation, spec.padding, spec.stride)  # (M, n, T)
+            inputs.append(patches.mT)
+            kernel = weight.view(slot.out_features, -1, *spec.kernel_size)
+            z = F.conv2d(h, kernel, bias, spec.stride, spec.padding, spec.dilation)
         if not z.requires_grad:
             z.requires_grad_(True)
         pre_activations.append(z)
@@ -187,12 +302,12 @@ def pseudo_grads(
     n_samples: int = 1,
     generator: torch.Generator | None = None,
     labels: Tensor | None = None,
-    layout: LinearLayout | None = None,
+    layout: KronLayout | None = None,
 ) -> PseudoGrads:
     """Layer inputs and backpropagated vectors of one minibatch (see the module docstring).
 
     Args:
-        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules.
+        model: an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and parameter-free modules.
         theta: flat parameters ``(D,)`` at which the curvature is taken (e.g. the MAP).
         x: inputs ``(M, in)``.
         y: targets ``(M,)`` (unused: neither the GGN nor the model Fisher depends on them).
@@ -201,7 +316,7 @@ def pseudo_grads(
         n_samples: S label draws per example for ``fisher``.
         generator: source of the label draws (``fisher`` only).
         labels: ``(S, M)`` labels to use instead of drawing them (``fisher`` only; for tests).
-        layout: ``linear_layout(model)``, to skip recomputing it.
+        layout: ``kron_layout(model)``, to skip recomputing it.
 
     Returns:
         The :class:`PseudoGrads`; K = S for ``fisher``, K = the number of columns of
@@ -212,7 +327,7 @@ def pseudo_grads(
     """
     del y
     kind = CurvatureKind(kind)
-    layout = linear_layout(model) if layout is None else layout
+    layout = kron_layout(model) if layout is None else layout
     theta = theta.detach()
     x = x.to(theta.dtype)
     with torch.enable_grad():
@@ -235,7 +350,11 @@ def pseudo_grads(
     layers = []
     for slot, a, deltas in zip(layout.slots, inputs, grads):
         if slot.bias_slice is not None:
-            a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+            a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
+        if slot.conv is not None:  # (K, M, m, H', W') -> (K, M, T, m)
+            deltas = deltas.flatten(3).transpose(2, 3)
+        else:
+            deltas = deltas[:, :, None, :]
         layers.append(LayerPseudoGrads(slot=slot, inputs=a, output_grads=deltas))
     return PseudoGrads(layers=tuple(layers), layout=layout, n_examples=x.shape[0])
 
@@ -255,7 +374,7 @@ def iter_pseudo_grads(
     """:func:`pseudo_grads` over consecutive minibatches of ``batch_size`` rows of ``(x, y)``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    layout = linear_layout(model)
+    layout = kron_layout(model)
     for start in range(0, x.shape[0], batch_size):
         yield pseudo_grads(
             model,

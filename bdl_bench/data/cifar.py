@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdl_bench.data.archives import iter_tar_files
 from bdl_bench.data.base import Dataset, register_dataset
-from bdl_bench.data.download import iter_tar_files
 from bdl_bench.data.registry_files import get_file
 from bdl_bench.data.vision import ImageArrays, check_ood, image_dataset, read_ood, register_ood
 

@@ -19,7 +19,8 @@ where only an MD5 is published (CIFAR binary, SVHN, IMDB) the MD5 is checked and
 accepted file is written beside it (``<name>.sha256``) and checked on every later use as well.
 
 The cache folder is ``$BDL_BENCH_DATA``, by default ``~/.cache/bdl-bench``. Concurrent runs of a sweep
-share it safely: each file is fetched under an exclusive lock (POSIX ``flock``).
+share it safely: each file is fetched under an exclusive lock (POSIX ``flock``). Archives are read with
+:mod:`bdl_bench.data.archives`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ import hashlib
 import logging
 import os
 import shutil
-import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
@@ -65,10 +65,6 @@ class DownloadError(DataFileError):
 
 class ChecksumError(DataFileError):
     """A file's size or checksum differs from the recorded one."""
-
-
-class UnsafeArchiveError(ValueError):
-    """An archive member would land outside the destination (absolute path, ``..``, link, device)."""
 
 
 @dataclass(frozen=True)
@@ -165,11 +161,6 @@ def file_digests(path: Path) -> Digests:
     return Digests(sha.hexdigest(), md5.hexdigest(), size)
 
 
-def _digests(path: Path) -> Digests:
-    """:func:`file_digests` (never cached: a file rewritten within one clock tick keeps its mtime)."""
-    return file_digests(path)
-
-
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
@@ -183,7 +174,7 @@ def checksum_problem(path: Path, remote: RemoteFile, *, use_sidecar: bool = True
     size = path.stat().st_size
     if remote.size is not None and size != remote.size:
         return f"size {size} bytes differs from the recorded {remote.size}"
-    got = _digests(path)
+    got = file_digests(path)  # never cached: a file rewritten in place may keep its mtime
     if remote.sha256 is not None and got.sha256 != remote.sha256:
         return f"SHA-256 {got.sha256} differs from the recorded {remote.sha256}"
     if remote.md5 is not None and got.md5 != remote.md5:
@@ -233,7 +224,15 @@ def download_url(
     Raises:
         DownloadError: On a 4xx answer or when the retries are spent; ``part`` keeps what arrived.
     """
-    session = session or requests.Session()
+    with contextlib.ExitStack() as stack:
+        if session is None:
+            session = stack.enter_context(requests.Session())
+        _download(url, part, settings, session, expected_size)
+
+
+def _download(
+    url: str, part: Path, settings: DownloadSettings, session: requests.Session, expected_size: int | None
+) -> None:
     part.parent.mkdir(parents=True, exist_ok=True)
     attempt = 0
     while True:
@@ -310,10 +309,14 @@ def _content_range_start(response: requests.Response) -> int | None:
 def _locked(target: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``.<name>.lock`` beside ``target`` (no-op without fcntl)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:  # pragma: no cover
+    try:
+        handle = open(target.with_name(f".{target.name}.lock"), "a")
+    except OSError:  # a read-only cache: nothing will be written there either
+        handle = None
+    if fcntl is None or handle is None:  # pragma: no cover
         yield
         return
-    with open(target.with_name(f".{target.name}.lock"), "a") as handle:
+    with handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -339,9 +342,11 @@ def sources(remote: RemoteFile, mirror: str | Path | None = None) -> list[str | 
 
 def missing_message(remote: RemoteFile, target: Path, mirror: str | Path | None, errors: list[str]) -> str:
     """The one message for 'no source worked': the URLs, the cache path and the mirror option."""
-    tried = "\n".join(f"  - {e}" for e in errors) or "  (nothing: no mirror given and $BDL_BENCH_OFFLINE is set)"
+    given = mirror not in (None, "")
+    nothing = f"the mirror {mirror} holds no copy" if given else "no mirror is given"
+    tried = "\n".join(f"  - {e}" for e in errors) or f"  (nothing: ${OFFLINE_ENV} is set and {nothing})"
     checksum = f"SHA-256 {remote.sha256}" if remote.sha256 else f"MD5 {remote.md5}"
-    mirror_note = f"the mirror {mirror} does not hold it; " if mirror not in (None, "") else ""
+    mirror_note = f"The mirror {mirror} does not hold it. " if given else ""
     return (
         f"could not get {remote.key}; tried:\n{tried}\n"
         f"It is not in the cache either: {target} (expected {checksum}). Canonical URL(s): "
@@ -375,7 +380,11 @@ def fetch(
     """
     settings = settings or DownloadSettings()
     target = cache_path(remote, root)
-    with _locked(target):
+    if target.is_file() and checksum_problem(target, remote) is None:
+        return target  # no lock needed to read a good copy (the cache may be read-only)
+    if not target.is_file() and not sources(remote, mirror):  # offline, no mirror: leave the cache untouched
+        raise DownloadError(missing_message(remote, target, mirror, []))
+    with _locked(target):  # another process may be fetching it: wait, then look again
         if target.is_file():
             problem = checksum_problem(target, remote)
             if problem is None:
@@ -389,7 +398,7 @@ def fetch(
             problem = _get_one(source, part, remote, settings, session)
             if problem is None:
                 if remote.sha256 is None:  # first use of an MD5-only file: remember its SHA-256
-                    _sidecar(part).write_text(f"{_digests(part).sha256}  {remote.filename}\n", encoding="utf-8")
+                    _sidecar(part).write_text(f"{file_digests(part).sha256}  {remote.filename}\n", encoding="utf-8")
                     os.replace(_sidecar(part), _sidecar(target))
                 os.replace(part, target)
                 log.info("fetched %s from %s", target, source)
@@ -428,54 +437,3 @@ def _get_one(
         if not resumed or fresh or isinstance(source, Path):
             return f"rejected: {problem}"
     return None  # pragma: no cover - the loop always returns
-
-
-# --- archives ----------------------------------------------------------------------------------------------
-
-
-def check_member(member: tarfile.TarInfo) -> None:
-    """Refuse a member with an absolute path, a ``..`` component, or that is not a file or folder.
-
-    Raises:
-        UnsafeArchiveError: Naming the member.
-    """
-    name = member.name
-    path = PurePosixPath(name)
-    if name.startswith(("/", "\\")) or path.is_absolute() or (len(name) > 1 and name[1] == ":"):
-        raise UnsafeArchiveError(f"archive member {name!r} has an absolute path; refusing to extract")
-    if ".." in path.parts or ".." in PurePosixPath(name.replace("\\", "/")).parts:
-        raise UnsafeArchiveError(f"archive member {name!r} contains '..'; refusing to extract")
-    if not (member.isfile() or member.isdir()):
-        raise UnsafeArchiveError(f"archive member {name!r} is a link or special file; refusing to extract")
-
-
-def safe_extract(archive: Path, dest: Path) -> list[Path]:
-    """Extract a tar archive into ``dest`` after checking every member (then with ``filter="data"``).
-
-    Returns:
-        The extracted regular files.
-
-    Raises:
-        UnsafeArchiveError: If any member is unsafe (nothing is extracted then).
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        for member in members:
-            check_member(member)
-        tar.extractall(dest, members=members, filter="data")
-    return [dest / m.name for m in members if m.isfile()]
-
-
-def iter_tar_files(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple[str, bytes]]:
-    """``(name, bytes)`` of each regular member whose name ``select`` accepts, in archive order.
-
-    Reads sequentially (fast for ``.tar.gz``); every member is checked as in :func:`check_member`.
-    """
-    with tarfile.open(archive, mode="r:*") as tar:
-        for member in tar:
-            check_member(member)
-            if member.isfile() and select(member.name):
-                handle = tar.extractfile(member)
-                assert handle is not None
-                yield member.name, handle.read()

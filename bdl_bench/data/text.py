@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bdl_bench.data.archives import iter_tar_files
 from bdl_bench.data.base import Dataset, Task, register_dataset
-from bdl_bench.data.download import iter_tar_files
 from bdl_bench.data.registry_files import get_file
 
 PAD_ID = 0

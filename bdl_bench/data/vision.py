@@ -78,7 +78,7 @@ class ImageAugmentation:
         if self.horizontal_flip:
             flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-        return x.reshape(n, -1) if flat else x
+        return x.flatten(1) if flat else x
 
 
 def make_augmentation(
@@ -130,7 +130,7 @@ class Preprocess:
         x = torch.from_numpy(np.array(images, dtype=np.uint8)).to(torch.float32).div_(255.0)
         if self.mean is not None and self.std is not None:
             x.sub_(self.mean[None, :, None, None]).div_(self.std[None, :, None, None])
-        return x.reshape(x.shape[0], -1) if self.flatten else x
+        return x.flatten(1) if self.flatten else x
 
 
 def image_dataset(

@@ -78,7 +78,9 @@ class BlockGaussian(StructuredGaussian):
         if self.shapes.shape[1] != 2 or self.shapes.shape[0] < 1 or bool((self.shapes < 1).any()):
             raise ValueError(f"shapes must be (B, 2) with positive entries, got {self.shapes.tolist()}")
         if int(self.shapes.prod(1).sum()) != self.dim:
-            raise ValueError(f"blocks of shapes {self.shapes.tolist()} cover {int(self.shapes.prod(1).sum())} != D={self.dim}")
+            raise ValueError(
+                f"blocks of shapes {self.shapes.tolist()} cover {int(self.shapes.prod(1).sum())} != D={self.dim}"
+            )
 
     # ------------------------------------------------------------------ layout helpers
     @cached_property

@@ -12,7 +12,8 @@ with :math:`U_B` (m x g) and :math:`U_C` (n x a) orthonormal columns, :math:`\La
 grid (L = g·a kept eigenvalues) and d > 0. Nothing of size m·n x L is formed:
 :math:`W^\top x = \Lambda^{1/2}\circ U_B^\top XU_C` and :math:`Wc = U_B(\Lambda^{1/2}\circ C)U_C^\top`.
 The L x L matrix :math:`H = W^\top D^{-1}W = \Lambda^{1/2}(U_B\otimes U_C)^\top D^{-1}(U_B\otimes U_C)
-\Lambda^{1/2}` is built in O(m n a² + m g² a²) by summing over n first and m second. Then, with the
+\Lambda^{1/2}` is built in O(m n a² + m g² a²) by summing over n first and m second (or the other
+way round, whichever intermediate, m a² or n g², is smaller). Then, with the
 Cholesky :math:`RR^\top = I_L + H`:
 
 * Woodbury: :math:`P_b^{-1} = D^{-1} - D^{-1}W(I_L+H)^{-1}W^\top D^{-1}` (``solve``, ``variance``);
@@ -75,7 +76,9 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
         if tuple(self.ranks.shape) != tuple(self.shapes.shape) or self.ranks.device != self.device:
             raise ValueError(f"ranks must have shape {tuple(self.shapes.shape)} on {self.device}")
         if bool((self.ranks < 1).any()) or bool((self.ranks > self.shapes).any()):
-            raise ValueError(f"ranks {self.ranks.tolist()} must lie between 1 and the block shapes {self.shapes.tolist()}")
+            raise ValueError(
+                f"ranks {self.ranks.tolist()} must lie between 1 and the block shapes {self.shapes.tolist()}"
+            )
         self._check_param("factor_out", self.factor_out, (sum(m * g for (m, _), (g, _) in self._pairs),))
         self._check_param("factor_in", self.factor_in, (sum(n * a for (_, n), (_, a) in self._pairs),))
         self._check_param("eigenvalues", self.eigenvalues, (sum(g * a for _, (g, a) in self._pairs),))
@@ -125,8 +128,13 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
         out = []
         for b, d in enumerate(self._diags):
             u_out, u_in, s = self._outs[b], self._ins[b], self._sqrt_eigs[b].reshape(-1)
-            inner = torch.einsum("rc,cz,cy->rzy", d.reciprocal(), u_in, u_in)  # (m, a, a)
-            gram = torch.einsum("rb,rx,rzy->bzxy", u_out, u_out, inner)  # (g, a, g, a)
+            (m, n), (g, a) = self._pairs[b]
+            if m * a * a <= n * g * g:  # sum over the n columns first: an (m, a, a) intermediate
+                inner = torch.einsum("rc,cz,cy->rzy", d.reciprocal(), u_in, u_in)
+                gram = torch.einsum("rb,rx,rzy->bzxy", u_out, u_out, inner)  # (g, a, g, a)
+            else:  # sum over the m rows first: an (n, g, g) intermediate
+                inner = torch.einsum("rc,rb,rx->cbx", d.reciprocal(), u_out, u_out)
+                gram = torch.einsum("cz,cy,cbx->bzxy", u_in, u_in, inner)
             size = s.shape[0]
             out.append(s[:, None] * gram.reshape(size, size) * s[None, :])
         return out

@@ -100,7 +100,9 @@ class GradientSNR:
         if self._count == self.window:
             values, every = {}, []
             for name, sums in self._sums.items():
-                snr = torch.cat([_snr_from_sums(t, s, self._count).flatten() for t, s in zip(sums.total, sums.total_sq)])
+                snr = torch.cat(
+                    [_snr_from_sums(t, s, self._count).flatten() for t, s in zip(sums.total, sums.total_sq)]
+                )
                 values[name] = mean_snr(snr)
                 every.append(snr)
                 torch._foreach_zero_(sums.total)
@@ -125,4 +127,3 @@ class GradientSNR:
             torch._foreach_zero_(sums.total)
             torch._foreach_zero_(sums.total_sq)
         self._count = 0
-

@@ -32,6 +32,7 @@ and ``train/grad_snr_l<i>`` (i-th linear layer, from 1).
 from __future__ import annotations
 
 import copy
+import math
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -123,6 +124,27 @@ def check_positive_int(method: str, name: str, value: Any, minimum: int = 1) -> 
     if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < minimum:
         raise ValueError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def forward_flat_params(model: nn.Module, thetas: Tensor, x: Tensor) -> Tensor:
+    """Outputs of ``model`` (an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules) at each
+    flat parameter vector of ``thetas (S, D)`` and inputs ``x (N, in)``: ``(S, N, out)``, by batched
+    matrix products (one pass per layer for all S networks)."""
+    shapes = [p.shape for p in model.parameters()]
+    parts = torch.split(thetas, [math.prod(s) for s in shapes], dim=-1)
+    parts = [p.reshape(thetas.shape[0], *s) for p, s in zip(parts, shapes)]
+    h = x.unsqueeze(0).expand(thetas.shape[0], *x.shape)
+    index = 0
+    for module in model.children():
+        if isinstance(module, nn.Linear):
+            bias = None
+            if module.bias is not None:
+                bias = parts[index + 1]
+            h = batched_linear(h, parts[index], bias)
+            index += 1 if module.bias is None else 2
+        else:
+            h = module(h)
+    return h
 
 
 def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -288,15 +310,7 @@ class LayerwiseVI(Method):
 
     def forward_params(self, thetas: Tensor, x: Tensor) -> Tensor:
         """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x (N, in)``: ``(S, N, out)``."""
-        parts = self.split_params(thetas)
-        h = x.unsqueeze(0).expand(thetas.shape[0], *x.shape)
-        layers = iter(self.layers)
-        for module in self.problem.model.children():
-            if isinstance(module, nn.Linear):
-                h = batched_linear(h, *self._layer_means(next(layers), parts))
-            else:
-                h = module(h)
-        return h
+        return forward_flat_params(self.problem.model, thetas, x)
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:
@@ -326,7 +340,6 @@ class LayerwiseVI(Method):
         self.n_steps = int(state["n_steps"])
         if self.snr is not None:
             self.snr.reset()
-
 
 
 def sqrt_or_tiny(var: Tensor) -> Tensor:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,89 @@ from bdl_bench.methods.bbb import softplus_inverse, standard_normal
 _BIAS_FACTOR_SCALE = 0.01  # initial scale of the bias part of v_k (authors' code)
 
 
+@dataclass
+class _Block:
+    """One block of coordinates of a layer (its weights, or its bias) inside :class:`_LowRankCovKL`."""
+
+    mean: Tensor  # (D_b,)
+    factor: Tensor  # (K, D_b)
+    diag: Tensor | float  # (D_b,) or constant
+    lam: Tensor | float  # (D_b,) or constant
+    scaled: Tensor | None = None  # factor / diag when diag is a tensor
+    lam_factor: Tensor | None = None
+    lam_mean: Tensor | None = None
+
+
+class _LowRankCovKL(torch.autograd.Function):
+    """Lemma 2's KL over blocks that share one low-rank term, with a hand-written backward (:func:`elrg_kl`)."""
+
+    @staticmethod
+    def forward(ctx: Any, alpha: float, *args: Any) -> Tensor:
+        blocks = [_Block(*args[i : i + 4]) for i in range(0, len(args), 4)]
+        first = blocks[0].factor
+        rank = first.shape[0]
+        gram = torch.zeros(rank, rank, dtype=first.dtype, device=first.device)
+        total = torch.zeros((), dtype=first.dtype, device=first.device)
+        for b in blocks:
+            dim = b.mean.numel()
+            if isinstance(b.diag, Tensor):
+                b.scaled = b.factor / b.diag  # V^T C^{-1}
+                gram = gram + b.scaled @ b.factor.T
+                trace_diag = torch.dot(b.lam, b.diag) if isinstance(b.lam, Tensor) else b.lam * b.diag.sum()
+                logdet_diag = torch.log(b.diag).sum()
+            else:
+                gram = gram + (b.factor @ b.factor.T) / b.diag
+                trace_diag = b.diag * (b.lam.sum() if isinstance(b.lam, Tensor) else b.lam * dim)
+                logdet_diag = dim * math.log(b.diag)
+            flat = b.factor.reshape(-1)
+            if isinstance(b.lam, Tensor):
+                b.lam_factor, b.lam_mean = b.factor * b.lam, b.mean * b.lam
+                trace_low, maha = torch.dot(b.lam_factor.reshape(-1), flat), torch.dot(b.lam_mean, b.mean)
+                log_lam = torch.log(b.lam).sum()
+            else:
+                trace_low, maha = b.lam * torch.dot(flat, flat), b.lam * torch.dot(b.mean, b.mean)
+                log_lam = dim * math.log(b.lam)
+            total = total + trace_diag + alpha * trace_low + maha - dim - log_lam - logdet_diag
+        eye = torch.eye(rank, dtype=first.dtype, device=first.device)
+        chol = torch.linalg.cholesky(eye + alpha * gram)
+        gram_inv = torch.cholesky_inverse(chol)  # G^{-1}, (K, K)
+        logdet_gram = 2.0 * torch.log(torch.diagonal(chol)).sum()
+        # the blocks (inputs and intermediates) are kept on ctx rather than through save_for_backward,
+        # which takes a flat tuple of tensors; the inputs are leaves or views that nothing changes in place
+        ctx.alpha, ctx.blocks = alpha, blocks
+        ctx.gram_inv = gram_inv
+        return 0.5 * (total - logdet_gram)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        alpha, gram_inv = ctx.alpha, ctx.gram_inv
+        grads: list[Tensor | None] = [None]
+        for i, b in enumerate(ctx.blocks):
+            need_mean, need_factor, need_diag = ctx.needs_input_grad[1 + 4 * i : 4 + 4 * i]
+            g_mean = g_factor = g_diag = None
+            if need_mean:  # lambda mu
+                g_mean = b.lam_mean * g if b.lam_mean is not None else b.mean * (b.lam * g)
+            if need_factor:  # alpha (lambda V - G^{-1} V C^{-1})
+                if b.scaled is None and b.lam_factor is None:  # one (K, K) x (K, D_b) product
+                    eye = torch.eye(gram_inv.shape[0], dtype=gram_inv.dtype, device=gram_inv.device)
+                    g_factor = ((b.lam * eye - gram_inv / b.diag) * (alpha * g)) @ b.factor
+                else:
+                    ginv_scaled = gram_inv @ (b.scaled if b.scaled is not None else b.factor / b.diag)
+                    g_factor = (b.lam_factor if b.lam_factor is not None else b.lam * b.factor) - ginv_scaled
+                    g_factor.mul_(alpha * g)
+            if need_diag and b.scaled is not None:  # (lambda - 1/c + alpha diag(C^-1 V G^-1 V^T C^-1)) / 2
+                curvature = (gram_inv @ b.scaled).mul_(b.scaled).sum(0)
+                g_diag = curvature.mul_(alpha).sub_(b.diag.reciprocal()).add_(b.lam).mul_(0.5 * g)
+            grads += [g_mean, g_factor, g_diag, None]
+        return tuple(grads)
+
+
+def elrg_kl_blocks(blocks: list[tuple[Tensor, Tensor, Tensor | float, Tensor | float]], alpha: float) -> Tensor:
+    """:func:`elrg_kl` of a Gaussian whose coordinates come in blocks ``(mean, factor, diag, prior_precision)``
+    (e.g. a layer's weights and its bias), without concatenating them: the Gram matrix is a sum over blocks."""
+    return _LowRankCovKL.apply(float(alpha), *(x for block in blocks for x in block))
+
+
 def elrg_kl(
     mean: Tensor,
     cov_factor: Tensor,
@@ -70,6 +154,12 @@ def elrg_kl(
 ) -> Tensor:
     r""":math:`\mathrm{KL}(\mathcal N(\mu, \alpha V V^\top + \operatorname{diag} c) \,\|\, \mathcal N(0, \operatorname{diag}\lambda^{-1}))`
     by the matrix determinant lemma (Tomczak et al. 2020, Lemma 2; see the module docstring).
+
+    The backward is written by hand (as the forward's cost, :math:`O(K^2 D)`): with
+    :math:`G = I_K + \alpha V^\top C^{-1} V`,
+    :math:`\partial/\partial\mu = \lambda\mu`, :math:`\partial/\partial V = \alpha(\lambda \circ V - C^{-1} V G^{-1})`
+    and :math:`\partial/\partial c_d = \tfrac12(\lambda_d - 1/c_d + \alpha\, v_d^\top G^{-1} v_d / c_d^2)`
+    (:math:`v_d` the d-th row of V).
 
     Args:
         mean: :math:`\mu`, ``(D,)``.
@@ -81,28 +171,7 @@ def elrg_kl(
     Returns:
         A scalar tensor, differentiable in every tensor argument.
     """
-    dim, rank = mean.numel(), cov_factor.shape[0]
-    lam = prior_precision
-    if isinstance(cov_diag, Tensor):
-        trace_diag = torch.dot(lam, cov_diag) if isinstance(lam, Tensor) else lam * cov_diag.sum()
-        logdet_diag = torch.log(cov_diag).sum()
-        gram = (cov_factor / cov_diag) @ cov_factor.T
-    else:
-        trace_diag = cov_diag * (lam.sum() if isinstance(lam, Tensor) else lam * dim)
-        logdet_diag = dim * math.log(cov_diag)
-        gram = (cov_factor @ cov_factor.T) / cov_diag
-    if isinstance(lam, Tensor):
-        trace_low = (cov_factor.square() * lam).sum()
-        maha = torch.dot(lam * mean, mean)
-        log_lam = torch.log(lam).sum()
-    else:
-        trace_low = lam * cov_factor.square().sum()
-        maha = lam * torch.dot(mean, mean)
-        log_lam = dim * math.log(lam)
-    eye = torch.eye(rank, dtype=mean.dtype, device=mean.device)
-    chol = torch.linalg.cholesky(eye + alpha * gram)
-    logdet_gram = 2.0 * torch.log(torch.diagonal(chol)).sum()
-    return 0.5 * (trace_diag + alpha * trace_low + maha - dim - log_lam - logdet_diag - logdet_gram)
+    return elrg_kl_blocks([(mean, cov_factor, cov_diag, prior_precision)], alpha)
 
 
 @dataclass(frozen=True)
@@ -166,36 +235,36 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         g, K = self.problem.generator, self.rank
         means = self.split_params(self.mean.detach())
         self.layer_offsets = []
+        self.param_prior: dict[int, Tensor | float] = {}
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
             start = sum(self.param_sizes[: layer.weight_param])
             self.layer_offsets.append(start)
-            weight = means[layer.weight_param]
-            scale = 0.5 * float(weight.std(correction=0)) / math.sqrt(K)
+            scale = 0.5 * float(means[layer.weight_param].std(correction=0)) / math.sqrt(K)
             shape = (K, layer.out_features, layer.in_features)
             tensors[f"v_weight{layer.index}"] = scale * standard_normal(shape, g, self.mean)
             if layer.bias_param is not None:
                 shape_b = (K, layer.out_features)
                 tensors[f"v_bias{layer.index}"] = _BIAS_FACTOR_SCALE * standard_normal(shape_b, g, self.mean)
+            # per parameter tensor: one number when the prior precision is constant on it (the usual case)
+            for index in (layer.weight_param, layer.bias_param):
+                if index is not None:
+                    lam = self.split_params(self.prior_precision)[index]
+                    self.param_prior[index] = float(lam.flatten()[0]) if bool((lam == lam.flatten()[0]).all()) else lam
         if self.learn_diag:
             tensors["rho"] = softplus_inverse(torch.full_like(self.mean, self.init_std))
-        # one number per layer when the prior precision is constant on it (the usual case): cheaper KL
-        self.layer_prior = []
-        for layer, start in zip(self.layers, self.layer_offsets):
-            lam = self.prior_precision.narrow(0, start, layer.n_params)
-            self.layer_prior.append(float(lam[0]) if bool((lam == lam[0]).all()) else lam)
         for t in tensors.values():
             t.requires_grad_(True)
         return tensors
 
     def _factor(self, layer: LinearLayer) -> tuple[Tensor, Tensor | None]:
+        """The weight and bias parts of the layer's :math:`v_k`: ``(K, out, in)`` and ``(K, out)`` or ``None``."""
         return self.variational[f"v_weight{layer.index}"], self.variational.get(f"v_bias{layer.index}")
 
     def layer_cov_factor(self, layer: LinearLayer) -> Tensor:
         """:math:`V_l^\\top = [v_1 \\dots v_K]^\\top` in the layer's flat order (weight, then bias): ``(K, D_l)``."""
         v_weight, v_bias = self._factor(layer)
-        parts = [v_weight.flatten(1)] + ([] if v_bias is None else [v_bias])
-        return torch.cat(parts, dim=1)
+        return torch.cat([v_weight.flatten(1)] + ([] if v_bias is None else [v_bias]), dim=1)
 
     def layer_cov_diag(self, layer: LinearLayer, var: Tensor | None = None) -> Tensor | float:
         """The diagonal variances of layer ``layer``: ``(D_l,)`` when learned, else one number."""
@@ -208,17 +277,18 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         var = F.softplus(self.variational["rho"]).square() if self.learn_diag else None
         kl = None
         if with_kl:
+            means = self.split_params(self.mean)
+            diags = self.split_params(var) if var is not None else None
             terms = []
-            for layer, start, lam in zip(self.layers, self.layer_offsets, self.layer_prior):
-                terms.append(
-                    elrg_kl(
-                        self.mean.narrow(0, start, layer.n_params),
-                        self.layer_cov_factor(layer),
-                        self.layer_cov_diag(layer, var),
-                        lam,
-                        self.alpha,
-                    )
-                )
+            for layer in self.layers:
+                blocks = []
+                for index, factor in zip((layer.weight_param, layer.bias_param), self._factor(layer)):
+                    if index is not None:
+                        diag = diags[index].flatten() if diags is not None else self.init_std**2
+                        lam = self.param_prior[index]
+                        lam = lam.flatten() if isinstance(lam, Tensor) else lam
+                        blocks.append((means[index].flatten(), factor.flatten(1), diag, lam))
+                terms.append(elrg_kl_blocks(blocks, self.alpha))
             kl = torch.stack(terms).sum()
         return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl)
 
@@ -228,8 +298,9 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         g, K, out = self.problem.generator, self.rank, layer.out_features
         v_weight, v_bias = self._factor(layer)
         mean = F.linear(a, weight_mean, bias_mean)  # F_mu(x)
+        # the K products F_{v_k}(x) as one product with a (K*out, in) weight
         low = F.linear(a, v_weight.view(K * out, -1), None if v_bias is None else v_bias.view(K * out))
-        low = low.unflatten(-1, (K, out))  # (..., K, out): F_{v_k}(x)
+        low = low.unflatten(-1, (K, out))  # (..., K, out)
         eps_k = standard_normal((*mean.shape[:-1], 1, K), g, mean)
         h = mean + math.sqrt(self.alpha) * (eps_k @ low).squeeze(-2)
         a2 = a * a
@@ -247,17 +318,16 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         for layer in self.layers:
             eps_k = standard_normal((n_samples, self.rank), g, self.mean)
             low = math.sqrt(self.alpha) * eps_k @ self.layer_cov_factor(layer)  # (S, D_l)
-            w_size = layer.n_weights
-            parts[layer.weight_param] = low[:, :w_size]
+            parts[layer.weight_param] = low[:, : layer.n_weights]
             if layer.bias_param is not None:
-                parts[layer.bias_param] = low[:, w_size:]
+                parts[layer.bias_param] = low[:, layer.n_weights :]
         low_all = torch.cat(parts, dim=1)
         eps = standard_normal((n_samples, self.mean.numel()), g, self.mean)
         diag_std = sqrt_or_tiny(terms.var) if terms.var is not None else self.init_std
         return self.mean + low_all + diag_std * eps
 
     def _snr_grads(self, layer: LinearLayer) -> list[Tensor]:
-        v_weight = self.variational[f"v_weight{layer.index}"]
+        v_weight = self._factor(layer)[0]
         grads = [v_weight.grad if v_weight.grad is not None else torch.zeros_like(v_weight)]
         if self.learn_diag:
             rho = self.variational["rho"]

@@ -162,7 +162,9 @@ class GaussianMeanFieldVI(LayerwiseVI):
 
     def _step_terms(self, with_kl: bool) -> _Terms:
         if with_kl:
-            var, kl = mean_field_variance_and_kl(self.mean, self.rho, self.prior_precision, self.log_prior_precision_sum)
+            var, kl = mean_field_variance_and_kl(
+                self.mean, self.rho, self.prior_precision, self.log_prior_precision_sum
+            )
         else:
             var, kl = F.softplus(self.rho).square(), None
         return _Terms(var=var, var_parts=self.split_params(var), kl=kl)

@@ -93,14 +93,24 @@ class HMC(Method):
         thin: int,
         lr: float,
     ) -> None:
-        for name, value, low in (("n_samples", n_samples, 1), ("n_warmup", n_warmup, 0), ("n_leapfrog", n_leapfrog, 1), ("thin", thin, 1)):
+        for name, value, low in (
+            ("n_samples", n_samples, 1),
+            ("n_warmup", n_warmup, 0),
+            ("n_leapfrog", n_leapfrog, 1),
+            ("thin", thin, 1),
+        ):
             if int(value) != value or value < low:
                 raise ValueError(f"hmc: {name} must be an integer >= {low}, got {value}")
         if not step_size > 0 or not lr > 0:
             raise ValueError(f"hmc: step_size and lr must be positive, got {step_size} and {lr}")
         if not 0 < target_accept < 1:
             raise ValueError(f"hmc: target_accept must lie in (0, 1), got {target_accept}")
-        self.n_samples, self.n_warmup, self.n_leapfrog, self.thin = int(n_samples), int(n_warmup), int(n_leapfrog), int(thin)
+        self.n_samples, self.n_warmup, self.n_leapfrog, self.thin = (
+            int(n_samples),
+            int(n_warmup),
+            int(n_leapfrog),
+            int(thin),
+        )
         self.step_size, self.target_accept, self.lr = float(step_size), float(target_accept), lr
         self.samples: Tensor | None = None
         self.fit_info: dict[str, float] = {}
@@ -140,7 +150,15 @@ class HMC(Method):
             if on_epoch_end is not None:
                 on_epoch_end(epoch, stats)
 
-        super().fit(x, y, n_epochs=n_epochs, batch_size=batch_size, data_generator=data_generator, on_epoch_end=callback, start_epoch=start_epoch)
+        super().fit(
+            x,
+            y,
+            n_epochs=n_epochs,
+            batch_size=batch_size,
+            data_generator=data_generator,
+            on_epoch_end=callback,
+            start_epoch=start_epoch,
+        )
         if self.samples is None:
             self.sample(x, y)
 
@@ -227,7 +245,10 @@ class HMC(Method):
         return torch.cat(chunks) if chunks else forward_with(model, self.theta.detach(), x)[None][:0]
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        state: dict[str, Any] = {
+            "theta": self.theta.detach().clone(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
         if self.samples is not None:
             state["samples"] = self.samples.clone()
         return state

@@ -62,8 +62,8 @@ def ktied_param_count(m: int, n: int, k: int) -> int:
 
 
 def khatri_rao_square(factor: Tensor) -> Tensor:
-    """Row-wise outer products ``(P)_{i,(r,s)} = f_{ir} f_{is}`` of ``factor (rows, k)``: ``(rows, k²)``."""
-    return (factor.unsqueeze(-1) * factor.unsqueeze(-2)).flatten(-2)
+    """Column-wise outer products ``P_{(r,s),i} = f_{ri} f_{si}`` of ``factor (k, cols)``: ``(k², cols)``."""
+    return (factor.unsqueeze(1) * factor.unsqueeze(0)).flatten(0, 1)
 
 
 def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor) -> Tensor:
@@ -71,19 +71,19 @@ def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor) -> Tensor:
 
     Args:
         a: layer inputs ``(..., in)``.
-        in_factor: :math:`U \geq 0`, ``(in, k)``.
-        out_factor: :math:`V \geq 0`, ``(out, k)``.
+        in_factor: :math:`U^\top \geq 0`, ``(k, in)``.
+        out_factor: :math:`V^\top \geq 0`, ``(k, out)``.
 
     Returns:
-        ``(..., out)``, equal to ``F.linear(a**2, (out_factor @ in_factor.T)**2)``.
+        ``(..., out)``, equal to ``F.linear(a**2, (out_factor.T @ in_factor)**2)``.
     """
-    return (a * a) @ khatri_rao_square(in_factor) @ khatri_rao_square(out_factor).T
+    return (a * a) @ khatri_rao_square(in_factor).T @ khatri_rao_square(out_factor)
 
 
 @dataclass(frozen=True)
 class _Terms:
-    in_factors: list[Tensor]  # per layer U (in, k_l)
-    out_factors: list[Tensor]  # per layer V (out, k_l)
+    in_factors: list[Tensor]  # per layer U^T (k_l, in)
+    out_factors: list[Tensor]  # per layer V^T (k_l, out)
     bias_std: list[Tensor | None]  # per layer (out,)
     kl: Tensor | None
 
@@ -142,9 +142,10 @@ class KTiedNormalVI(LayerwiseVI):
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
             rank = self.layer_rank(layer)
-            u = torch.exp(_INIT_JITTER * standard_normal((layer.in_features, rank), g, self.mean))
-            v = torch.exp(_INIT_JITTER * standard_normal((layer.out_features, rank), g, self.mean))
-            scale = math.sqrt(self.init_std / float((v @ u.T).mean()))  # mean of V U^T = init_std exactly
+            # stored transposed, (k, in) and (k, out): the products below then run in the fast layouts
+            u = torch.exp(_INIT_JITTER * standard_normal((rank, layer.in_features), g, self.mean))
+            v = torch.exp(_INIT_JITTER * standard_normal((rank, layer.out_features), g, self.mean))
+            scale = math.sqrt(self.init_std / float((v.T @ u).mean()))  # mean of V U^T = init_std exactly
             tensors[f"u{layer.index}"] = softplus_inverse(scale * u)
             tensors[f"v{layer.index}"] = softplus_inverse(scale * v)
             if layer.bias_param is not None:
@@ -167,7 +168,7 @@ class KTiedNormalVI(LayerwiseVI):
             terms = []
             for layer, u, v, b_std in zip(self.layers, ins, outs, bias_std):
                 w = layer.weight_param
-                terms.append(diag_kl(means[w], v @ u.T, self.prior_parts[w], self.log_prior_parts[w]))
+                terms.append(diag_kl(means[w], v.T @ u, self.prior_parts[w], self.log_prior_parts[w]))
                 if b_std is not None:
                     b = layer.bias_param
                     terms.append(diag_kl(means[b], b_std, self.prior_parts[b], self.log_prior_parts[b]))
@@ -195,7 +196,7 @@ class KTiedNormalVI(LayerwiseVI):
         terms = terms if terms is not None else self._step_terms(with_kl=False)
         parts: list[Tensor] = [torch.empty(0)] * len(self.param_sizes)
         for layer, u, v, b_std in zip(self.layers, terms.in_factors, terms.out_factors, terms.bias_std):
-            parts[layer.weight_param] = (v @ u.T).flatten()
+            parts[layer.weight_param] = (v.T @ u).flatten()
             if b_std is not None:
                 parts[layer.bias_param] = b_std
         return torch.cat(parts)
@@ -212,7 +213,7 @@ class KTiedNormalVI(LayerwiseVI):
     def weight_stds(self) -> list[Tensor]:
         """Each linear layer's matrix of weight standard deviations :math:`VU^\\top`, ``(out, in)``."""
         terms = self._step_terms(with_kl=False)
-        return [v @ u.T for u, v in zip(terms.in_factors, terms.out_factors)]
+        return [v.T @ u for u, v in zip(terms.in_factors, terms.out_factors)]
 
     @torch.no_grad()
     def posterior(self) -> DiagGaussian:

@@ -22,9 +22,11 @@ its own ``StructuredGaussian``:
 * ``efb``: :math:`(U_G\otimes U_A)(N\Lambda + \tau_l)(U_G\otimes U_A)^\top`, eq. 4 → ``EigenKroneckerGaussian``;
 * ``def``: :math:`(U_{G,1:g}\otimes U_{A,1:a})(N\Lambda_{1:L})(\cdot)^\top + \operatorname{diag}(N D + \tau)`,
   eq. 9, with Alg. 1 keeping the top ``rank`` eigenvalues per layer (``null``: all) and D the
-  diagonal correction of eq. 5 → ``KroneckerLowRankPlusDiagGaussian``. Where D < 0 (the exact
-  diagonal is below that of the kept low-rank part; Lemma 3's condition fails) D is clipped at 0,
-  the remedy Lee et al. recommend; ``fit_info["n_clipped"]`` counts the entries;
+  diagonal correction of eq. 5 → ``KroneckerLowRankPlusDiagGaussian``. D may be negative (the exact
+  diagonal is below that of the kept low-rank part; Lemma 3's sufficient condition D > 0 fails);
+  the precision stays positive definite, with the exact diagonal, as long as :math:`ND + \tau > 0`.
+  Where that fails D is clipped at 0 (prec_diag = τ there; the clipping Lee et al. recommend), and
+  ``fit_info["n_clipped"]`` counts the entries;
 * ``block``: the exact per-layer blocks :math:`N\mathbf I_l + \operatorname{diag}(\tau)` ("FB") →
   ``BlockDiagGaussian``;
 * ``full``: the whole :math:`N\mathbf I + \operatorname{diag}(\tau)` → ``FullGaussian`` (small nets).
@@ -59,8 +61,7 @@ from torch.func import jvp, vmap
 from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix
 from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
-from bdl_bench.curvature.per_example import LinearLayout, linear_layout
-from bdl_bench.curvature.pseudo_grads import CurvatureKind, block_index, iter_pseudo_grads
+from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, block_index, iter_pseudo_grads, kron_layout
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
@@ -74,6 +75,7 @@ from bdl_bench.models.params import flat_params, forward_with
 logger = logging.getLogger(__name__)
 
 _PREDICT_CHUNK = 64  # posterior samples per vectorised forward pass
+MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 
 
 class Structure(str, Enum):
@@ -131,8 +133,7 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
         raise ValueError(f"laplace: map_dir {folder} is not a run folder (no config.yaml)")
     saved_cfg = yaml.safe_load(cfg_path.read_text()) or {}
     saved_model = saved_cfg.get("model")
-    layout = linear_layout(model)
-    widths = {"in_features": layout.slots[0].in_features, "out_features": layout.slots[-1].out_features}
+    widths = {"in_features": _in_features(model), "out_features": _out_features(model)}
     try:
         rebuilt = repr(build_model(saved_model, **widths)) if isinstance(saved_model, dict) else None
     except (TypeError, ValueError):
@@ -156,8 +157,29 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
         raise ValueError(f"laplace: {folder} holds neither checkpoint.pt nor posterior.pt to take the MAP from")
     n_params = sum(p.numel() for p in model.parameters())
     if theta.shape != (n_params,):
-        raise ValueError(f"laplace: the parameters in {folder} have shape {tuple(theta.shape)}, the model needs ({n_params},)")
+        raise ValueError(
+            f"laplace: the parameters in {folder} have shape {tuple(theta.shape)}, the model needs ({n_params},)"
+        )
     return theta
+
+
+def _in_features(model: nn.Module) -> int:
+    """The ``in_features`` a model builder was given: flattened-row width for an ``nn.Unflatten`` head,
+    else the first weight layer's inputs (or channels)."""
+    first = next(iter(model.children()), None) if isinstance(model, nn.Sequential) else None
+    if isinstance(first, nn.Unflatten):
+        return math.prod(first.unflattened_size)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            return module.in_features
+        if isinstance(module, nn.Conv2d):
+            return module.in_channels
+    return 0
+
+
+def _out_features(model: nn.Module) -> int:
+    last = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    return last[-1].out_features if last and isinstance(last[-1], nn.Linear) else 0
 
 
 def _describe(model: nn.Module) -> str:
@@ -203,12 +225,19 @@ class Laplace(Method):
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         if prior_precision is not None and not prior_precision > 0:
-            raise ValueError(f"laplace: prior_precision τ must be positive (or null for the run's prior), got {prior_precision}")
+            raise ValueError(
+                f"laplace: prior_precision τ must be positive (or null for the run's prior), got {prior_precision}"
+            )
         if dataset_scale is not None and not dataset_scale > 0:
-            raise ValueError(f"laplace: dataset_scale N must be positive (or null for the training-set size), got {dataset_scale}")
+            raise ValueError(
+                f"laplace: dataset_scale N must be positive (or null for the training-set size), got {dataset_scale}"
+            )
         if not lr > 0:
             raise ValueError(f"laplace: lr must be positive, got {lr}")
-        for name, value in (("n_curvature_samples", n_curvature_samples), ("curvature_batch_size", curvature_batch_size)):
+        for name, value in (
+            ("n_curvature_samples", n_curvature_samples),
+            ("curvature_batch_size", curvature_batch_size),
+        ):
             if int(value) != value or value < 1:
                 raise ValueError(f"laplace: {name} must be an integer >= 1, got {value}")
         if rank is not None and (int(rank) != rank or rank < 1):
@@ -228,12 +257,12 @@ class Laplace(Method):
         """Start the MAP fit from the model's parameters (or load them from ``map_dir``).
 
         Raises:
-            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear`` and
+            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and
                 parameter-free modules, or ``map_dir`` does not match it.
         """
         super().setup(problem)
         try:
-            self._layout: LinearLayout = linear_layout(problem.model)
+            self._layout: KronLayout = kron_layout(problem.model)
         except ValueError as err:
             raise ValueError(f"laplace: {err}") from None
         theta = flat_params(problem.model)
@@ -322,9 +351,7 @@ class Laplace(Method):
 
     def _layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
         index = torch.cat([block_index(slot, device) for slot in self._layout.slots])
-        shapes = torch.tensor(
-            [[s.out_features, s.in_features + (s.bias_offset is not None)] for s in self._layout.slots], device=device
-        )
+        shapes = torch.tensor([list(slot.shape) for slot in self._layout.slots], device=device)
         return index, shapes
 
     def _layer_tau(self, tau: Tensor) -> list[float]:
@@ -368,7 +395,12 @@ class Laplace(Method):
             taus = self._layer_tau(tau)
             values = [scale * e + t for e, t in zip(eigs, taus)]
             return EigenKroneckerGaussian(
-                theta, index, shapes, pack([b.eigvecs_out for b in bases]), pack([b.eigvecs_in for b in bases]), pack(values)
+                theta,
+                index,
+                shapes,
+                pack([b.eigvecs_out for b in bases]),
+                pack([b.eigvecs_in for b in bases]),
+                pack(values),
             )
         # DEF
         lows, corrections = [], torch.zeros_like(theta)
@@ -377,10 +409,19 @@ class Laplace(Method):
             lows.append(low)
             correction = diagonal_correction(flat_to_grid(exact_diag, basis.slot), low)
             corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
-        n_clipped = int((corrections < 0).sum())
+        for low in lows:
+            if low.rank > MAX_DEF_RANK:
+                raise ValueError(
+                    f"laplace: DEF keeps L={low.rank} eigenvalues in layer {low.slot.module_index} (Alg. 1 keeps "
+                    f"whole rows and columns of the top K={self.rank}); its L x L sampler core is too large "
+                    f"(limit {MAX_DEF_RANK}): lower method.rank"
+                )
+        prec_diag = scale * corrections + tau
+        invalid = prec_diag <= 0
+        n_clipped = int(invalid.sum())
         self.fit_info = {"n_clipped": n_clipped, "kept_rank": sum(low.rank for low in lows)}
         if n_clipped:
-            logger.info("laplace def: clipped %d negative diagonal-correction entries at 0 (Lemma 3)", n_clipped)
+            logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
         return KroneckerLowRankPlusDiagGaussian(
             theta,
             index,
@@ -389,7 +430,7 @@ class Laplace(Method):
             pack([low.factor_out for low in lows]),
             pack([low.factor_in for low in lows]),
             pack([scale * low.eigenvalues for low in lows]),
-            scale * corrections.clamp_min(0.0) + tau,
+            torch.where(invalid, tau, prec_diag),
         )
 
     # ------------------------------------------------------------------ prediction

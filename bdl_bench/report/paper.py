@@ -40,7 +40,8 @@ class PaperTable:
         metrics: our metric key → (paper metric name, sign) where the paper value is ``sign × ours``.
         column: maps a run (flattened config) to the paper's method column name.
         lookup: (dataset, column, paper metric) → published value, or ``None`` where the paper has none.
-        scale: paper metric → factor the printed value carries (ours is shown multiplied by it).
+        scale: (dataset, paper metric) → the factor in the paper's row header ("KL (×10⁴)"): the
+            printed value is KL / scale, so ours is shown divided by it.
     """
 
     name: str

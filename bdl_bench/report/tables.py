@@ -86,7 +86,7 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
             if spec and metric in spec.metrics:
                 paper_metric, sign = spec.metrics[metric]
                 scale = spec.scale(str(dataset), paper_metric)
-                mean, se = sign * mean * scale, se * scale
+                mean, se = sign * mean / scale, se / scale
                 ref = spec.lookup(str(dataset), str(method), paper_metric)
                 row[paper_metric] = mean
                 row[f"{paper_metric}_se"] = se

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
 from torch.testing import assert_close
@@ -13,20 +14,36 @@ from torch.testing import assert_close
 from bdl_bench.curvature.def_lowrank import diagonal_correction, kron_diag, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix, ggn_by_autograd
 from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
-from bdl_bench.curvature.per_example import linear_layout
-from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads, pseudo_grads, sample_labels
+from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads, kron_layout, pseudo_grads, sample_labels
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.models.params import forward_with
 
 LIKELIHOODS = {"gaussian": (Gaussian(2.5), 1), "bernoulli": (Bernoulli(), 1), "categorical": (Categorical(), 3)}
 N_DATA = 9
 
 
-def _setup(name: str, generator: torch.Generator, n: int = N_DATA) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Likelihood]:
+def _model(arch: str, n_out: int) -> nn.Module:
+    if arch == "mlp":
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, n_out)).double()
+    # 1 x 5 x 5 images: a padded 3x3 conv, a strided 2x2 conv without bias, then a linear layer.
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 5, 5)),
+        nn.Conv2d(1, 2, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(2, 3, 2, stride=2, bias=False),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(12, n_out),
+    ).double()
+
+
+def _setup(
+    name: str, generator: torch.Generator, n: int = N_DATA, arch: str = "mlp"
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Likelihood]:
     likelihood, n_out = LIKELIHOODS[name]
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, n_out)).double()
+    model = _model(arch, n_out)
     theta = torch.randn(sum(p.numel() for p in model.parameters()), generator=generator, dtype=torch.float64)
-    x = torch.randn(n, 3, generator=generator, dtype=torch.float64)
+    x = torch.randn(n, 3 if arch == "mlp" else 25, generator=generator, dtype=torch.float64)
     y = torch.randint(0, max(n_out, 2), (n,), generator=generator).double()
     return model, theta, x, y, likelihood
 
@@ -35,13 +52,14 @@ def _batches(model, theta, x, y, likelihood, **kw):
     return iter_pseudo_grads(model, theta, x, y, likelihood, batch_size=4, **kw)
 
 
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
-def test_exact_matrix_blocks_and_diagonal_match_autograd_ggn(name: str, generator: torch.Generator) -> None:
-    model, theta, x, y, likelihood = _setup(name, generator)
+def test_exact_matrix_blocks_and_diagonal_match_autograd_ggn(name: str, arch: str, generator: torch.Generator) -> None:
+    model, theta, x, y, likelihood = _setup(name, generator, arch=arch)
     reference = ggn_by_autograd(model, theta, x, y, likelihood)
     assert_close(exact_matrix(_batches(model, theta, x, y, likelihood)), reference)
     assert_close(diagonal(_batches(model, theta, x, y, likelihood)), reference.diagonal())
-    layout = linear_layout(model)
+    layout = kron_layout(model)
     for block, slot in zip(exact_blocks(_batches(model, theta, x, y, likelihood)), layout.slots):
         idx = block_index(slot)
         assert_close(block, reference[idx[:, None], idx[None, :]])
@@ -82,6 +100,38 @@ def test_kfac_factors_match_module_hooks(name: str, generator: torch.Generator) 
         assert_close(factors.g_factor, sum(g.mT @ g for g in seen_grads[i]) / N_DATA)
 
 
+def test_conv_kfac_factors_are_kfc_of_unfolded_patches(generator: torch.Generator) -> None:
+    """Conv layers: A = mean over examples of sum over positions of [patch,1][patch,1]^T (F.unfold of the
+    recorded input), G = mean of (1/T) sum over positions of delta delta^T (recorded output gradients)."""
+    model, theta, x, y, likelihood = _setup("categorical", generator, arch="cnn")
+    torch.nn.utils.vector_to_parameters(theta, model.parameters())
+    seen_inputs, seen_grads = {}, {}
+    for i, m in enumerate(model):
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(lambda mod, inp, out, i=i: seen_inputs.__setitem__(i, inp[0].detach()))
+            m.register_full_backward_hook(lambda mod, gin, gout, i=i: seen_grads.setdefault(i, []).append(gout[0]))
+    f = model(x.requires_grad_(True))
+    p = torch.softmax(f.detach(), -1)
+    for k in range(3):
+        f.backward(p[:, k : k + 1].sqrt() * (torch.eye(3, dtype=f.dtype)[k] - p), retain_graph=True)
+    checked = 0
+    for factors in kron_factors(_batches(model, theta, x, y, likelihood)):
+        i = factors.slot.module_index
+        module = model[i]
+        if not isinstance(module, nn.Conv2d):
+            continue
+        patches = F.unfold(seen_inputs[i], module.kernel_size, module.dilation, module.padding, module.stride).mT
+        if module.bias is not None:
+            patches = torch.cat([patches, torch.ones_like(patches[..., :1])], -1)
+        patches = patches.reshape(-1, patches.shape[-1])
+        assert_close(factors.a_factor, patches.mT @ patches / N_DATA)
+        grads = [g.flatten(2).mT.reshape(-1, g.shape[1]) for g in seen_grads[i]]
+        n_positions = seen_grads[i][0][0, 0].numel()
+        assert_close(factors.g_factor, sum(g.mT @ g for g in grads) / (N_DATA * n_positions))
+        checked += 1
+    assert checked == 2
+
+
 @pytest.mark.parametrize("name", LIKELIHOODS)
 def test_sampled_label_fisher_matches_per_example_autograd(name: str, generator: torch.Generator) -> None:
     """For given sampled labels, the Fisher from pseudo-gradients is mean_{i,s} grad grad^T / S."""
@@ -107,8 +157,8 @@ def test_sampled_label_fisher_converges_to_the_ggn(name: str, generator: torch.G
     assert torch.linalg.norm(mc - exact) / torch.linalg.norm(exact) < 0.05
 
 
-def _layers(name: str, generator: torch.Generator):
-    model, theta, x, y, likelihood = _setup(name, generator)
+def _layers(name: str, generator: torch.Generator, arch: str = "mlp"):
+    model, theta, x, y, likelihood = _setup(name, generator, arch=arch)
     factors = kron_factors(_batches(model, theta, x, y, likelihood))
     bases = eigenbasis(factors)
     eigs, diag = efb_eigenvalues(_batches(model, theta, x, y, likelihood), bases)
@@ -116,28 +166,35 @@ def _layers(name: str, generator: torch.Generator):
     return factors, bases, eigs, diag, blocks
 
 
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
-def test_efb_eigenvalues_minimise_frobenius_error_in_the_fixed_basis(name: str, generator: torch.Generator) -> None:
-    factors, bases, eigs, _, blocks = _layers(name, generator)
+def test_efb_eigenvalues_minimise_frobenius_error_in_the_fixed_basis(
+    name: str, arch: str, generator: torch.Generator
+) -> None:
+    factors, bases, eigs, _, blocks = _layers(name, generator, arch)
     for f, basis, lam, exact in zip(factors, bases, eigs, blocks):
         v = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
         assert_close(lam.reshape(-1), (v.mT @ exact @ v).diagonal())  # the least-squares optimum
 
-        def error(values: torch.Tensor) -> torch.Tensor:
+        def error(values: torch.Tensor, exact: torch.Tensor = exact, v: torch.Tensor = v) -> torch.Tensor:
             return torch.linalg.norm(exact - v @ torch.diag(values) @ v.mT)
 
         best = error(lam.reshape(-1))
         for _ in range(5):
-            assert error(lam.reshape(-1) + 1e-3 * torch.randn(lam.numel(), generator=generator, dtype=torch.float64)) > best
+            assert (
+                error(lam.reshape(-1) + 1e-3 * torch.randn(lam.numel(), generator=generator, dtype=torch.float64))
+                > best
+            )
         kfac = f.dense()
         assert_close(v @ torch.diag(basis.kfac_eigenvalues().reshape(-1)) @ v.mT, kfac)
         assert best <= torch.linalg.norm(exact - kfac) + 1e-12  # George et al. (2018)
 
 
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
 @pytest.mark.parametrize("rank", [1, 2, 5, None])
-def test_def_diagonal_is_exact_and_beats_efb(name: str, rank: int | None, generator: torch.Generator) -> None:
-    _, bases, eigs, diag, blocks = _layers(name, generator)
+def test_def_diagonal_is_exact_and_beats_efb(name: str, arch: str, rank: int | None, generator: torch.Generator) -> None:
+    _, bases, eigs, diag, blocks = _layers(name, generator, arch)
     for basis, lam, exact in zip(bases, eigs, blocks):
         low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, lam, rank)
         correction = diagonal_correction(flat_to_grid(diag, basis.slot), low)
@@ -154,7 +211,7 @@ def test_alg1_keeps_the_kronecker_closure_of_the_top_k() -> None:
     """Lee et al., Example 2: the top 3 of a 2 x 3 grid use two rows and two columns, so L = 4."""
     grid = torch.tensor([[6.0, 5.0, 1.0], [4.0, 3.0, 2.0]], dtype=torch.float64)
     eye2, eye3 = torch.eye(2, dtype=torch.float64), torch.eye(3, dtype=torch.float64)
-    slot = linear_layout(nn.Sequential(nn.Linear(2, 2))).slots[0]
+    slot = kron_layout(nn.Sequential(nn.Linear(2, 2))).slots[0]
     low = sparsify(slot, eye2, eye3, grid, 3)
     assert low.rows.tolist() == [0, 1] and low.cols.tolist() == [0, 1]
     assert low.rank == 4

@@ -14,7 +14,8 @@ CONF_DATA = Path(__file__).resolve().parents[2] / "conf" / "data"
 EXPECTED = {
     "uci/boston", "uci/concrete", "uci/energy", "uci/kin8nm", "uci/naval", "uci/power", "uci/protein",
     "uci/wine", "uci/yacht", "libsvm/a1a", "libsvm/australian", "libsvm/breast_cancer", "libsvm/usps_3vs5",
-    "toy/cubic",
+    "toy/cubic", "vision/mnist", "vision/notmnist", "vision/cifar10", "vision/cifar100", "vision/svhn",
+    "text/imdb",
 }  # fmt: skip
 
 

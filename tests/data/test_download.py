@@ -20,16 +20,14 @@ from pathlib import Path
 import pytest
 
 from bdl_bench.data import data_cli, registry_files
+from bdl_bench.data.archives import UnsafeArchiveError, iter_tar_files, safe_extract
 from bdl_bench.data.download import (
     DownloadError,
     DownloadSettings,
     RemoteFile,
-    UnsafeArchiveError,
     cache_path,
     fetch,
     file_digests,
-    iter_tar_files,
-    safe_extract,
     verify_cached,
 )
 
@@ -251,9 +249,10 @@ def test_offline_mode_never_contacts_the_canonical_url(
 ) -> None:
     monkeypatch.setenv("BDL_BENCH_OFFLINE", "1")
     remote = _remote(server)
-    with pytest.raises(DownloadError, match="data.mirror="):
+    with pytest.raises(DownloadError, match=r"(?s)BDL_BENCH_OFFLINE is set and no mirror is given.*data\.mirror="):
         fetch(remote, root=tmp_path, settings=FAST)
     assert server.log == []
+    assert not (tmp_path / "test").exists()  # nothing written into the cache
 
 
 def test_cache_folder_from_environment(server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

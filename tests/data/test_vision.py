@@ -73,6 +73,7 @@ def test_preprocess_statistics_and_flattening() -> None:
     torch.testing.assert_close(prep.std, torch.tensor([0.5, 1e-8]))
     x = Preprocess.fit(images, standardise=False, flatten=True)(images)
     assert x.shape == (2, 18) and float(x.max()) == 1.0
+    assert prep(images[:0]).shape == (0, 2, 3, 3) and Preprocess(None, None, True)(images[:0]).shape == (0, 18)
 
 
 def test_augmentation_is_a_crop_and_flip_driven_by_the_generator() -> None:

@@ -73,7 +73,7 @@ def gaussian(request: pytest.FixtureRequest, generator: torch.Generator) -> Bloc
 def expected_precision(q: BlockGaussian) -> torch.Tensor:
     """The precision built from the definitions, independently of ``_block_dense``/``to_dense``."""
     p = torch.zeros(DIM, DIM, dtype=torch.float64)
-    for b, ((m, n), idx) in enumerate(zip(q.block_shapes, q._block_index)):
+    for b, idx in enumerate(q._block_index):
         if isinstance(q, BlockDiagGaussian):
             block = q._blocks[b]
         elif isinstance(q, KroneckerGaussian):
@@ -138,7 +138,10 @@ def test_save_load_round_trip(gaussian: BlockGaussian, tmp_path: Path) -> None:
 
 
 def test_kl_to_diag_closed_form_matches_dense(gaussian: BlockGaussian, generator: torch.Generator) -> None:
-    q = DiagGaussian(torch.randn(DIM, generator=generator, dtype=torch.float64), torch.rand(DIM, generator=generator, dtype=torch.float64) + 0.5)
+    q = DiagGaussian(
+        torch.randn(DIM, generator=generator, dtype=torch.float64),
+        torch.rand(DIM, generator=generator, dtype=torch.float64) + 0.5,
+    )
     assert_close(kl(gaussian, q), _kl_dense(gaussian, q))
     other = FullGaussian(q.mean, expected_precision(gaussian) + torch.eye(DIM, dtype=torch.float64))
     assert_close(kl(gaussian, other), _kl_dense(gaussian, other))  # dense fallback for other pairs

@@ -34,12 +34,18 @@ def test_snr_of_constructed_gradients() -> None:
 
 def test_windows_record_the_snr_of_their_steps() -> None:
     g = torch.Generator().manual_seed(0)
-    steps = [{"a": [torch.randn(3, 2, generator=g) + 2.0], "b": [torch.randn(4, generator=g), torch.randn(2, generator=g) + 1]} for _ in range(9)]
+    steps = [
+        {
+            "a": [torch.randn(3, 2, generator=g) + 2.0],
+            "b": [torch.randn(4, generator=g), torch.randn(2, generator=g) + 1],
+        }
+        for _ in range(9)
+    ]
     tracker = GradientSNR(window=4)
     for t, grads in enumerate(steps, start=1):
         tracker.update(t, grads)
     assert [step for step, _ in tracker.records] == [4, 8]  # step 9 starts a third window
-    for (step, values), first in zip(tracker.records, (0, 4)):
+    for (_, values), first in zip(tracker.records, (0, 4)):
         window = steps[first : first + 4]
         snr_a = gradient_snr(torch.stack([s["a"][0] for s in window]))
         snr_b = torch.cat([gradient_snr(torch.stack([s["b"][i] for s in window])) for i in range(2)])

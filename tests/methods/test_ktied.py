@@ -20,9 +20,9 @@ def test_khatri_rao_variance_equals_the_dense_product() -> None:
     g = torch.Generator().manual_seed(0)
     dt = torch.float64
     a = torch.randn(2, 5, 7, generator=g, dtype=dt)  # (S, N, in)
-    u, v = torch.rand(7, 3, generator=g, dtype=dt), torch.rand(4, 3, generator=g, dtype=dt)
-    assert khatri_rao_square(u).shape == (7, 9)
-    assert_close(ktied_variance(a, u, v), F.linear(a**2, (v @ u.T) ** 2))
+    u, v = torch.rand(3, 7, generator=g, dtype=dt), torch.rand(3, 4, generator=g, dtype=dt)  # U^T, V^T
+    assert khatri_rao_square(u).shape == (9, 7)
+    assert_close(ktied_variance(a, u, v), F.linear(a**2, (v.T @ u) ** 2))
 
 
 def test_std_matrix_is_the_product_of_positive_factors() -> None:
@@ -34,14 +34,14 @@ def test_std_matrix_is_the_product_of_positive_factors() -> None:
     for layer, std in zip(method.layers, stds):
         u = F.softplus(method.variational[f"u{layer.index}"])
         v = F.softplus(method.variational[f"v{layer.index}"])
-        assert u.shape == (layer.in_features, min(2, layer.in_features, layer.out_features))
-        assert_close(std, v @ u.T)
+        assert u.shape == (min(2, layer.in_features, layer.out_features), layer.in_features)
+        assert_close(std, v.T @ u)
         assert bool((std > 0).all())
         # initialised so that the stds have mean init_std, each one up to the small symmetry-breaking jitter
         assert float(std.mean()) == pytest.approx(0.05, rel=1e-5)
         assert 0.5 * 0.05 < float(std.min()) and float(std.max()) < 2 * 0.05
     u1 = method.variational["u2"]
-    assert not torch.allclose(u1[:, 0], u1[:, 1])  # the k columns differ (they would stay equal otherwise)
+    assert not torch.allclose(u1[0], u1[1])  # the k columns of U differ (they would stay equal otherwise)
     q = method.posterior()
     assert isinstance(q, DiagGaussian)
     flat_std = q.variance().sqrt()

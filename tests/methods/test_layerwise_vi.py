@@ -55,7 +55,7 @@ def test_local_reparameterisation_has_moments_of_weight_sampling(kind: str) -> N
     method.setup(problem)
     with torch.no_grad():  # make the low-rank factors (elrg) as large as the diagonal part
         for name, t in method.variational.items():
-            if name.startswith("v_"):
+            if name.startswith("v") and kind.startswith("elrg"):
                 t.mul_(10.0)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     n = 100_000
@@ -149,8 +149,14 @@ def test_snr_columns_reach_the_epoch_callback(kind: str) -> None:
     x, y, _, _ = regression_data(0)
     method = make_method(kind, snr_window=3)
     rows: list[dict[str, float]] = []
-    fit(method, make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=1), x, y, n_epochs=4,
-        on_epoch_end=lambda epoch, stats: rows.append(dict(stats)))
+    fit(
+        method,
+        make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=1),
+        x,
+        y,
+        n_epochs=4,
+        on_epoch_end=lambda epoch, stats: rows.append(dict(stats)),
+    )
     # 2 steps per epoch, windows of 3 steps complete at steps 3 and 6 (epochs 2 and 3)
     assert ["train/grad_snr" in r for r in rows] == [False, True, True, False]
     assert {"train/grad_snr_l1", "train/grad_snr_l2", "train/grad_snr_l3"} <= set(rows[1])

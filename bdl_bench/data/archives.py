@@ -1,0 +1,64 @@
+"""Safe reading and extraction of downloaded tar archives.
+
+Every member is checked before anything is read or written: an absolute path, a ``..`` component, a
+link or a special file is refused (:class:`UnsafeArchiveError`), and extraction also passes
+``filter="data"`` to :mod:`tarfile` (which alone would strip a leading ``/`` rather than refuse it).
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+
+
+class UnsafeArchiveError(ValueError):
+    """An archive member would land outside the destination (absolute path, ``..``, link, device)."""
+
+
+def check_member(member: tarfile.TarInfo) -> None:
+    """Refuse a member with an absolute path, a ``..`` component, or that is not a file or folder.
+
+    Raises:
+        UnsafeArchiveError: Naming the member.
+    """
+    name = member.name
+    path = PurePosixPath(name)
+    if name.startswith(("/", "\\")) or path.is_absolute() or (len(name) > 1 and name[1] == ":"):
+        raise UnsafeArchiveError(f"archive member {name!r} has an absolute path; refusing to extract")
+    if ".." in path.parts or ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        raise UnsafeArchiveError(f"archive member {name!r} contains '..'; refusing to extract")
+    if not (member.isfile() or member.isdir()):
+        raise UnsafeArchiveError(f"archive member {name!r} is a link or special file; refusing to extract")
+
+
+def safe_extract(archive: Path, dest: Path) -> list[Path]:
+    """Extract a tar archive into ``dest`` after checking every member (then with ``filter="data"``).
+
+    Returns:
+        The extracted regular files.
+
+    Raises:
+        UnsafeArchiveError: If any member is unsafe (nothing is extracted then).
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        for member in members:
+            check_member(member)
+        tar.extractall(dest, members=members, filter="data")
+    return [dest / m.name for m in members if m.isfile()]
+
+
+def iter_tar_files(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple[str, bytes]]:
+    """``(name, bytes)`` of each regular member whose name ``select`` accepts, in archive order.
+
+    Reads sequentially (fast for ``.tar.gz``); every member is checked as in :func:`check_member`.
+    """
+    with tarfile.open(archive, mode="r:*") as tar:
+        for member in tar:
+            check_member(member)
+            if member.isfile() and select(member.name):
+                handle = tar.extractfile(member)
+                assert handle is not None
+                yield member.name, handle.read()

@@ -1,0 +1,230 @@
+r"""DEF toy-regression figure (Lee et al. 2020, Fig. 4): predictive mean ± 2σ of every method.
+
+Fits each ``variant=def_toy/<name>`` of ``conf/experiment/def_toy.yaml`` in-process, exactly as
+``bdl-bench run experiment=def_toy variant=def_toy/<name>`` does (same composed config, same seeds:
+``torch.manual_seed(trainer.seed)`` before the model is built, method generator ``seed + 1``, data
+order ``seed + 2``, evaluation ``seed + 3``), then evaluates each method's predictive on a dense grid:
+mean and standard deviation of the network output over ``trainer.n_test_mc_samples`` samples
+(epistemic), and with the noise variance added (predictive). One panel per method, the HMC
+reference's ±2σ band drawn in every panel for comparison; in original units.
+
+Also written: ``def_toy.csv`` with, per method, the test metrics on the toy/cubic grid and the mean
+absolute difference of the predictive standard deviation from HMC's inside and outside the training
+range, relative to HMC's.
+
+Usage::
+
+    python -m bdl_bench.studies.def_toy --out results/def_toy_figure [--variants hmc,def,...] [override ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from bdl_bench.data import build_dataset  # noqa: E402
+from bdl_bench.data.toy import make_cubic  # noqa: E402
+from bdl_bench.likelihoods import Gaussian, build_likelihood  # noqa: E402
+from bdl_bench.methods import Method, Problem, build_method  # noqa: E402
+from bdl_bench.metrics import predictive_metrics  # noqa: E402
+from bdl_bench.models import build_model  # noqa: E402
+from bdl_bench.models.params import prior_precision_vector  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+VARIANTS = ("hmc", "bbb", "map", "diag", "kfac", "efb", "block", "def", "def_rank1")
+LABELS = {
+    "hmc": "HMC",
+    "bbb": "BBB",
+    "map": "MAP (deterministic)",
+    "diag": "Diag Laplace",
+    "kfac": "KFAC Laplace",
+    "efb": "EFB Laplace",
+    "block": "FB Laplace (exact blocks)",
+    "def": "DEF Laplace (full rank)",
+    "def_rank1": "DEF Laplace (rank 1)",
+}
+
+
+@dataclass(frozen=True)
+class ToyPrediction:
+    """One method's predictive on the grid, in original units.
+
+    Attributes:
+        mean: predictive mean ``(G,)``.
+        epistemic_std: standard deviation of the network output over samples ``(G,)``.
+        predictive_std: with the noise variance added ``(G,)``.
+        metrics: the runner's test metrics on the toy/cubic test set.
+    """
+
+    mean: Tensor
+    epistemic_std: Tensor
+    predictive_std: Tensor
+    metrics: dict[str, float]
+
+
+def compose_variant(variant: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The root config of ``experiment=def_toy variant=def_toy/<variant>`` plus ``overrides``."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("config", overrides=["experiment=def_toy", f"variant=def_toy/{variant}", *overrides])
+
+
+def fit_method(cfg: DictConfig) -> tuple[Method, object, Gaussian]:
+    """Build and fit what ``runner.run(cfg)`` would, on the CPU; returns (method, dataset, likelihood)."""
+    trainer = cfg.trainer
+    dtype = {"float32": torch.float32, "float64": torch.float64}[str(trainer.dtype)]
+    data = build_dataset(OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
+    data = dataclasses.replace(
+        data,
+        **{
+            f.name: getattr(data, f.name).to(dtype)
+            for f in dataclasses.fields(data)
+            if isinstance(getattr(data, f.name), Tensor) and getattr(data, f.name).is_floating_point()
+        },
+    )
+    seed = int(trainer.seed)
+    torch.manual_seed(seed)
+    model = build_model(
+        OmegaConf.to_container(cfg.model, resolve=True), in_features=data.n_features, out_features=1
+    ).to(dtype)  # type: ignore[arg-type]
+    likelihood = build_likelihood(data, OmegaConf.select(cfg, "noise_precision"))
+    prior = prior_precision_vector(model, float(cfg.prior_precision), OmegaConf.select(cfg, "bias_prior_precision"))
+    method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
+    method.setup(Problem(model, likelihood, data.n_train, prior, torch.Generator().manual_seed(seed + 1)))
+    method.fit(
+        data.x_train,
+        data.y_train,
+        n_epochs=int(trainer.n_epochs),
+        batch_size=int(trainer.batch_size),
+        data_generator=torch.Generator().manual_seed(seed + 2),
+    )
+    method.problem = dataclasses.replace(method.problem, generator=torch.Generator().manual_seed(seed + 3))
+    assert isinstance(likelihood, Gaussian)
+    return method, data, likelihood
+
+
+def predict_grid(method: Method, data: object, likelihood: Gaussian, x_grid: Tensor, n_samples: int) -> ToyPrediction:
+    """The method's predictive on standardised grid inputs ``x_grid`` ``(G, 1)``, in original units."""
+    with torch.no_grad():
+        metrics = predictive_metrics(
+            likelihood, method.predict(data.x_test, n_samples), data.y_test, y_mean=data.y_mean, y_std=data.y_std
+        )
+        f = method.predict(x_grid.to(data.x_test), n_samples).squeeze(-1).double()  # (S, G)
+    mean = data.y_mean + data.y_std * f.mean(0)
+    epistemic = data.y_std * f.std(0, unbiased=False)
+    noise_var = data.y_std**2 / likelihood.noise_precision
+    return ToyPrediction(mean, epistemic, (epistemic.square() + noise_var).sqrt(), metrics)
+
+
+def run_study(out: Path, variants: Sequence[str] = VARIANTS, overrides: Sequence[str] = ()) -> tuple[Path, Path]:
+    """Fit every variant, draw the figure and write the table; returns (png, csv) paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    predictions: dict[str, ToyPrediction] = {}
+    raw = None
+    for variant in variants:
+        cfg = compose_variant(variant, overrides)
+        method, data, likelihood = fit_method(cfg)
+        if raw is None:
+            params = {
+                k: v
+                for k, v in OmegaConf.to_container(cfg.data, resolve=True).items()
+                if k not in ("name", "split", "val_fraction", "protocol")
+            }  # type: ignore[union-attr]
+            x_tr, y_tr, x_te, _ = make_cubic(**params)
+            raw = (x_tr[:, 0], y_tr, x_te[:, 0], float(params.get("train_bound", 4.0)))
+        predictions[variant] = predict_grid(method, data, likelihood, data.x_test, int(cfg.trainer.n_test_mc_samples))
+    assert raw is not None
+    x_train, y_train, x_grid, bound = raw
+    png = _plot(out / "def_toy.png", predictions, x_train, y_train, x_grid)
+    csv = out / "def_toy.csv"
+    _table(predictions, torch.as_tensor(x_grid), bound).to_csv(csv, index=False)
+    return png, csv
+
+
+def _table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) -> pd.DataFrame:
+    inside = x_grid.abs() <= bound
+    rows = []
+    reference = predictions.get("hmc")
+    for variant, p in predictions.items():
+        row = {"variant": variant, "label": LABELS.get(variant, variant), **p.metrics}
+        if reference is not None:
+            for name, mask in (("inside", inside), ("outside", ~inside)):
+                ref = reference.predictive_std[mask]
+                row[f"std_rel_diff_to_hmc_{name}"] = float((p.predictive_std[mask] - ref).abs().mean() / ref.mean())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid) -> Path:
+    n = len(predictions)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), sharex=True, sharey=True, squeeze=False)
+    x = torch.as_tensor(x_grid)
+    truth = x**3
+    reference = predictions.get("hmc")
+    for ax, (variant, p) in zip(axes.flat, predictions.items()):
+        if reference is not None and variant != "hmc":
+            lo, hi = reference.mean - 2 * reference.predictive_std, reference.mean + 2 * reference.predictive_std
+            ax.plot(x, lo, color="k", lw=0.8, ls=":", label="HMC ±2σ")
+            ax.plot(x, hi, color="k", lw=0.8, ls=":")
+        ax.fill_between(
+            x,
+            p.mean - 2 * p.predictive_std,
+            p.mean + 2 * p.predictive_std,
+            color="tab:blue",
+            alpha=0.2,
+            label="±2σ predictive",
+        )
+        ax.fill_between(
+            x,
+            p.mean - 2 * p.epistemic_std,
+            p.mean + 2 * p.epistemic_std,
+            color="tab:blue",
+            alpha=0.35,
+            label="±2σ epistemic",
+        )
+        ax.plot(x, truth, color="k", lw=1, label="x³")
+        ax.plot(x, p.mean, color="tab:blue", lw=1.5, label="mean")
+        ax.scatter(x_train, y_train, s=10, color="tab:red", zorder=3, label="data")
+        ax.set_title(LABELS.get(variant, variant), fontsize=10)
+        ax.set_ylim(-250, 250)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("Toy regression y = x³ + N(0, 3²): predictive mean ± 2σ (Lee et al. 2020, Fig. 4)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bdl_bench.studies.def_toy", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results/def_toy_figure"))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated def_toy variants")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides applied to every variant (e.g. trainer.n_epochs=500)"
+    )
+    ns = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    png, csv = run_study(ns.out, ns.variants.split(","), ns.overrides)
+    print(pd.read_csv(csv).to_string(index=False))
+    print(f"figure → {png}\ntable → {csv}")
+
+
+if __name__ == "__main__":
+    main()

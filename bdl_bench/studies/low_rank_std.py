@@ -1,0 +1,318 @@
+r"""Post-training low-rank study of mean-field standard deviations (Swiatkowski et al. 2020, Sec. 2).
+
+Take a network trained with GMFVI (``method=gmfvi``): each linear layer's weights have a matrix
+:math:`A` of posterior standard deviations. The paper finds that :math:`A` has strong low-rank
+structure:
+
+- **Spectrum** (Fig. 3, Fig. 5 top): the fraction of variance explained by each singular value,
+  :math:`\gamma_k^2 / \sum_i \gamma_i^2`, for :math:`A` and, for contrast, for the matrix of means
+  (:func:`explained_variance`, :func:`spectra`).
+- **Replacement** (Tables 2 and 3, Fig. 5 bottom): replace every :math:`A` by its rank-k truncated SVD
+  :math:`A_k` and evaluate the resulting mean-field posterior over 100 weight samples: the negative ELBO
+  (per training example: :math:`-(\log p(\mathcal D \mid \theta_s) - \mathrm{KL}(q_k \| p)) / N`),
+  the test NLL, accuracy and Brier score of each sampled network (mean and standard error over the
+  samples, as the paper reports them), plus the metrics of the predictive mixture (ECE among them,
+  which the paper gives without an error bar).
+
+:math:`A_k` can have negative (or zero) entries where :math:`A` is small; a standard deviation must be
+positive (and the KL has :math:`-\log\sigma`), so :func:`low_rank_nonnegative` clamps :math:`A_k` from
+below at the smallest entry of :math:`A` (the paper keeps the approximation non-negative without
+saying how; the rank-1 truncation of a positive matrix is already positive). Biases keep their
+standard deviations.
+
+A study starts from a fitted method (:meth:`MeanFieldNetwork.from_method`) or from a finished run
+folder (:meth:`MeanFieldNetwork.from_run`: ``config.yaml`` plus the ``posterior.pt`` the runner saves),
+so any ``bdl-bench run method=gmfvi ...`` can be analysed afterwards (``scripts/low_rank_std_study.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import yaml
+from torch import Tensor, nn
+
+from bdl_bench.data.base import Dataset
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods._layerwise_vi import LinearLayer, forward_flat_params, linear_layers
+from bdl_bench.methods.bbb import kl_diag_to_prior, standard_normal
+from bdl_bench.metrics import brier_score, predictive_metrics
+
+_SAMPLE_CHUNK = 20  # weight samples per batched forward pass
+
+
+@dataclass(frozen=True)
+class MeanFieldNetwork:
+    """A fitted mean-field Gaussian posterior over the parameters of an ``nn.Sequential`` MLP.
+
+    Attributes:
+        model: the network (its own parameters are not used).
+        layers: its linear layers (``bdl_bench.methods._layerwise_vi.linear_layers``).
+        mean, std: the posterior mean and standard deviation of every parameter, flat ``(D,)``.
+        prior_precision: :math:`\\lambda` of the zero-mean Gaussian prior, ``(D,)``.
+    """
+
+    model: nn.Module
+    layers: list[LinearLayer]
+    mean: Tensor  # (D,)
+    std: Tensor  # (D,)
+    prior_precision: Tensor  # (D,)
+
+    @classmethod
+    def from_method(cls, method: Any) -> MeanFieldNetwork:
+        """From a fitted ``gmfvi`` or ``ktied`` method (anything whose ``posterior()`` is diagonal)."""
+        q = method.posterior()
+        if q is None or not hasattr(q, "prec_diag"):
+            raise ValueError(f"low-rank std study: method {method.name!r} has no diagonal posterior")
+        model = method.problem.model
+        return cls(
+            model=model,
+            layers=linear_layers(model, "low-rank std study"),
+            mean=q.mean.detach(),
+            std=q.prec_diag.detach().rsqrt(),
+            prior_precision=method.problem.prior_precision.detach().to(q.mean),
+        )
+
+    @classmethod
+    def from_run(cls, run_dir: Path) -> tuple[MeanFieldNetwork, Dataset, Likelihood]:
+        """From a finished run folder: rebuild data, model and likelihood from ``config.yaml`` and read
+        the posterior from ``posterior.pt`` (written with ``trainer.save_posterior=true``).
+
+        Raises:
+            FileNotFoundError: without ``config.yaml`` or ``posterior.pt``.
+            ValueError: if the saved posterior is not diagonal.
+        """
+        from bdl_bench.data import build_dataset
+        from bdl_bench.gaussians.io import load_gaussian
+        from bdl_bench.likelihoods import build_likelihood
+        from bdl_bench.models import build_model
+        from bdl_bench.models.params import prior_precision_vector
+
+        run_dir = Path(run_dir)
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        q = load_gaussian(run_dir / "posterior.pt")
+        if not hasattr(q, "prec_diag"):
+            raise ValueError(f"{run_dir}: the posterior is a {type(q).__name__}, not a diagonal Gaussian")
+        dataset = build_dataset(cfg["data"])
+        dtype = q.mean.dtype
+        dataset = Dataset(
+            **{
+                f.name: (
+                    v.to(dtype) if isinstance(v := getattr(dataset, f.name), Tensor) and v.is_floating_point() else v
+                )
+                for f in dataclasses.fields(dataset)
+            }
+        )
+        model = build_model(cfg["model"], in_features=dataset.n_features, out_features=dataset.n_outputs).to(dtype)
+        prior = prior_precision_vector(model, float(cfg["prior_precision"]), cfg.get("bias_prior_precision"))
+        net = cls(
+            model=model,
+            layers=linear_layers(model, "low-rank std study"),
+            mean=q.mean,
+            std=q.prec_diag.rsqrt(),
+            prior_precision=prior,
+        )
+        return net, dataset, build_likelihood(dataset, cfg.get("noise_precision"))
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        """``flat (D,)`` → one tensor per model parameter (views)."""
+        shapes = [p.shape for p in self.model.parameters()]
+        parts = torch.split(flat, [math.prod(s) for s in shapes])
+        return [p.view(s) for p, s in zip(parts, shapes)]
+
+    def weight_stds(self) -> list[Tensor]:
+        """Each linear layer's matrix :math:`A` of weight standard deviations, ``(out, in)``."""
+        parts = self.split(self.std)
+        return [parts[layer.weight_param] for layer in self.layers]
+
+    def weight_means(self) -> list[Tensor]:
+        parts = self.split(self.mean)
+        return [parts[layer.weight_param] for layer in self.layers]
+
+
+def explained_variance(matrix: Tensor) -> Tensor:
+    """Fraction of variance explained by each singular value, :math:`\\gamma_k^2 / \\sum_i \\gamma_i^2`,
+    in decreasing order: ``(min(m, n),)``."""
+    singular = torch.linalg.svdvals(matrix.double())
+    return (singular**2 / (singular**2).sum()).to(matrix.dtype)
+
+
+def low_rank_nonnegative(matrix: Tensor, rank: int) -> Tensor:
+    """The rank-``rank`` truncated SVD of a positive ``matrix``, clamped from below at its smallest entry.
+
+    Raises:
+        ValueError: unless ``1 <= rank``; a rank at or above ``min(m, n)`` returns ``matrix`` itself.
+    """
+    if int(rank) != rank or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    if rank >= min(matrix.shape):
+        return matrix.clone()
+    u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    approx = (u[:, :rank] * s[:rank]) @ vh[:rank]
+    return approx.clamp_min(float(matrix.min())).to(matrix.dtype)
+
+
+def with_low_rank_std(net: MeanFieldNetwork, rank: int) -> MeanFieldNetwork:
+    """``net`` with every weight matrix of standard deviations replaced by :func:`low_rank_nonnegative`."""
+    parts = [p.clone() for p in net.split(net.std)]
+    for layer in net.layers:
+        parts[layer.weight_param] = low_rank_nonnegative(parts[layer.weight_param], rank)
+    return dataclasses.replace(net, std=torch.cat([p.flatten() for p in parts]))
+
+
+def spectra(net: MeanFieldNetwork) -> pd.DataFrame:
+    """Explained variance per singular value of each layer's std and mean matrices (Fig. 3 / Fig. 5).
+
+    Returns:
+        Rows ``layer`` (1-based), ``shape`` (``"out x in"``), ``parameter`` (``std`` or ``mean``),
+        ``k`` (1-based singular value index), ``fraction``, ``cumulative``.
+    """
+    rows = []
+    for layer, std, mean in zip(net.layers, net.weight_stds(), net.weight_means()):
+        for parameter, matrix in (("std", std), ("mean", mean)):
+            fractions = explained_variance(matrix)
+            cumulative = torch.cumsum(fractions, 0)
+            for k, (f, c) in enumerate(zip(fractions.tolist(), cumulative.tolist()), start=1):
+                rows.append(
+                    {
+                        "layer": layer.index,
+                        "shape": f"{layer.out_features} x {layer.in_features}",
+                        "parameter": parameter,
+                        "k": k,
+                        "fraction": f,
+                        "cumulative": c,
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    sem = float(t.std(correction=1) / math.sqrt(len(t))) if len(t) > 1 else float("nan")
+    return float(t.mean()), sem
+
+
+@torch.no_grad()
+def weight_sample_metrics(
+    net: MeanFieldNetwork,
+    dataset: Dataset,
+    likelihood: Likelihood,
+    *,
+    n_samples: int,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Metrics of ``n_samples`` networks drawn from ``net``: mean and standard error over the samples.
+
+    Per sample s: ``neg_elbo`` (per training example, targets as fitted), ``nll`` (test, per example;
+    regression in original target units), and ``accuracy`` and ``brier`` (classification) or ``rmse``
+    (regression). Keys ``<metric>_mean`` and ``<metric>_sem``, plus ``ensemble_<metric>`` for the
+    predictive mixture of all samples (``bdl_bench.metrics.predictive_metrics``: ``nll``, ``accuracy``,
+    ``ece``, ``brier``, or ``rmse``, ``test_ll``).
+    """
+    kl = float(kl_diag_to_prior(net.mean, net.std, net.prior_precision))
+    jacobian = math.log(dataset.y_std) if isinstance(likelihood, Gaussian) else 0.0
+    per_sample: dict[str, list[float]] = {"neg_elbo": [], "nll": []}
+    test_outputs = []
+    for start in range(0, n_samples, _SAMPLE_CHUNK):
+        n = min(_SAMPLE_CHUNK, n_samples - start)
+        thetas = net.mean + net.std * standard_normal((n, net.mean.numel()), generator, net.mean)
+        f_train = forward_flat_params(net.model, thetas, dataset.x_train)
+        f_test = forward_flat_params(net.model, thetas, dataset.x_test)
+        test_outputs.append(f_test)
+        for s in range(n):
+            per_sample["neg_elbo"].append(
+                (float(likelihood.nll(f_train[s], dataset.y_train).sum()) + kl) / dataset.n_train
+            )
+            per_sample["nll"].append(float(likelihood.nll(f_test[s], dataset.y_test).mean()) + jacobian)
+            if isinstance(likelihood, Bernoulli | Categorical):
+                probs = likelihood.probs(f_test[s : s + 1])
+                per_sample.setdefault("accuracy", []).append(
+                    float((probs.argmax(-1) == dataset.y_test.long()).float().mean())
+                )
+                per_sample.setdefault("brier", []).append(brier_score(probs, dataset.y_test))
+            else:
+                err = (f_test[s].squeeze(-1) - dataset.y_test) * dataset.y_std
+                per_sample.setdefault("rmse", []).append(float(err.pow(2).mean().sqrt()))
+    out: dict[str, float] = {}
+    for name, values in per_sample.items():
+        out[f"{name}_mean"], out[f"{name}_sem"] = _mean_sem(values)
+    ensemble = predictive_metrics(
+        likelihood, torch.cat(test_outputs), dataset.y_test, y_mean=dataset.y_mean, y_std=dataset.y_std
+    )
+    out.update({f"ensemble_{k}": v for k, v in ensemble.items()})
+    out["kl"] = kl
+    return out
+
+
+def low_rank_study(
+    net: MeanFieldNetwork,
+    dataset: Dataset,
+    likelihood: Likelihood,
+    *,
+    ranks: Sequence[int] = (1, 2, 3),
+    n_samples: int = 100,
+    generator: torch.Generator,
+) -> pd.DataFrame:
+    """Table 2 / Table 3 of the paper: the mean-field posterior and its rank-k approximations.
+
+    Returns:
+        One row per posterior: ``approximation`` (``mean_field``, ``rank_1``, ...), ``rank`` (0 for none),
+        ``n_std_params`` (numbers that define the weight stds: ``mn`` or ``k(m + n)`` per layer), and the
+        keys of :func:`weight_sample_metrics`. Every row uses the same noise draws (the generator's
+        state is restored before each), so differences between rows are not sampling noise.
+    """
+    state = generator.get_state()
+    rows = []
+    for rank in (0, *ranks):
+        approx = net if rank == 0 else with_low_rank_std(net, rank)
+        generator.set_state(state)
+        metrics = weight_sample_metrics(approx, dataset, likelihood, n_samples=n_samples, generator=generator)
+        n_std = sum(
+            layer.n_weights
+            if rank == 0
+            else min(rank, layer.in_features, layer.out_features) * (layer.in_features + layer.out_features)
+            for layer in net.layers
+        )
+        rows.append(
+            {
+                "approximation": "mean_field" if rank == 0 else f"rank_{rank}",
+                "rank": rank,
+                "n_std_params": n_std,
+                **metrics,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def plot_spectra(frame: pd.DataFrame, out: Path, max_k: int = 10) -> Path:
+    """Bar charts of the explained variance per singular value (std vs mean), one panel per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(frame["layer"].unique())
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 2.8), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        part = frame[(frame["layer"] == layer) & (frame["k"] <= max_k)]
+        for offset, parameter in ((-0.2, "mean"), (0.2, "std")):
+            rows = part[part["parameter"] == parameter]
+            ax.bar(rows["k"] + offset, rows["fraction"], width=0.4, label=f"posterior {parameter}s")
+        ax.set_title(f"dense {layer} ({part['shape'].iloc[0]})")
+        ax.set_xlabel("singular value k")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("fraction of variance explained")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

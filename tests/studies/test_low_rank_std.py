@@ -1,0 +1,152 @@
+"""The post-training low-rank study of mean-field standard deviations (k-tied paper, Sec. 2)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch.testing import assert_close
+
+from bdl_bench.data.base import Dataset, Task
+from bdl_bench.likelihoods import Bernoulli, Gaussian
+from bdl_bench.methods.bbb import standard_normal
+from bdl_bench.metrics import predictive_metrics
+from bdl_bench.studies.grad_snr import plot_grad_snr, snr_curves
+from bdl_bench.studies.low_rank_std import (
+    MeanFieldNetwork,
+    explained_variance,
+    low_rank_nonnegative,
+    low_rank_study,
+    spectra,
+    weight_sample_metrics,
+    with_low_rank_std,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "methods"))
+from _vi_helpers import make_method, make_problem  # noqa: E402
+
+
+def _classification(seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(120, 3, generator=g)
+    y = (x[:, 0] - x[:, 1] > 0).float()
+    empty = torch.zeros(0, 3)
+    return Dataset("toy", Task.BINARY, x[:80], y[:80], empty, torch.zeros(0), x[80:], y[80:])
+
+
+def _network(seed: int = 0) -> MeanFieldNetwork:
+    """A gmfvi posterior over a 3-24-24-1 MLP, with stds made random (as after training)."""
+    method = make_method("gmfvi")
+    method.setup(make_problem(3, Bernoulli(), seed=seed))
+    with torch.no_grad():
+        method.rho.add_(torch.rand(method.rho.shape, generator=torch.Generator().manual_seed(seed)))
+    return MeanFieldNetwork.from_method(method)
+
+
+def test_explained_variance_of_a_constructed_matrix() -> None:
+    u, _ = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    singular = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    matrix = u[:, :4] @ torch.diag(singular) @ v.T
+    assert_close(explained_variance(matrix), torch.tensor([9.0, 4.0, 1.0, 0.0], dtype=torch.float64) / 14)
+
+
+def test_low_rank_approximation_stays_positive_and_is_exact_at_full_rank() -> None:
+    g = torch.Generator().manual_seed(0)
+    std = torch.rand(5, 7, generator=g) + 0.05
+    rank_1 = low_rank_nonnegative(std, 1)
+    assert bool((rank_1 > 0).all())
+    assert torch.linalg.matrix_rank(rank_1.double(), rtol=1e-5) == 1
+    assert float(low_rank_nonnegative(std, 2).min()) >= float(std.min())  # clamped at the smallest entry
+    assert_close(low_rank_nonnegative(std, 5), std)
+    exact = torch.outer(torch.rand(5, generator=g) + 0.1, torch.rand(7, generator=g) + 0.1)
+    assert_close(low_rank_nonnegative(exact, 1), exact)
+    with pytest.raises(ValueError, match="rank"):
+        low_rank_nonnegative(std, 0)
+
+
+def test_replacing_stds_touches_only_weight_matrices() -> None:
+    net = _network()
+    approx = with_low_rank_std(net, 1)
+    for layer, before, after in zip(net.layers, net.weight_stds(), approx.weight_stds()):
+        if min(before.shape) > 1:
+            assert torch.linalg.matrix_rank(after.double(), rtol=1e-5) == 1
+            assert not torch.allclose(after, before)
+        bias = layer.bias_param
+        assert_close(approx.split(approx.std)[bias], net.split(net.std)[bias])
+    assert_close(approx.mean, net.mean)
+    frame = spectra(net)
+    assert set(frame["parameter"]) == {"std", "mean"}
+    sums = frame.groupby(["layer", "parameter"])["fraction"].sum()
+    assert_close(torch.tensor(sums.to_numpy()), torch.ones(len(sums), dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_weight_sample_metrics_match_explicit_samples() -> None:
+    net, data, likelihood = _network(), _classification(), Bernoulli()
+    out = weight_sample_metrics(net, data, likelihood, n_samples=5, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    thetas = net.mean + net.std * standard_normal((5, net.mean.numel()), g, net.mean)
+    from bdl_bench.methods._layerwise_vi import forward_flat_params
+
+    f_test = forward_flat_params(net.model, thetas, data.x_test)
+    nll = torch.stack([likelihood.nll(f, data.y_test).mean() for f in f_test])
+    assert out["nll_mean"] == pytest.approx(float(nll.mean()), rel=1e-5)
+    assert out["nll_sem"] == pytest.approx(float(nll.std() / math.sqrt(5)), rel=1e-4)
+    ensemble = predictive_metrics(likelihood, f_test, data.y_test)
+    assert out["ensemble_ece"] == pytest.approx(ensemble["ece"], rel=1e-5)
+    assert out["ensemble_accuracy"] == pytest.approx(ensemble["accuracy"])
+    assert {"neg_elbo_mean", "accuracy_mean", "brier_mean", "brier_sem", "kl"} <= set(out)
+
+
+def test_study_rows_share_noise_and_count_std_parameters() -> None:
+    net, data = _network(), _classification()
+    table = low_rank_study(
+        net, data, Bernoulli(), ranks=(1, 24), n_samples=4, generator=torch.Generator().manual_seed(0)
+    )
+    assert list(table["approximation"]) == ["mean_field", "rank_1", "rank_24"]
+    # layers 3→24, 24→24, 24→1: mn stds, or min(k, m, n)(m + n)
+    assert list(table["n_std_params"]) == [72 + 576 + 24, 27 + 48 + 25, 3 * 27 + 24 * 48 + 25]
+    full, rank_24 = table.iloc[0], table.iloc[2]
+    # rank 24 keeps layers 1 and 3 exactly and layer 2 up to rounding: the same draws give the same metrics
+    assert rank_24["nll_mean"] == pytest.approx(full["nll_mean"], rel=1e-4)
+
+
+def test_from_a_run_folder(tmp_path: Path, compose_cfg) -> None:  # noqa: ANN001
+    from bdl_bench.runner import run
+
+    cfg = compose_cfg(["method=gmfvi", "data=uci/boston", "model.hidden=[8]", "trainer.n_epochs=1"])
+    run(cfg, tmp_path)
+    net, dataset, likelihood = MeanFieldNetwork.from_run(tmp_path)
+    assert isinstance(likelihood, Gaussian)
+    assert [s.shape for s in net.weight_stds()] == [(8, 13), (1, 8)]
+    table = low_rank_study(
+        net, dataset, likelihood, ranks=(1,), n_samples=3, generator=torch.Generator().manual_seed(0)
+    )
+    assert {"rmse_mean", "ensemble_rmse", "ensemble_test_ll"} <= set(table.columns)
+    assert table["neg_elbo_mean"].notna().all()
+
+
+def test_snr_curves_and_plot(tmp_path: Path) -> None:
+    for name, k in (("gmfvi", None), ("ktied", 2)):
+        folder = tmp_path / name
+        folder.mkdir()
+        method = {"name": name} | ({"k": k} if k else {})
+        (folder / "config.yaml").write_text(f"method: {method}\n")
+        pd.DataFrame(
+            {
+                "epoch": [1, 2, 3],
+                "train/loss": [3.0, 2.0, 1.0],
+                "train/grad_snr": [None, 50.0, 20.0],
+                "train/grad_snr_l1": [None, 60.0, 30.0],
+            }
+        ).to_csv(folder / "history.csv", index=False)
+    frame = snr_curves(sorted(tmp_path.iterdir()))
+    assert set(frame["label"]) == {"mean-field", "2-tied"}
+    assert len(frame[frame["column"] == "grad_snr"]) == 4  # the empty first epoch is dropped
+    assert plot_grad_snr(frame, tmp_path / "snr.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="grad_snr_l9"):
+        plot_grad_snr(frame, tmp_path / "x.png", column="grad_snr_l9")

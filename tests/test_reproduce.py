@@ -1,0 +1,97 @@
+"""`bdl-bench reproduce`: discovering experiments, expanding their sweep, tuning then testing, the
+agreement column, and refusing a results folder that mixes config versions."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from bdl_bench.reproduce import _expand, agreement, main, make_plan, markdown
+
+
+def test_unknown_experiment_lists_the_available_ones() -> None:
+    with pytest.raises(SystemExit, match=r"unknown experiment 'slang_table9'; available: .*slang_table1, slang_table2"):
+        main(["slang_table9"])
+
+
+def test_plan_expands_the_sweep_and_drops_splits_a_dataset_lacks() -> None:
+    plan = make_plan(
+        "slang_table2", ["method=bbb", "data=uci/yacht,uci/protein", "data.split=range(6)"], quick=False, tune=True
+    )
+    assert plan.keys == ["method", "data", "data.split"]
+    assert len(plan.jobs) == 6 + 5  # protein has 5 splits
+    assert ["method=bbb", "data=uci/protein", "data.split=4"] in plan.jobs
+    assert plan.tuning_dir is not None and plan.tuning_dir.name == "slang_table2_tuning"
+    quick = make_plan("slang_table2", ["method=bbb,dropout", "data=uci/yacht"], quick=True, tune=False)
+    assert len(quick.jobs) == 2 * 2 and quick.tuning_dir is None
+    assert "trainer.n_epochs=3" in quick.fixed and quick.sweep_dir.name == "slang_table2_quick"
+
+
+def test_glob_over_a_config_group_matches_nested_options() -> None:
+    assert _expand("variant", "glob(slang_table1/mf_*)") == [
+        "slang_table1/mf_ef",
+        "slang_table1/mf_exact",
+        "slang_table1/mf_hess",
+    ]
+    assert _expand("data.split", "range(3)") == ["0", "1", "2"]
+
+
+def test_agreement_uses_two_standard_errors_or_the_stated_tolerance() -> None:
+    frame = pd.DataFrame(
+        {
+            "dataset": ["boston", "boston"],
+            "method": ["bbb", "map"],
+            "n_runs": [20, 20],
+            "rmse": [3.0, 3.0],
+            "rmse_se": [0.1, 0.1],
+            "paper_rmse": [3.43, math.nan],
+            "paper_rmse_se": [0.2, math.nan],
+            "within_2se_rmse": [True, math.nan],
+        }
+    )
+    assert list(agreement(frame, None)["agrees_rmse"]) == [True, None]
+    strict = agreement(frame, {"rmse": 0.1})
+    assert list(strict["agrees_rmse"]) == [False, None]
+    text = markdown(strict, {"rmse": 0.1})
+    assert "| boston | bbb | 20 | 3.000 ± 0.100 | 3.430 ± 0.200 | NO |" in text
+    assert "| boston | map | 20 | 3.000 ± 0.100 | – | – |" in text and "rmse: |ours − paper| ≤ 0.1" in text
+
+
+@pytest.mark.slow
+def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
+    args = ["slang_table2", "method=bbb", "data=uci/boston", "data.split=0", "--quick", "--jobs=1"]
+    args += ["hydra/launcher=basic", f"results_root={tmp_path}"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "| boston | bbb | 1 |" in out and "cells agree with the paper" in out
+    runs = tmp_path / "slang_table2_quick"
+    assert (runs / "reproduce.md").read_text().startswith("# slang_table2 (--quick")
+    assert "agrees_rmse" in (runs / "reproduce.csv").read_text()
+    run_dir = runs / "data.split=0,data=uci/boston,method=bbb,trainer.n_epochs=3"
+    study = tmp_path / "slang_table2_quick_tuning" / run_dir.relative_to(runs)
+    best = yaml.safe_load((study / "optimization_results.yaml").read_text())["best_params"]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["noise_precision"] == best["noise_precision"] and config["data"]["val_fraction"] == 0.0
+
+    # a finished run outside this sweep whose config today's code no longer reproduces
+    foreign = runs / "data.split=1,data=uci/boston,method=bbb,trainer.n_epochs=3"
+    shutil.copytree(run_dir, foreign)
+    overrides = (foreign / ".hydra" / "overrides.yaml").read_text().replace("data.split=0", "data.split=1")
+    (foreign / ".hydra" / "overrides.yaml").write_text(overrides)
+    shutil.copytree(
+        study, tmp_path / "slang_table2_quick_tuning" / foreign.relative_to(runs)
+    )  # its study, so that its tuned values resolve
+    config = (foreign / "config.yaml").read_text().replace("split: 0", "split: 1")
+    (foreign / "config.yaml").write_text(config.replace("n_test_mc_samples: 20", "n_test_mc_samples: 21"))
+    with pytest.raises(SystemExit, match=r"holds 1 run\(s\) of another config version, so no table(.|\n)*config hash"):
+        main(args)
+    assert "0 ran, 1 skipped" in capsys.readouterr().out  # the sweep's own run was reused, not re-run

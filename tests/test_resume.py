@@ -1,0 +1,99 @@
+"""A run killed after some epochs resumes from its checkpoint to exactly the metrics of an unbroken run
+(CPU, one torch thread, same seed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bdl_bench.checkpoint import load_checkpoint
+from bdl_bench.results import read_run_record
+from bdl_bench.runner import run
+from bdl_bench.sweep import run_job
+
+
+class Crash(Exception):
+    """Stands for the process dying after an epoch."""
+
+
+def _crash_after(epoch: int):
+    def hook(done: int) -> None:
+        if done == epoch:
+            raise Crash(f"killed after epoch {done}")
+
+    return hook
+
+
+def _history_without_times(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "history.csv").open() as f:
+        return [{k: v for k, v in row.items() if k != "time_s"} for row in csv.DictReader(f)]
+
+
+def _same_metrics(a: dict, b: dict) -> None:
+    a, b = dict(a), dict(b)
+    a.pop("train_time_s"), b.pop("train_time_s")  # wall time: the only thing allowed to differ
+    assert a == b
+
+
+@pytest.mark.parametrize("method", ["map", "bbb", "dropout"])
+def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path, compose_cfg, method: str) -> None:
+    assert torch.get_num_threads() == 1
+    cfg = compose_cfg([f"method={method}", "trainer.n_epochs=5", "trainer.checkpoint_every=2"])
+    unbroken = run(cfg, tmp_path / "unbroken").metrics
+    killed = tmp_path / "killed"
+    with pytest.raises(Crash):
+        run_job(cfg, killed, epoch_hook=_crash_after(3))
+    assert not (killed / "metrics.json").exists()
+    checkpoint = load_checkpoint(killed / "checkpoint.pt")
+    assert checkpoint is not None and checkpoint.epoch == 2 and len(checkpoint.history) == 2
+    resumed = run_job(cfg, killed)
+    assert not resumed.skipped and read_run_record(killed)["attempts"] == 2
+    _same_metrics(json.loads((killed / "metrics.json").read_text()), unbroken)
+    assert _history_without_times(killed) == _history_without_times(tmp_path / "unbroken")
+    assert not (killed / "checkpoint.pt").exists()  # removed once metrics.json is written
+
+
+def test_checkpoint_of_another_config_is_not_applied(tmp_path: Path, compose_cfg) -> None:
+    with pytest.raises(Crash):
+        run(
+            compose_cfg(["method=map", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]),
+            tmp_path,
+            epoch_hook=_crash_after(1),
+        )
+    with pytest.raises(ValueError, match="belongs to another config .*force=true"):
+        run(compose_cfg(["method=map", "trainer.n_epochs=3", "method.lr=0.02"]), tmp_path)
+
+
+@pytest.mark.slow
+def test_sigkilled_cli_run_resumes_to_the_unbroken_metrics(tmp_path: Path, compose_cfg) -> None:
+    overrides = [
+        "method=map",
+        "trainer=smoke",
+        "trainer.n_epochs=200",
+        "trainer.batch_size=100",
+        "trainer.eval_every=0",
+    ]
+    overrides += ["trainer.checkpoint_every=1"]
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "bdl_bench.cli", "run", *overrides, f"hydra.run.dir={run_dir}"]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoint.pt").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "metrics.json").exists(), "the run finished before it could be killed"
+    assert read_run_record(run_dir)["status"] == "running"  # no chance to record anything
+    # the re-run resumes in this process (the CLI runs the same run_job; this saves a second start-up)
+    assert not run_job(compose_cfg(overrides), run_dir).skipped
+    unbroken = run(compose_cfg(overrides), tmp_path / "unbroken").metrics
+    _same_metrics(json.loads((run_dir / "metrics.json").read_text()), unbroken)
