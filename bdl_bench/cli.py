@@ -9,7 +9,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
@@ -19,7 +19,8 @@ USAGE = """usage: bdl-bench <command> [args]
 commands:
   run [key=value ...]     fit and evaluate one config (Hydra app: -m/--multirun, --cfg job, --help)
   table <folder> [...]    Markdown/CSV table of every finished run below <folder>
-  plot <folder> [...]     figures from run folders (convergence, covariance)
+  plot <folder> [...]     figures from run folders (convergence, covariance, ood)
+  data list|fetch|verify  the download registry: list files, fetch them into the cache, verify checksums
   reproduce <experiment>  run (or resume) a paper experiment's sweep, tuning included, and compare with the paper
 
 examples:
@@ -49,6 +50,14 @@ def check_group_overrides(overrides: list[str]) -> None:
         for item in value.split(","):
             if item not in choices:
                 raise SystemExit(f"bdl-bench: unknown {key} {item!r}; available: {', '.join(choices)}")
+
+
+def run_name(override_dirname: str) -> str:
+    """A run folder's name: its overrides, or ``default`` when it has none."""
+    return override_dirname or "default"
+
+
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -131,13 +140,25 @@ def reproduce_command(args: list[str]) -> None:
     reproduce_main(args)
 
 
+def data_command(args: list[str]) -> None:
+    from bdl_bench.data.data_cli import main as data_main
+
+    data_main(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
     command, rest = argv[0], argv[1:]
-    commands = {"run": run_command, "table": table_command, "plot": plot_command, "reproduce": reproduce_command}
+    commands = {
+        "run": run_command,
+        "table": table_command,
+        "plot": plot_command,
+        "reproduce": reproduce_command,
+        "data": data_command,
+    }
     if command not in commands:
         raise SystemExit(f"bdl-bench: unknown command {command!r}; available: {', '.join(commands)}\n\n{USAGE}")
     commands[command](rest)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -32,9 +33,9 @@ from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Likelihood, build_likelihood
+from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
-from bdl_bench.metrics import predictive_metrics
+from bdl_bench.metrics import ood_metrics, predictive_metrics, uncertainty_arrays
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.results import CHECKPOINT_FILE, HistoryWriter, config_hash, write_config, write_metrics
@@ -84,6 +85,21 @@ def evaluate(
     x, y = getattr(dataset, f"x_{part}"), getattr(dataset, f"y_{part}")
     f_samples = method.predict(x, n_samples)
     return predictive_metrics(likelihood, f_samples, y, y_mean=dataset.y_mean, y_std=dataset.y_std)
+
+
+@torch.no_grad()
+def evaluate_ood(
+    method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int, run_dir: Path
+) -> dict[str, float]:
+    """Predictive entropy on the out-of-distribution set against the test set (DEF Table 1) and the
+    AUROC of telling them apart by entropy; saves ``uncertainty.npz`` for ``bdl-bench plot kind=ood``."""
+    if not isinstance(likelihood, Bernoulli | Categorical):
+        raise ValueError(f"OOD metrics need a classification likelihood, got {type(likelihood).__name__}")
+    probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples))
+    probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples))
+    arrays = uncertainty_arrays(probs_test, dataset.y_test, probs_ood)
+    np.savez(run_dir / "uncertainty.npz", **arrays)
+    return ood_metrics(probs_test, probs_ood)
 
 
 @torch.no_grad()
@@ -203,6 +219,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
             n_data=dataset.n_train,
             prior_precision=prior,
             generator=method_generator,
+            augmentation=dataset.augmentation,
         )
     )
 
@@ -288,6 +305,8 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
                 }
             )
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
+        if dataset.x_ood is not None:
+            metrics.update(evaluate_ood(method, likelihood, dataset, int(trainer.n_test_mc_samples), run_dir))
     if elbo is not None:
         metrics["elbo"] = elbo
     metrics["train_time_s"] = train_time

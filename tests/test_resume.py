@@ -44,7 +44,7 @@ def _same_metrics(a: dict, b: dict) -> None:
     assert a == b
 
 
-@pytest.mark.parametrize("method", ["map", "bbb", "dropout"])
+@pytest.mark.parametrize("method", ["map", "bbb", "dropout", "slang"])
 def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path, compose_cfg, method: str) -> None:
     assert torch.get_num_threads() == 1
     cfg = compose_cfg([f"method={method}", "trainer.n_epochs=5", "trainer.checkpoint_every=2"])

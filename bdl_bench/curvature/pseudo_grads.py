@@ -126,7 +126,9 @@ def kron_layout(model: nn.Module) -> KronLayout:
         bias = getattr(module, "bias", None)
         bias_offset = None if bias is None else offsets[id(bias)]
         if isinstance(module, nn.Linear):
-            slots.append(KronSlot(index, module.in_features, module.out_features, offsets[id(module.weight)], bias_offset))
+            slots.append(
+                KronSlot(index, module.in_features, module.out_features, offsets[id(module.weight)], bias_offset)
+            )
         elif isinstance(module, nn.Conv2d):
             if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
                 raise ValueError(
@@ -134,7 +136,10 @@ def kron_layout(model: nn.Module) -> KronLayout:
                     "padding given as numbers"
                 )
             spec = ConvSpec(
-                tuple(module.kernel_size), tuple(module.stride), tuple(module.padding), tuple(module.dilation)  # type: ignore[arg-type]
+                tuple(module.kernel_size),
+                tuple(module.stride),
+                tuple(module.padding),
+                tuple(module.dilation),  # type: ignore[arg-type]
             )
             n_in = module.in_channels * spec.kernel_size[0] * spec.kernel_size[1]
             slots.append(KronSlot(index, n_in, module.out_channels, offsets[id(module.weight)], bias_offset, spec))
@@ -261,7 +266,9 @@ def hessian_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
     raise ValueError(f"no GGN factor for likelihood {type(likelihood).__name__}")
 
 
-def _forward(model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def _forward(
+    model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Network output at ``theta``, every layer's input patches ``(M, T, n_in)`` and its pre-activation
     (the roots of the graph), in layer order."""
     slot_of = {slot.module_index: slot for slot in layout.slots}

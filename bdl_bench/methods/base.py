@@ -31,6 +31,8 @@ class Problem:
         n_data: number of training examples N (the likelihood term of the ELBO is scaled to N).
         prior_precision: per-parameter precision of the zero-mean Gaussian prior, ``(D,)``.
         generator: the only source of randomness for MC sampling inside the method.
+        augmentation: ``(x_batch, generator) -> x_batch`` applied to every training minibatch by the
+            default loop (CIFAR's random crop and flip), or ``None``.
     """
 
     model: nn.Module
@@ -38,6 +40,7 @@ class Problem:
     n_data: int
     prior_precision: Tensor  # (D,)
     generator: torch.Generator
+    augmentation: Callable[[Tensor, torch.Generator], Tensor] | None = None
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -116,7 +119,10 @@ class Method(ABC):
             totals: dict[str, float] = {}
             for step in range(n_batches):
                 idx = order[step * batch_size : (step + 1) * batch_size]
-                out = self.train_step(x[idx], y[idx])
+                x_batch = x[idx]
+                if self.problem.augmentation is not None:
+                    x_batch = self.problem.augmentation(x_batch, data_generator)
+                out = self.train_step(x_batch, y[idx])
                 loss = out["loss"]
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(

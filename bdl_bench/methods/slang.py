@@ -51,6 +51,7 @@ from the training samples (the exact trace costs O(D L²); ``kl_to_prior`` is ex
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -346,13 +347,17 @@ class Slang(Method):
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The state's tensors and the carried :class:`PrecisionCache` (so a resumed run continues
+        bit for bit: rebuilding the cache from U and d rounds differently from carrying it)."""
         s = self.state
+        cache = self._cache()
         return {
             "mean": s.mean.clone(),
             "prec_factor": s.prec_factor.clone(),
             "prec_diag": s.prec_diag.clone(),
             "momentum": s.momentum.clone(),
             "step": s.step,
+            "cache": {f.name: getattr(cache, f.name).clone() for f in dataclasses.fields(cache)},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -373,6 +378,10 @@ class Slang(Method):
             tensors[name] = torch.empty_like(expected).copy_(value)  # keeps the state's layout
         self.state = SlangState(**tensors, step=int(state["step"]))
         self._cached = None
+        if "cache" in state:
+            like = current.prec_diag
+            cache = {k: torch.as_tensor(v).to(like.device, like.dtype) for k, v in state["cache"].items()}
+            self._cached = (self.state, PrecisionCache(**cache))
 
 
 __all__ = ["NonFiniteGradientError", "Slang", "SlangState", "decayed_rate", "slang_update"]

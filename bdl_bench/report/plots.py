@@ -2,6 +2,8 @@
 
 - ``kind=convergence`` (SLANG Fig. 4): negative ELBO per example and test NLL against epoch, one
   row per dataset, one line per method (mean over the runs of that cell), from ``history.csv``.
+- ``kind=ood``: reliability diagram and predictive-entropy histograms of the test and OOD sets
+  (DEF Fig. 6), from the ``uncertainty.npz`` that runs with an OOD set write.
 - ``kind=covariance`` (SLANG Fig. 1): heat maps of the posterior correlation (off-diagonal) of each
   method on one dataset and split, from ``posterior.pt``, plus the marginal standard deviations.
 """
@@ -107,7 +109,9 @@ def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bdl-bench plot", description="Figures from run folders.")
     parser.add_argument("folder", type=Path)
     parser.add_argument(
-        "kind", choices=["convergence", "covariance"], help="Fig. 4 (convergence) or Fig. 1 (covariance)"
+        "kind",
+        choices=["convergence", "covariance", "ood"],
+        help="Fig. 4 (convergence), Fig. 1 (covariance) or reliability diagram + OOD entropy histograms (ood)",
     )
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default <folder>/<kind>.png)")
     parser.add_argument("--methods", default=None, help="comma-separated method labels, in plotting order")
@@ -121,6 +125,14 @@ def main(args: list[str]) -> None:
     methods = ns.methods.split(",") if ns.methods else None
     if ns.kind == "convergence":
         plot_convergence(ns.folder, out, methods)
+    elif ns.kind == "ood":
+        from bdl_bench.report.ood_plots import plot_uncertainty
+        from bdl_bench.results import find_run_dirs
+
+        run_dirs = [d for d in find_run_dirs(ns.folder) if (d / "uncertainty.npz").exists()]
+        if not run_dirs:
+            raise SystemExit(f"bdl-bench plot: no run below {ns.folder} has uncertainty.npz (runs with an OOD set)")
+        plot_uncertainty(run_dirs, out)
     else:
         plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)
     print(f"wrote {out}")

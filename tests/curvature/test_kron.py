@@ -193,7 +193,9 @@ def test_efb_eigenvalues_minimise_frobenius_error_in_the_fixed_basis(
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
 @pytest.mark.parametrize("rank", [1, 2, 5, None])
-def test_def_diagonal_is_exact_and_beats_efb(name: str, arch: str, rank: int | None, generator: torch.Generator) -> None:
+def test_def_diagonal_is_exact_and_beats_efb(
+    name: str, arch: str, rank: int | None, generator: torch.Generator
+) -> None:
     _, bases, eigs, diag, blocks = _layers(name, generator, arch)
     for basis, lam, exact in zip(bases, eigs, blocks):
         low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, lam, rank)

@@ -281,13 +281,19 @@ def test_config_metrics_are_written(tmp_path: Path, compose_cfg) -> None:
 def _tiny_lenet_problem() -> tuple[Problem, Tensor, Tensor]:
     g = torch.Generator().manual_seed(0)
     model = build_model(
-        {"name": "lenet", "image_size": 8, "channels": [2, 3], "hidden": 8, "dropout": 0.0}, in_features=64, out_features=3
+        {"name": "lenet", "image_size": 8, "channels": [2, 3], "hidden": 8, "dropout": 0.0},
+        in_features=64,
+        out_features=3,
     ).to(F64)
     x = torch.rand(30, 64, generator=g, dtype=F64)
     y = torch.randint(0, 3, (30,), generator=g)
     from bdl_bench.likelihoods import Categorical
 
-    return Problem(model, Categorical(), 30, prior_precision_vector(model, 1.0, None), torch.Generator().manual_seed(1)), x, y
+    return (
+        Problem(model, Categorical(), 30, prior_precision_vector(model, 1.0, None), torch.Generator().manual_seed(1)),
+        x,
+        y,
+    )
 
 
 @pytest.mark.parametrize("structure", ["diag", "kfac", "efb", "def", "block"])

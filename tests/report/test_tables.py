@@ -66,3 +66,13 @@ def test_no_runs_and_unknown_paper_table(tmp_path: Path) -> None:
         build_table(tmp_path)
     with pytest.raises(ValueError, match="unknown paper table 'nope'; available: slang_table1"):
         get_paper_table("nope")
+
+
+def test_table3_error_shown_in_percent(tmp_path: Path) -> None:
+    for seed, error in enumerate([0.018, 0.020]):
+        _fake_run(tmp_path, f"r{seed}", {"data": {"name": "vision/mnist"}, "method": {"name": "slang", "rank": 32},
+                                         "paper_table": "slang_table3"}, {"error": error})
+    row = build_table(tmp_path).frame.iloc[0]
+    assert row["method"] == "slang_L32"
+    assert row["test_error_percent"] == pytest.approx(1.9)
+    assert row["paper_test_error_percent"] == pytest.approx(1.73)
