@@ -65,9 +65,7 @@ class Dataset:
         for part in ("train", "val", "test"):
             x, y = getattr(self, f"x_{part}"), getattr(self, f"y_{part}")
             if x.shape[0] != y.shape[0]:
-                raise ValueError(
-                    f"dataset {self.name!r}: x_{part} has {x.shape[0]} rows but y_{part} has {y.shape[0]}"
-                )
+                raise ValueError(f"dataset {self.name!r}: x_{part} has {x.shape[0]} rows but y_{part} has {y.shape[0]}")
         if self.x_train.shape[0] == 0:
             raise ValueError(f"dataset {self.name!r} has an empty training set")
         if self.x_test.shape[0] == 0:

@@ -70,8 +70,12 @@ def test_no_runs_and_unknown_paper_table(tmp_path: Path) -> None:
 
 def test_table3_error_shown_in_percent(tmp_path: Path) -> None:
     for seed, error in enumerate([0.018, 0.020]):
-        _fake_run(tmp_path, f"r{seed}", {"data": {"name": "vision/mnist"}, "method": {"name": "slang", "rank": 32},
-                                         "paper_table": "slang_table3"}, {"error": error})
+        _fake_run(
+            tmp_path,
+            f"r{seed}",
+            {"data": {"name": "vision/mnist"}, "method": {"name": "slang", "rank": 32}, "paper_table": "slang_table3"},
+            {"error": error},
+        )
     row = build_table(tmp_path).frame.iloc[0]
     assert row["method"] == "slang_L32"
     assert row["test_error_percent"] == pytest.approx(1.9)
