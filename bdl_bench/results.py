@@ -83,25 +83,37 @@ def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:
 class HistoryWriter:
     """Appends one CSV row per epoch; columns are fixed by the first row and grow if needed.
 
+    A row with the known columns is appended to the file (O(1) per epoch); a row that brings a new
+    column rewrites the file atomically with the wider header, so the file is always valid CSV.
     ``rows`` restores the rows of a resumed run (from its checkpoint); later rows are appended to them.
     """
 
     def __init__(self, path: Path, rows: Iterable[Mapping[str, Any]] = ()) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = [dict(r) for r in rows]
+        self.columns: list[str] = []
+        for r in self.rows:
+            self.columns += [k for k in r if k not in self.columns]
+        self._file_matches_rows = False  # the file on disk may be missing or stale until the first write
 
     def append(self, row: Mapping[str, Any]) -> None:
         self.rows.append(dict(row))
-        columns: list[str] = []
-        for r in self.rows:
-            columns += [k for k in r if k not in columns]
-        # Rewritten whole each epoch (histories are small) so that a new column keeps a valid file.
+        new_columns = [k for k in row if k not in self.columns]
+        self.columns += new_columns
+        if new_columns or not self._file_matches_rows:
+            self._rewrite()
+            return
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+
+    def _rewrite(self) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
+            writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(self.rows)
         os.replace(tmp, self.path)
+        self._file_matches_rows = True
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
