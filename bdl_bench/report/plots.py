@@ -45,16 +45,18 @@ def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) 
     if methods:
         runs = runs[runs["label"].isin(methods)]
     datasets = sorted(runs["dataset"].unique())
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(sorted(runs["label"].unique()))}
     fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.2 * len(datasets)), squeeze=False)
     for row, dataset in enumerate(datasets):
         for label, group in runs[runs["dataset"] == dataset].groupby("label"):
             histories = [pd.read_csv(Path(d) / HISTORY_FILE) for d in group["run_dir"]]
             history = pd.concat(histories).groupby("epoch").mean(numeric_only=True)
             if "train/elbo" in history:
-                axes[row, 0].plot(history.index, -history["train/elbo"], label=label)
+                axes[row, 0].plot(history.index, -history["train/elbo"], label=label, color=colors[label])
             if "test/nll" in history:
                 nll = history["test/nll"].dropna()
-                axes[row, 1].plot(nll.index, nll, label=label)
+                axes[row, 1].plot(nll.index, nll, label=label, color=colors[label])
         axes[row, 0].set(title=f"{dataset}: negative ELBO per example", xlabel="epoch", yscale="log")
         axes[row, 1].set(title=f"{dataset}: test NLL", xlabel="epoch")
         axes[row, 1].legend(fontsize="small")

@@ -34,9 +34,14 @@ def _method_labels(runs: pd.DataFrame) -> pd.Series:
     for name, group in runs.groupby("method.name"):
         varying = [c for c in option_cols if group[c].astype(str).nunique() > 1]
         for idx in group.index:
-            parts = [f"{c.removeprefix('method.')}={group.at[idx, c]}" for c in varying]
+            parts = [f"{c.removeprefix('method.')}={_plain(group.at[idx, c])}" for c in varying]
             labels[idx] = " ".join([str(name), *parts])
     return labels
+
+
+def _plain(value: object) -> object:
+    """``16.0`` → ``16`` (pandas turns an integer option into floats when other methods lack it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _fmt(mean: float, se: float | None, digits: int = 3) -> str:
