@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
+from bdl_bench.methods.map import map_step
 from bdl_bench.models.params import flat_params, forward_with
 
 _PREDICT_CHUNK = 64
@@ -123,13 +124,7 @@ class HMC(Method):
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         """One MAP step (the chain's initialisation), as ``methods/map.py``."""
-        p = self.problem
-        self.optimizer.zero_grad(set_to_none=True)
-        nll = p.likelihood.nll(forward_with(p.model, self.theta, x), y).mean()
-        loss = nll + 0.5 * (p.prior_precision * self.theta**2).sum() / p.n_data
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item()}
+        return map_step(self.problem, self.theta, self.optimizer, x, y)
 
     def fit(
         self,

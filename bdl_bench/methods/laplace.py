@@ -68,6 +68,7 @@ from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.io import load_gaussian
 from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
+from bdl_bench.methods.map import map_step
 from bdl_bench.methods.vogn import parse_choice
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with
@@ -274,13 +275,7 @@ class Laplace(Method):
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         """One MAP step (as ``methods/map.py``)."""
-        p = self.problem
-        self.optimizer.zero_grad(set_to_none=True)
-        nll = p.likelihood.nll(forward_with(p.model, self.theta, x), y).mean()
-        loss = nll + 0.5 * (p.prior_precision * self.theta**2).sum() / p.n_data
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item()}
+        return map_step(self.problem, self.theta, self.optimizer, x, y)
 
     def fit(
         self,
