@@ -32,6 +32,21 @@ class PaperValue:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """Hyperparameters the paper chose per column on a validation metric.
+
+    Attributes:
+        metric: the validation metric in ``metrics.json`` (``val_error``).
+        keys: the config keys that were searched (``prior_precision``, ``method.lr``).
+        mode: ``"min"`` or ``"max"``: which mean over splits/seeds wins.
+    """
+
+    metric: str
+    keys: tuple[str, ...]
+    mode: str = "min"
+
+
+@dataclass(frozen=True)
 class PaperTable:
     """A published table and how our runs line up with it.
 
@@ -42,6 +57,8 @@ class PaperTable:
         lookup: (dataset, column, paper metric) → published value, or ``None`` where the paper has none.
         scale: (dataset, paper metric) → the factor in the paper's row header ("KL (×10⁴)"): the
             printed value is KL / scale, so ours is shown divided by it.
+        selection: where the paper chose hyperparameters on a validation set: each column keeps the
+            runs of its best setting only (``bdl_bench.report.tables.select_on_validation``).
     """
 
     name: str
@@ -49,6 +66,7 @@ class PaperTable:
     column: Callable[[Mapping[str, Any]], str]
     lookup: Callable[[str, str, str], PaperValue | None]
     scale: Callable[[str, str], float] = lambda dataset, metric: 1.0
+    selection: Selection | None = None
 
 
 def _slang_table2() -> PaperTable:
@@ -121,6 +139,9 @@ def _slang_table3() -> PaperTable:
         column=_table1_column,
         lookup=lookup,
         scale=lambda dataset, metric: 0.01,  # our error is a fraction; the paper prints percent
+        # Sec. 4.3: "For each value of L, we choose the prior precision and learning rate based on
+        # performance on the validation set."
+        selection=Selection(metric="val_error", keys=("prior_precision", "method.lr")),
     )
 
 

@@ -3,7 +3,9 @@
 Standard errors use the real number of runs in each cell (sample std, ddof = 1, over √n); a cell
 with one run has no standard error. When the runs belong to a paper table, the paper's value and its
 standard error stand beside ours, and ``within_2se_<metric>`` says whether
-``|ours − paper| ≤ 2 √(se_ours² + se_paper²)``.
+``|ours − paper| ≤ 2 √(se_ours² + se_paper²)``. Where the paper chose hyperparameters on a validation
+set (its :class:`~bdl_bench.report.paper.Selection`), each column keeps only the runs of the setting
+with the best mean validation metric (:func:`select_on_validation`); the table names that setting.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bdl_bench.report.paper import PaperTable, dataset_short_name, get_paper_table
+from bdl_bench.report.paper import PaperTable, Selection, dataset_short_name, get_paper_table
 from bdl_bench.results import load_runs
 
 DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error", "ece", "brier", "elbo", "sym_kl")
@@ -52,6 +54,50 @@ def _fmt(mean: float, se: float | None, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
+def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.DataFrame, dict[tuple, str]]:
+    """Per (dataset, method), keep the runs of the hyperparameter setting with the best mean validation metric.
+
+    A setting is one combination of the values of ``selection.keys`` (keys absent from every run are
+    ignored); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
+    never enter the choice.
+
+    Returns:
+        The kept runs, and for each (dataset, method) a description of the chosen setting
+        (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``).
+
+    Raises:
+        ValueError: if a (dataset, method) group has no run with the validation metric.
+    """
+    if selection.mode not in ("min", "max"):
+        raise ValueError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
+    keys = [k for k in selection.keys if k in runs.columns]
+    kept, chosen = [], {}
+    for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
+        settings = group[keys].astype(str).agg(", ".join, axis=1) if keys else pd.Series("", index=group.index)
+        first = group.loc[settings.index[0], keys] if keys else []
+        if settings.nunique() == 1:  # nothing to choose between
+            kept.append(group)
+            chosen[(dataset, method)] = _describe_setting(keys, first) + " (the only setting run)"
+            continue
+        scores = pd.to_numeric(group[selection.metric], errors="coerce") if selection.metric in group else None
+        means = scores.groupby(settings).mean().dropna() if scores is not None else pd.Series(dtype=float)
+        if means.empty:
+            raise ValueError(
+                f"the paper chose hyperparameters on {selection.metric!r}, but no run of {method} on {dataset} "
+                f"reports it; re-run with a validation split (e.g. data.n_val) or keep one setting per column"
+            )
+        best = means.idxmin() if selection.mode == "min" else means.idxmax()
+        winners = group[settings == best]
+        kept.append(winners)
+        setting = _describe_setting(keys, winners[keys].iloc[0])
+        chosen[(dataset, method)] = f"{setting} ({selection.metric} {means[best]:.4g}; {len(means)} settings)"
+    return pd.concat(kept), chosen
+
+
+def _describe_setting(keys: Sequence[str], values: Sequence[object]) -> str:
+    return ", ".join(f"{k}={_plain(v)}" for k, v in zip(keys, values)) or "default"
+
+
 def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str] | None = None) -> Table:
     """Summarise every finished run below ``folder``.
 
@@ -80,9 +126,14 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
         dataset=runs["data.name"].map(dataset_short_name),
         method=[spec.column(r) for r in runs.to_dict("records")] if spec else _method_labels(runs),
     )
+    chosen: dict[tuple, str] = {}
+    if spec and spec.selection:
+        runs, chosen = select_on_validation(runs, spec.selection)
     rows = []
     for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
         row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
+        if chosen:
+            row["chosen_on_validation"] = chosen.get((dataset, method), "")
         for metric in metrics:
             values = pd.to_numeric(group[metric], errors="coerce").dropna()
             n = len(values)
@@ -118,12 +169,16 @@ def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[st
             cells.append(_fmt(row[key], row[f"{key}_se"]))
             if spec and metric in spec.metrics:
                 cells.append(_fmt(row[f"paper_{key}"], row[f"paper_{key}_se"]))
+        if "chosen_on_validation" in frame.columns:
+            cells.append(str(row["chosen_on_validation"]))
         body.append(cells)
     for metric in metrics:
         key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
         headers.append(f"{key} (ours)" if spec and metric in spec.metrics else key)
         if spec and metric in spec.metrics:
             headers.append(f"{key} (paper)")
+    if "chosen_on_validation" in frame.columns:
+        headers.append("chosen on validation")
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     title = f"Paper table: {spec.name}\n\n" if spec else ""

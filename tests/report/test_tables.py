@@ -80,3 +80,48 @@ def test_table3_error_shown_in_percent(tmp_path: Path) -> None:
     assert row["method"] == "slang_L32"
     assert row["test_error_percent"] == pytest.approx(1.9)
     assert row["paper_test_error_percent"] == pytest.approx(1.73)
+
+
+def _table3_run(root: Path, name: str, rank: int, prior: float, lr: float, val_error: float, error: float) -> None:
+    _fake_run(
+        root,
+        name,
+        {
+            "data": {"name": "vision/mnist"},
+            "method": {"name": "slang", "rank": rank, "lr": lr},
+            "prior_precision": prior,
+            "paper_table": "slang_table3",
+        },
+        {"error": error, "val_error": val_error},
+    )
+
+
+def test_table3_keeps_the_setting_chosen_on_validation_not_on_test(tmp_path: Path) -> None:
+    # Setting A has the better validation error, setting B the better test error: A must be reported.
+    for seed in (0, 1):
+        _table3_run(tmp_path, f"a{seed}", 8, 1.0, 0.1, val_error=0.018 + seed * 1e-3, error=0.021)
+        _table3_run(tmp_path, f"b{seed}", 8, 7.389, 0.01, val_error=0.025, error=0.015)
+    table = build_table(tmp_path)
+    row = table.frame.set_index("method").loc["slang_L8"]
+    assert row["n_runs"] == 2
+    assert row["test_error_percent"] == pytest.approx(2.1)
+    assert row["paper_test_error_percent"] == pytest.approx(1.92)
+    assert row["chosen_on_validation"].startswith("prior_precision=1, method.lr=0.1 (val_error 0.0185; 2 settings)")
+    assert "chosen on validation" in table.markdown
+
+
+def test_selection_without_the_validation_metric_says_so(tmp_path: Path) -> None:
+    for prior in (1.0, 7.389):
+        _fake_run(
+            tmp_path,
+            f"r{prior}",
+            {
+                "data": {"name": "vision/mnist"},
+                "method": {"name": "bbb"},
+                "prior_precision": prior,
+                "paper_table": "slang_table3",
+            },
+            {"error": 0.02},
+        )
+    with pytest.raises(ValueError, match="val_error"):
+        build_table(tmp_path)
