@@ -134,9 +134,9 @@ def vi_config(spec: str, n_samples: int) -> dict:
     name, _, rank = spec.partition(":")
     common = {"lr": 1e-3, "n_train_mc_samples": n_samples, "init_std": 0.01, "kl_annealing_steps": 0, "snr_window": 0}
     if name == "gmfvi":
-        return {"name": "gmfvi", **common}
+        return {"name": "gmfvi", "conv_estimator": "local", **common}
     if name == "ktied":
-        return {"name": "ktied", "k": int(rank or 2), **common}
+        return {"name": "ktied", "k": int(rank or 2), "tie_conv": False, "conv_estimator": "local", **common}
     if name in ("elrg", "elrg_d"):
         return {"name": "elrg", "rank": int(rank or 1), "learn_diag": name == "elrg_d", **common}
     raise ValueError(f"unknown method {spec!r}; use slang, gmfvi, ktied:<k>, elrg:<K> or elrg_d:<K>")

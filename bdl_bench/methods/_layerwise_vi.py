@@ -1,7 +1,8 @@
 r"""Shared machinery of the layer-wise Gaussian VI methods ``gmfvi``, ``ktied`` and ``elrg``.
 
-The model is an ``nn.Sequential`` of ``nn.Linear`` layers and parameter-free modules (activations).
-The variational posterior factorises over layers, :math:`q(\theta) = \prod_l q_l(W_l, b_l)`, each
+The model's parametrised modules are ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` and ``nn.LSTM`` layers
+(``elrg``: ``nn.Linear`` only); every other module must be parameter-free, and none may hold dropout.
+The variational posterior factorises over layers, :math:`q(\theta) = \prod_l q_l(\theta_l)`, each
 :math:`q_l` Gaussian with the model's current parameters as initial mean :math:`\mu` (one flat vector in
 the order of ``bdl_bench.models.params``). The prior is :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
 with ``problem.prior_precision``. Adam descends, per training example, the annealed negative ELBO
@@ -13,20 +14,45 @@ with ``problem.prior_precision``. Adam descends, per training example, the annea
     \beta_t = \min\bigl(1, t / T_{\text{anneal}}\bigr)
 
 (step t = 1, 2, ...; ``kl_annealing_steps`` :math:`T_{\text{anneal}} = 0` means :math:`\beta_t = 1`:
-linear KL annealing as in Swiatkowski et al. (2020), Sec. 3.1, after Sønderby et al. (2016)).
+linear KL annealing as in Swiatkowski et al. (2020), Sec. 3.1, after Sønderby et al. (2016)). The KL is
+in closed form.
 
-Training samples each linear layer's *pre-activations* with the local reparameterisation trick
-(Kingma, Salimans & Welling 2015; Tomczak et al. 2020, Lemma 1 for the low-rank family): given the
-layer input, the pre-activation is Gaussian and is drawn independently per example, so one step costs
-a few matrix products per layer instead of one weight draw per example. Evaluation (``predict``)
-draws whole weight vectors, so the S output samples are S networks.
+**Training, an ``nn.Sequential`` of ``nn.Linear`` and (zero-padded) ``nn.Conv2d`` layers and parameter-free
+modules** (MLPs, the LeNet-style CNNs): each layer's *output* is sampled with the local reparameterisation
+trick (Kingma, Salimans & Welling 2015; Tomczak et al. 2020, Lemma 1 for the low-rank family): given the
+layer input, every output element of a linear map with independent Gaussian weights is Gaussian, with
+mean and variance from two products with the input (a convolution is the same sum of products:
+:math:`\operatorname{conv}(a, \mu_W) + \mu_b` and :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`),
+and is drawn independently per example (per output element), so one step costs a few layer-sized
+products instead of one weight draw per example. With S > 1 samples, dense networks carry them as a
+leading dimension, networks with convolutions fold them into the batch.
+
+For a dense layer this is exact: for one example, different outputs use disjoint weights, so they are
+independent under a mean-field q. For a convolution it is an approximation: every output element gets
+its exact marginal, but the elements of one feature map share the kernel, so under q they are
+correlated, and sampled independently they are not. Once a later layer mixes positions (pooling, the
+next convolution, a dense layer) the estimated objective is no longer exactly the ELBO of q; the k-tied
+paper notes that the trick "is not valid for convolutional layers" (Swiatkowski et al. 2020, Sec. 4).
+``conv_estimator="reparam"`` instead draws one kernel per MC sample, shared by the minibatch (the
+plain reparameterisation trick, the paper's Eq. 6): unbiased, at a higher gradient variance; the cost
+is the same convolution, grouped over the S samples.
+
+**Training, any other model** (the IMDB LSTM classifier: embedding, LSTM, dense head): the local
+reparameterisation does not apply through a recurrence (the same weights act at every time step, so the
+pre-activations of successive steps are not independent given the inputs), so each MC sample draws one
+whole parameter vector (embedding and dense head included) with the reparameterisation trick,
+:math:`\theta_s = \mu + \sigma \odot \epsilon_s`, shared by the minibatch, and runs the model at it
+(``torch.func.functional_call``). The padding row of an ``nn.Embedding`` (``padding_idx``: the constant
+zero vector of the deterministic model, which gets no gradient) is held at its mean, with no noise.
+
+Evaluation (``predict``) draws whole parameter vectors, so the S output samples are S networks.
 
 Subclasses say how :math:`q_l` is parameterised: the per-step quantities (:meth:`_step_terms`, which
-include the closed-form KL), the sampled pre-activation of one layer (:meth:`_local_preactivation`),
+include the closed-form KL), the sampled output of one layer (:meth:`_local_preactivation`),
 flat parameter samples (:meth:`_sample_params`) and the tensors whose gradient SNR is tracked.
 With ``snr_window`` W > 0 the gradient SNR of those tensors (``bdl_bench.methods._grad_snr``) is
 measured over windows of W steps and added to the per-epoch history as ``train/grad_snr`` (all layers)
-and ``train/grad_snr_l<i>`` (i-th linear layer, from 1).
+and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1).
 """
 
 from __future__ import annotations
@@ -39,33 +65,63 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
-from bdl_bench.models.params import flat_params
+from bdl_bench.methods.bbb import standard_normal
+from bdl_bench.models.params import flat_params, forward_with
 
 _PREDICT_CHUNK = 64  # weight samples per batched forward pass in ``predict``
 
 
-@dataclass(frozen=True)
-class LinearLayer:
-    """Where one ``nn.Linear`` of the ``nn.Sequential`` model sits.
+CONV_ESTIMATORS = ("local", "reparam")
+LOCAL_LAYERS = (nn.Linear, nn.Conv2d)  # the layers whose outputs are sampled locally
+VARIATIONAL_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LSTM)  # what gmfvi and ktied take
+
+
+@dataclass(frozen=True, eq=False)
+class Layer:
+    """One parametrised module of the model.
 
     Attributes:
-        index: 1-based position among the linear layers ("Dense 2" is index 2).
-        name: the child's name in the ``nn.Sequential``.
-        in_features, out_features: the layer's widths (the weight is ``(out, in)``).
-        weight_param: position of the weight in ``model.parameters()``.
-        bias_param: position of the bias, or ``None`` without one.
+        index: 1-based position among the parametrised modules, in ``model.modules()`` order
+            ("Dense 2" of an MLP is index 2).
+        name: the module's qualified name in the model (``"2"``, ``"lstm"``).
+        module: the module itself (``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` or ``nn.LSTM``).
+        params: the module's parameter names (``"weight"``, ``"bias"``, ``"weight_ih_l0"``, ...), each
+            with its position in ``model.parameters()``.
     """
 
     index: int
     name: str
-    in_features: int
-    out_features: int
-    weight_param: int
-    bias_param: int | None
+    module: nn.Module
+    params: dict[str, int]
+
+    @property
+    def weight_param(self) -> int:
+        """Position of ``module.weight`` (not for ``nn.LSTM``, whose weights are ``weight_ih_l0``, ...)."""
+        return self.params["weight"]
+
+    @property
+    def bias_param(self) -> int | None:
+        return self.params.get("bias")
+
+    @property
+    def weight_matrices(self) -> list[tuple[str, int]]:
+        """``(name, position)`` of the module's weights: its parameters with two or more dimensions."""
+        return [(n, i) for n, i in self.params.items() if getattr(self.module, n).dim() >= 2]
+
+    @property
+    def in_features(self) -> int:
+        """Columns of the weight as a matrix (``nn.Linear``: in; ``nn.Conv2d``: in/groups·kh·kw)."""
+        return self.module.weight[0].numel()
+
+    @property
+    def out_features(self) -> int:
+        """Rows of the weight as a matrix (outputs, or output channels)."""
+        return self.module.weight.shape[0]
 
     @property
     def n_weights(self) -> int:
@@ -74,44 +130,125 @@ class LinearLayer:
     @property
     def n_params(self) -> int:
         """Parameters of the layer (weight and bias): the dimension of :math:`q_l`."""
-        return self.n_weights + (self.out_features if self.bias_param is not None else 0)
+        return sum(p.numel() for p in self.module.parameters(recurse=False))
 
 
-def linear_layers(model: nn.Module, method: str) -> list[LinearLayer]:
+def _kinds(types: tuple[type[nn.Module], ...]) -> str:
+    return ", ".join(f"nn.{t.__name__}" for t in types)
+
+
+def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module], ...]) -> list[Layer]:
+    """The parametrised modules of ``model`` in ``model.modules()`` order (the flat parameter order).
+
+    Raises:
+        ValueError: naming the module, if a module that holds parameters is not one of ``supported``;
+            if the model holds dropout (its noise would not come from the method's generator); if it
+            has no parametrised module, or no ``forward`` of its own (e.g. an ``nn.ModuleDict``).
+    """
+    if any(
+        isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
+        for m in model.modules()
+    ):
+        raise ValueError(f"{method}: the model contains dropout layers; build it with dropout=0")
+    positions = {id(p): i for i, p in enumerate(model.parameters())}
+    layers = []
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        if not isinstance(module, supported):
+            raise ValueError(
+                f"{method}: handles {_kinds(supported)} and parameter-free modules only; layer"
+                f" {name or '(the model)'} is {type(module).__name__}"
+            )
+        layers.append(Layer(len(layers) + 1, name, module, {n: positions[id(p)] for n, p in own.items()}))
+    if not layers:
+        raise ValueError(f"{method}: the model has no {_kinds(supported)} layer")
+    if type(model).forward is nn.Module.forward:
+        raise ValueError(
+            f"{method}: the model ({type(model).__name__}) has no forward; use an nn.Sequential or a module"
+            " with a forward"
+        )
+    return layers
+
+
+def linear_layers(model: nn.Module, method: str) -> list[Layer]:
     """The linear layers of ``model`` in forward order.
 
     Raises:
         ValueError: unless ``model`` is an ``nn.Sequential`` whose parametrised children are all
-            ``nn.Linear`` (and at least one is), or if it holds dropout (its noise would not come from
-            the method's generator).
+            ``nn.Linear`` (and at least one is), naming the first module that is not; or if it holds
+            dropout (its noise would not come from the method's generator).
     """
     if not isinstance(model, nn.Sequential):
+        model_layers(model, method, (nn.Linear,))  # names an unsupported layer, if there is one
         raise ValueError(f"{method}: needs an nn.Sequential of nn.Linear layers, got {type(model).__name__}")
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-        raise ValueError(f"{method}: the model contains dropout layers; build it with dropout=0")
-    layers, position = [], 0
-    for name, module in model.named_children():
-        if isinstance(module, nn.Linear):
-            has_bias = module.bias is not None
-            layers.append(
-                LinearLayer(
-                    index=len(layers) + 1,
-                    name=name,
-                    in_features=module.in_features,
-                    out_features=module.out_features,
-                    weight_param=position,
-                    bias_param=position + 1 if has_bias else None,
-                )
-            )
-            position += 2 if has_bias else 1
-        elif any(True for _ in module.parameters()):
-            raise ValueError(
-                f"{method}: handles nn.Linear layers and parameter-free modules only; layer {name} is"
-                f" {type(module).__name__}"
-            )
-    if not layers:
-        raise ValueError(f"{method}: the model has no nn.Linear layer")
+    layers = model_layers(model, method, (nn.Linear,))
+    nested = [layer.name for layer in layers if "." in layer.name]
+    if nested:
+        raise ValueError(
+            f"{method}: needs the nn.Linear layers as children of the nn.Sequential; {nested[0]} is nested"
+        )
     return layers
+
+
+def uses_local_reparameterisation(model: nn.Module, layers: list[Layer]) -> bool:
+    """Whether training samples pre-activations locally: ``model`` is an ``nn.Sequential`` whose
+    parametrised modules are all children of type ``nn.Linear`` or zero-padded ``nn.Conv2d``."""
+    return isinstance(model, nn.Sequential) and all(
+        "." not in layer.name
+        and isinstance(layer.module, LOCAL_LAYERS)
+        and getattr(layer.module, "padding_mode", "zeros") == "zeros"
+        for layer in layers
+    )
+
+
+def conv2d(layer: Layer, a: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The convolution of ``layer`` (an ``nn.Conv2d``: its stride, padding, dilation, groups) with the
+    given weight and bias."""
+    m = layer.module
+    return F.conv2d(a, weight, bias, m.stride, m.padding, m.dilation, m.groups)
+
+
+def conv2d_per_sample(layer: Layer, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The convolution ``layer`` of ``S`` stacked minibatches ``h (S·N, C, H, W)``, block s with kernel
+    ``weight[s]`` and bias ``bias[s]`` (``(S, C_out, ...)``, ``(S, C_out)``): one grouped convolution."""
+    n_samples = weight.shape[0]
+    if n_samples == 1:
+        return conv2d(layer, h, weight[0], None if bias is None else bias[0])
+    m = layer.module
+    x = h.unflatten(0, (n_samples, -1)).transpose(0, 1).flatten(1, 2)  # (N, S·C, H, W)
+    b = None if bias is None else bias.flatten()
+    out = F.conv2d(x, weight.flatten(0, 1), b, m.stride, m.padding, m.dilation, m.groups * n_samples)
+    return out.unflatten(1, (n_samples, -1)).transpose(0, 1).flatten(0, 1)
+
+
+def local_reparam_conv2d(
+    layer: Layer,
+    a: Tensor,
+    weight_mean: Tensor,
+    weight_var: Tensor,
+    bias_mean: Tensor | None,
+    bias_var: Tensor | None,
+    generator: torch.Generator,
+) -> Tensor:
+    r"""Sample the output of a convolution with independent Gaussian weights and biases, per output element.
+
+    Each output element is a sum of products of weights and inputs, so given the input it is Gaussian with
+    mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b` and variance
+    :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2` (Kingma et al. 2015's local
+    reparameterisation; elements of one feature map are drawn independently, although they share weights).
+
+    Args:
+        layer: an ``nn.Conv2d`` layer (zero padding).
+        a: its input ``(N, C_in, H, W)``.
+        weight_mean, weight_var: ``(C_out, C_in/groups, kh, kw)``.
+        bias_mean, bias_var: ``(C_out,)``, or ``None`` without a bias.
+        generator: source of the standard normal noise.
+    """
+    mean = conv2d(layer, a, weight_mean, bias_mean)
+    var = conv2d(layer, a * a, weight_var, bias_var)
+    return mean + sqrt_or_tiny(var) * standard_normal(tuple(mean.shape), generator, mean)
 
 
 def kl_annealing_weight(step: int, n_steps: int) -> float:
@@ -157,22 +294,41 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 class LayerwiseVI(Method):
     """Base of the layer-wise Gaussian VI methods (see the module docstring).
 
+    ``supported_layers`` are the parametrised modules a family handles (``setup`` refuses others, naming them).
+
     Args:
         lr: Adam learning rate.
         n_train_mc_samples: MC samples S per training step.
         init_std: initial posterior standard deviation (each family says how it is used).
         kl_annealing_steps: steps over which the KL weight grows linearly from 0 to 1 (0: no annealing).
         snr_window: steps per gradient-SNR window (0: no SNR tracking; the paper uses 10).
+        conv_estimator: how training samples ``nn.Conv2d`` outputs: ``"local"`` (each output element
+            independently, :func:`local_reparam_conv2d`) or ``"reparam"`` (one kernel per MC sample, shared by
+            the minibatch: exact); see the module docstring.
 
     Raises:
         ValueError: on a non-positive ``lr`` or ``init_std``, ``n_train_mc_samples < 1``, a negative
-            ``kl_annealing_steps``, or ``snr_window`` of 1 or below 0.
+            ``kl_annealing_steps``, ``snr_window`` of 1 or below 0, or an unknown ``conv_estimator``.
     """
 
+    supported_layers: tuple[type[nn.Module], ...] = VARIATIONAL_LAYERS
+
     def __init__(
-        self, *, lr: float, n_train_mc_samples: int, init_std: float, kl_annealing_steps: int, snr_window: int
+        self,
+        *,
+        lr: float,
+        n_train_mc_samples: int,
+        init_std: float,
+        kl_annealing_steps: int,
+        snr_window: int,
+        conv_estimator: str = "local",
     ) -> None:
         name = type(self).name
+        if conv_estimator not in CONV_ESTIMATORS:
+            raise ValueError(
+                f"{name}: conv_estimator must be one of {', '.join(CONV_ESTIMATORS)}, got {conv_estimator!r}"
+            )
+        self.conv_estimator = conv_estimator
         if not lr > 0:
             raise ValueError(f"{name}: lr must be positive, got {lr}")
         if not init_std > 0:
@@ -196,16 +352,23 @@ class LayerwiseVI(Method):
 
     @abstractmethod
     def _local_preactivation(
-        self, terms: Any, layer: LinearLayer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
+        self, terms: Any, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
-        """A locally reparameterised sample of layer ``layer``'s pre-activation, ``(..., out)``."""
+        """A locally reparameterised sample of layer ``layer``'s output (``nn.Linear``: ``(..., out)``;
+        ``nn.Conv2d``: ``(N, C_out, H', W')``)."""
 
     @abstractmethod
     def _sample_params(self, terms: Any, n_samples: int) -> Tensor:
-        """``n_samples`` draws of the flat parameter vector from q: ``(n_samples, D)``."""
+        """``n_samples`` draws of the flat parameter vector from q: ``(n_samples, D)``, differentiable in
+        the variational parameters (the reparameterisation trick)."""
+
+    def _param_std(self, terms: Any, position: int) -> Tensor:
+        """The standard deviations of the model parameter at ``position``, in its shape (for
+        ``conv_estimator="reparam"``; families with convolutions implement it)."""
+        raise NotImplementedError(f"{self.name}: no per-parameter standard deviations")
 
     @abstractmethod
-    def _snr_grads(self, layer: LinearLayer) -> list[Tensor]:
+    def _snr_grads(self, layer: Layer) -> list[Tensor]:
         """After ``backward``: the gradients of the tensors that parameterise ``layer``'s weight
         standard deviations (the quantities whose SNR the k-tied paper compares)."""
 
@@ -213,10 +376,15 @@ class LayerwiseVI(Method):
     def setup(self, problem: Problem) -> None:
         """Start from :math:`\\mu` = the model's parameters; the family initialises the rest."""
         super().setup(problem)
-        self.layers = linear_layers(problem.model, self.name)
-        self.mean = flat_params(problem.model).requires_grad_(True)  # (D,)  mu
-        self.param_shapes = [p.shape for p in problem.model.parameters()]
-        self.param_sizes = [p.numel() for p in problem.model.parameters()]
+        model = problem.model
+        self.layers = model_layers(model, self.name, self.supported_layers)
+        self.local = uses_local_reparameterisation(model, self.layers)
+        self.dense = self.local and all(isinstance(layer.module, nn.Linear) for layer in self.layers)
+        self._layer_of = {layer.module: layer for layer in self.layers}
+        self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
+        self.param_shapes = [p.shape for p in model.parameters()]
+        self.param_sizes = [p.numel() for p in model.parameters()]
+        self.noise_free = self._padding_rows()
         self.prior_precision = problem.prior_precision.to(self.mean)  # (D,)  lambda
         self.variational = self._init_variational()
         leaves = [self.mean, *self.variational.values()]
@@ -230,21 +398,62 @@ class LayerwiseVI(Method):
         parts = torch.split(flat, self.param_sizes, dim=-1)
         return [p.reshape(*lead, *shape) for p, shape in zip(parts, self.param_shapes)]
 
-    def _layer_means(self, layer: LinearLayer, parts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    def _padding_rows(self) -> Tensor | None:
+        """``(D,)`` mask of the padding rows of ``nn.Embedding`` layers, or ``None`` without any."""
+        mask = torch.zeros(self.mean.numel(), dtype=torch.bool, device=self.mean.device)
+        for layer in self.layers:
+            if isinstance(layer.module, nn.Embedding) and layer.module.padding_idx is not None:
+                self.split_params(mask)[layer.weight_param][layer.module.padding_idx] = True
+        return mask if bool(mask.any()) else None
+
+    def _layer_means(self, layer: Layer, parts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
         return parts[layer.weight_param], None if layer.bias_param is None else parts[layer.bias_param]
 
     def _outputs_local(self, terms: Any, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs with locally reparameterised pre-activations: ``(S, N, out)``."""
+        """Network outputs with locally reparameterised layer outputs: ``(S, N, out)``.
+
+        Dense networks carry the S samples as a leading dimension; networks with convolutions (whose
+        modules take ``(N, C, H, W)``) fold them into the batch, ``(S·N, ...)``.
+        """
         parts = self.split_params(self.mean)
-        h = x if n_samples == 1 else x.unsqueeze(0).expand(n_samples, *x.shape)
-        layers = iter(self.layers)
+        fold = n_samples > 1 and not self.dense
+        if n_samples == 1:
+            h = x
+        elif fold:
+            h = x.repeat(n_samples, *([1] * (x.dim() - 1)))
+        else:
+            h = x.unsqueeze(0).expand(n_samples, *x.shape)
         for module in self.problem.model.children():
-            if isinstance(module, nn.Linear):
-                layer = next(layers)
-                h = self._local_preactivation(terms, layer, h, *self._layer_means(layer, parts))
-            else:
+            layer = self._layer_of.get(module)
+            if layer is None:
                 h = module(h)
-        return h.unsqueeze(0) if n_samples == 1 else h
+            elif self.conv_estimator == "reparam" and isinstance(module, nn.Conv2d):
+                h = self._sampled_conv(terms, layer, h, *self._layer_means(layer, parts), n_samples)
+            else:
+                h = self._local_preactivation(terms, layer, h, *self._layer_means(layer, parts))
+        if n_samples == 1:
+            return h.unsqueeze(0)
+        return h.unflatten(0, (n_samples, x.shape[0])) if fold else h
+
+    def _sampled_conv(
+        self, terms: Any, layer: Layer, h: Tensor, weight_mean: Tensor, bias_mean: Tensor | None, n_samples: int
+    ) -> Tensor:
+        """The convolution ``layer`` of ``h (S·N, C, H, W)`` with one kernel (and bias) drawn per MC sample."""
+        g = self.problem.generator
+        eps = standard_normal((n_samples, *weight_mean.shape), g, weight_mean)
+        weight = weight_mean + self._param_std(terms, layer.weight_param) * eps
+        bias = None
+        if bias_mean is not None:
+            eps = standard_normal((n_samples, *bias_mean.shape), g, bias_mean)
+            bias = bias_mean + self._param_std(terms, layer.bias_param) * eps
+        return conv2d_per_sample(layer, h, weight, bias)
+
+    def _draw_params(self, terms: Any, n_samples: int) -> Tensor:
+        """:meth:`_sample_params`, with the padding rows of embeddings held at their mean (no noise)."""
+        thetas = self._sample_params(terms, n_samples)
+        if self.noise_free is not None:
+            thetas = torch.where(self.noise_free, self.mean, thetas)
+        return thetas
 
     def kl_weight(self, step: int) -> float:
         """The KL annealing factor :math:`\\beta_t` of step ``step`` (1-based)."""
@@ -256,7 +465,10 @@ class LayerwiseVI(Method):
         beta = self.kl_weight(self.n_steps)
         self.optimizer.zero_grad(set_to_none=True)
         terms = self._step_terms(with_kl=True)
-        f = self._outputs_local(terms, x, self.n_train_mc_samples)
+        if self.local:
+            f = self._outputs_local(terms, x, self.n_train_mc_samples)
+        else:  # one weight draw per MC sample, shared by the minibatch
+            f = self.forward_params(self._draw_params(terms, self.n_train_mc_samples), x)
         nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
         kl = terms.kl / p.n_data
         loss = nll + beta * kl
@@ -302,15 +514,19 @@ class LayerwiseVI(Method):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
         terms = self._step_terms(with_kl=False)
+        chunk = _PREDICT_CHUNK if self.dense else 1  # beyond dense networks, S whole parameter vectors
         chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            thetas = self._sample_params(terms, min(_PREDICT_CHUNK, n_samples - start))
+        for start in range(0, n_samples, chunk):
+            thetas = self._draw_params(terms, min(chunk, n_samples - start))
             chunks.append(self.forward_params(thetas, x))
         return torch.cat(chunks)
 
     def forward_params(self, thetas: Tensor, x: Tensor) -> Tensor:
-        """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x (N, in)``: ``(S, N, out)``."""
-        return forward_flat_params(self.problem.model, thetas, x)
+        """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x``: ``(S, N, out)``
+        (batched matrix products for dense networks, else one ``functional_call`` per network)."""
+        if self.dense:
+            return forward_flat_params(self.problem.model, thetas, x)
+        return torch.stack([forward_with(self.problem.model, theta, x) for theta in thetas])
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:

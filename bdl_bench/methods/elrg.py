@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from bdl_bench.methods._layerwise_vi import LayerwiseVI, LinearLayer, check_positive_int, sqrt_or_tiny
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, check_positive_int, sqrt_or_tiny
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
 
@@ -197,8 +197,11 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
     Raises:
         ValueError: if ``rank`` is not an integer >= 1 (at construction) or exceeds the number of
             parameters :math:`D_l` of some linear layer (at ``setup``), if ``learn_diag`` is not a bool,
-            and on the options ``gmfvi`` refuses.
+            on the options ``gmfvi`` refuses, and (at ``setup``) naming the layer, on a model with a
+            parametrised module other than ``nn.Linear`` (ELRG is implemented for dense layers only).
     """
+
+    supported_layers = (nn.Linear,)
 
     def __init__(
         self,
@@ -257,16 +260,16 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             t.requires_grad_(True)
         return tensors
 
-    def _factor(self, layer: LinearLayer) -> tuple[Tensor, Tensor | None]:
+    def _factor(self, layer: Layer) -> tuple[Tensor, Tensor | None]:
         """The weight and bias parts of the layer's :math:`v_k`: ``(K, out, in)`` and ``(K, out)`` or ``None``."""
         return self.variational[f"v_weight{layer.index}"], self.variational.get(f"v_bias{layer.index}")
 
-    def layer_cov_factor(self, layer: LinearLayer) -> Tensor:
+    def layer_cov_factor(self, layer: Layer) -> Tensor:
         """:math:`V_l^\\top = [v_1 \\dots v_K]^\\top` in the layer's flat order (weight, then bias): ``(K, D_l)``."""
         v_weight, v_bias = self._factor(layer)
         return torch.cat([v_weight.flatten(1)] + ([] if v_bias is None else [v_bias]), dim=1)
 
-    def layer_cov_diag(self, layer: LinearLayer, var: Tensor | None = None) -> Tensor | float:
+    def layer_cov_diag(self, layer: Layer, var: Tensor | None = None) -> Tensor | float:
         """The diagonal variances of layer ``layer``: ``(D_l,)`` when learned, else one number."""
         if not self.learn_diag:
             return self.init_std**2
@@ -293,7 +296,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl)
 
     def _local_preactivation(
-        self, terms: _Terms, layer: LinearLayer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
+        self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
         g, K, out = self.problem.generator, self.rank, layer.out_features
         v_weight, v_bias = self._factor(layer)
@@ -326,7 +329,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         diag_std = sqrt_or_tiny(terms.var) if terms.var is not None else self.init_std
         return self.mean + low_all + diag_std * eps
 
-    def _snr_grads(self, layer: LinearLayer) -> list[Tensor]:
+    def _snr_grads(self, layer: Layer) -> list[Tensor]:
         v_weight = self._factor(layer)[0]
         grads = [v_weight.grad if v_weight.grad is not None else torch.zeros_like(v_weight)]
         if self.learn_diag:

@@ -11,7 +11,11 @@ with input :math:`a` the pre-activation is drawn as (Kingma et al. 2015, Sec. 2.
     a \mu_W^\top + \mu_b + \sqrt{a^2 (\sigma_W^2)^\top + \sigma_b^2} \odot \epsilon,
     \qquad \epsilon \sim \mathcal N(0, I),
 
-two layer-sized matrix products where an SGD step has one. The KL to the prior
+two layer-sized matrix products where an SGD step has one; a convolution likewise draws every output
+element from :math:`\operatorname{conv}(a, \mu_W) + \mu_b` and :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`.
+Embedding and LSTM layers (the IMDB model) are mean-field too, every weight with its own
+:math:`\sigma`; there each MC sample draws one weight vector per minibatch (the local
+reparameterisation does not apply through the recurrence; ``_layerwise_vi``). The KL to the prior
 :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is the closed form of
 :func:`bdl_bench.methods.bbb.kl_diag_to_prior`; :func:`mean_field_variance_and_kl` evaluates it together
 with :math:`\sigma^2` and writes its gradient by hand (:math:`\partial/\partial\mu = \lambda\mu`,
@@ -28,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
-from bdl_bench.methods._layerwise_vi import LayerwiseVI, LinearLayer, sqrt_or_tiny
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, local_reparam_conv2d, sqrt_or_tiny
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import local_reparam_linear, softplus_inverse, standard_normal
 
@@ -138,10 +142,19 @@ class GaussianMeanFieldVI(LayerwiseVI):
         init_std: initial :math:`\\sigma` of every parameter (the mean starts at the model's weights).
         kl_annealing_steps: steps of linear KL annealing (0: none).
         snr_window: steps per gradient-SNR window of the weights' :math:`\\rho` (0: off).
+        conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
+            (``bdl_bench.methods._layerwise_vi``).
     """
 
     def __init__(
-        self, *, lr: float, n_train_mc_samples: int, init_std: float, kl_annealing_steps: int, snr_window: int
+        self,
+        *,
+        lr: float,
+        n_train_mc_samples: int,
+        init_std: float,
+        kl_annealing_steps: int,
+        snr_window: int,
+        conv_estimator: str,
     ) -> None:
         super().__init__(
             lr=lr,
@@ -149,6 +162,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
             init_std=init_std,
             kl_annealing_steps=kl_annealing_steps,
             snr_window=snr_window,
+            conv_estimator=conv_estimator,
         )
 
     def _init_variational(self) -> dict[str, Tensor]:
@@ -170,25 +184,32 @@ class GaussianMeanFieldVI(LayerwiseVI):
         return _Terms(var=var, var_parts=self.split_params(var), kl=kl)
 
     def _local_preactivation(
-        self, terms: _Terms, layer: LinearLayer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
+        self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
         bias_var = None if layer.bias_param is None else terms.var_parts[layer.bias_param]
-        return local_reparam_linear(
-            a, weight_mean, terms.var_parts[layer.weight_param], bias_mean, bias_var, self.problem.generator
-        )
+        weight_var, g = terms.var_parts[layer.weight_param], self.problem.generator
+        if isinstance(layer.module, nn.Linear):
+            return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g)
+        return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)
 
     def _sample_params(self, terms: _Terms, n_samples: int) -> Tensor:
         eps = standard_normal((n_samples, self.mean.numel()), self.problem.generator, self.mean)
         return self.mean + sqrt_or_tiny(terms.var) * eps
 
-    def _snr_grads(self, layer: LinearLayer) -> list[Tensor]:
+    def _param_std(self, terms: _Terms, position: int) -> Tensor:
+        return sqrt_or_tiny(terms.var_parts[position])
+
+    def _snr_grads(self, layer: Layer) -> list[Tensor]:
         grad = self.rho.grad if self.rho.grad is not None else torch.zeros_like(self.rho)
-        return [self.split_params(grad)[layer.weight_param]]
+        parts = self.split_params(grad)
+        return [parts[i] for _, i in layer.weight_matrices]
 
     def weight_stds(self) -> list[Tensor]:
-        """Each linear layer's matrix of weight standard deviations, ``(out, in)`` (detached)."""
+        """Every weight's matrix of standard deviations, layer by layer (detached): ``(out, in)`` for
+        ``nn.Linear``, ``(C_out, C_in·kh·kw)`` for ``nn.Conv2d``, ``(4H, in)`` and ``(4H, H)`` for an
+        ``nn.LSTM`` layer, ``(vocabulary, dim)`` for ``nn.Embedding``."""
         parts = self.split_params(self.std())
-        return [parts[layer.weight_param] for layer in self.layers]
+        return [parts[i].flatten(1) for layer in self.layers for _, i in layer.weight_matrices]
 
     @torch.no_grad()
     def posterior(self) -> DiagGaussian:

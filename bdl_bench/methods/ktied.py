@@ -15,6 +15,26 @@ for the weights (Table 1) plus :math:`2n` for the bias; :func:`ktied_param_count
 :math:`k_l = \min(k, m, n)`: a product of rank above :math:`\min(m, n)` is no longer a restriction, so the
 regression head of a UCI network (n = 1) uses rank 1 whatever ``k`` is.
 
+Which weights are tied (Swiatkowski et al. 2020, Sec. 3.1: "all the three layers of the MLP model, the
+two dense layers of the CNN model and the LSTM cell's kernel and recurrent kernel"):
+
+- ``nn.Linear``: the weight, as above.
+- ``nn.LSTM``: the input and the recurrent weight of each layer separately, ``weight_ih`` as a
+  :math:`4H \times m` and ``weight_hh`` as a :math:`4H \times H` matrix (outputs × inputs; the four gates
+  stacked along the outputs, as the paper's Keras kernels :math:`m \times 4H` and :math:`H \times 4H`). Its
+  biases keep one softplus standard deviation each. The dense head of the IMDB model (one output) is
+  tied too, at rank 1: the same family as mean-field there, with one parameter more.
+- ``nn.Conv2d``: mean-field, one softplus :math:`\sigma` per weight, by default: the paper's CNN
+  "use[s] the k-tied Normal posterior only for the two dense layers, while the two convolutional layers
+  are trained using the standard parameterization of the GMFVI" (this reproduces its Table 3
+  parameter counts, 2,262k for the 1-tied LeNet). With ``tie_conv: true`` a kernel
+  ``(C_out, C_in/groups, kh, kw)`` is tied as the :math:`m \times n` matrix with
+  :math:`m = C_\text{in}/\text{groups} \cdot k_h k_w` (inputs of the im2col product) and :math:`n = C_\text{out}`,
+  i.e. PyTorch's ``(C_out, C_in·kh·kw)`` matrix :math:`VU^\top`, reshaped to the kernel: the reshaping under
+  which the paper finds the low-rank structure of ResNet-18's convolutional standard deviations (Fig. 5),
+  though it trains no tied convolution. Parameters: :math:`mn + k(m + n)` for the kernel.
+- ``nn.Embedding``: mean-field (the paper ties no embedding).
+
 Training (``bdl_bench.methods._layerwise_vi``) uses the local reparameterisation trick. Because
 :math:`\sigma^2_{ij} = \sum_{r,s} (u_{ir} u_{is})(v_{jr} v_{js})` has rank at most :math:`k^2`, the variance
 of the pre-activations needs no layer-sized product (a Khatri–Rao factorisation):
@@ -25,7 +45,9 @@ of the pre-activations needs no layer-sized product (a Khatri–Rao factorisatio
     (P_V)_{j,(r,s)} = v_{jr}v_{js},
 
 :math:`O(Nk^2(m + n))` instead of :math:`O(Nmn)`, so a k-tied step costs one layer-sized product forward
-(as SGD) where mean-field GMFVI needs two. The KL is the closed form of the mean-field Gaussian with
+(as SGD) where mean-field GMFVI needs two. A convolution's variance is one more convolution, of
+:math:`a^2` with the materialised :math:`\sigma^2` (tied or not), as in GMFVI; models with an LSTM
+draw one weight vector per minibatch and MC sample (``_layerwise_vi``). The KL is the closed form of the mean-field Gaussian with
 :math:`\sigma = UV^\top` materialised (:math:`O(kmn)`, Table 4's remark). The gradient SNR tracked with
 ``snr_window`` is that of :math:`\tilde U` and :math:`\tilde V` (the paper's u and v "in their log forms";
 softplus behaves as exp for the small values used here).
@@ -44,10 +66,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
-from bdl_bench.methods._layerwise_vi import LayerwiseVI, LinearLayer, check_positive_int, sqrt_or_tiny
+from bdl_bench.methods._layerwise_vi import (
+    Layer,
+    LayerwiseVI,
+    check_positive_int,
+    local_reparam_conv2d,
+    sqrt_or_tiny,
+)
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
 from bdl_bench.methods.gmfvi import diag_kl
@@ -82,9 +110,8 @@ def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class _Terms:
-    in_factors: list[Tensor]  # per layer U^T (k_l, in)
-    out_factors: list[Tensor]  # per layer V^T (k_l, out)
-    bias_std: list[Tensor | None]  # per layer (out,)
+    factors: dict[int, tuple[Tensor, Tensor]]  # tied weight (its position) -> (U^T (k_l, cols), V^T (k_l, rows)) > 0
+    stds: dict[int, Tensor]  # every other parameter (its position) -> its standard deviations, parameter-shaped
     kl: Tensor | None
 
 
@@ -93,127 +120,178 @@ class KTiedNormalVI(LayerwiseVI):
     """GMFVI with k-tied weight standard deviations (see the module docstring).
 
     Args:
-        k: the rank of the tying (``k_l = min(k, in, out)`` per layer).
+        k: the rank of the tying (``k_l = min(k, rows, columns)`` per weight matrix).
+        tie_conv: also tie the kernels of ``nn.Conv2d`` layers (as ``(C_out, C_in·kh·kw)`` matrices); the
+            paper's CNN keeps them mean-field (``false``).
         lr: Adam learning rate.
         n_train_mc_samples: MC samples S per training step.
         init_std: the initial :math:`\\sigma` of every parameter, as in GMFVI.
         kl_annealing_steps: steps of linear KL annealing (0: none).
         snr_window: steps per gradient-SNR window of :math:`\\tilde U, \\tilde V` (0: off).
+        conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
+            (``bdl_bench.methods._layerwise_vi``).
 
     Raises:
-        ValueError: if ``k`` is not an integer >= 1 (at construction) or exceeds ``min(in, out)`` of
-            every linear layer of the model (at ``setup``), and on the options ``gmfvi`` refuses.
+        ValueError: if ``k`` is not an integer >= 1 or ``tie_conv`` not a bool (at construction), if ``k``
+            exceeds ``min(rows, columns)`` of every tied weight matrix of the model (at ``setup``, naming
+            them), and on the options ``gmfvi`` refuses.
     """
 
     def __init__(
         self,
         *,
         k: int,
+        tie_conv: bool,
         lr: float,
         n_train_mc_samples: int,
         init_std: float,
         kl_annealing_steps: int,
         snr_window: int,
+        conv_estimator: str,
     ) -> None:
         self.k = check_positive_int("ktied", "k", k)
+        if not isinstance(tie_conv, bool):
+            raise ValueError(f"ktied: tie_conv must be true or false, got {tie_conv!r}")
+        self.tie_conv = tie_conv
         super().__init__(
             lr=lr,
             n_train_mc_samples=n_train_mc_samples,
             init_std=init_std,
             kl_annealing_steps=kl_annealing_steps,
             snr_window=snr_window,
+            conv_estimator=conv_estimator,
         )
 
-    def layer_rank(self, layer: LinearLayer) -> int:
-        return min(self.k, layer.in_features, layer.out_features)
+    def is_tied(self, layer: Layer) -> bool:
+        """Whether ``layer``'s weight matrices are k-tied: ``nn.Linear`` and ``nn.LSTM`` always, ``nn.Conv2d``
+        with ``tie_conv``, ``nn.Embedding`` never (Swiatkowski et al. 2020, Sec. 3.1)."""
+        return isinstance(layer.module, (nn.Linear, nn.LSTM)) or (self.tie_conv and isinstance(layer.module, nn.Conv2d))
+
+    def matrix_shape(self, position: int) -> tuple[int, int]:
+        """``(rows, columns)`` of the parameter at ``position`` as a matrix (outputs × inputs)."""
+        shape = self.param_shapes[position]
+        return shape[0], math.prod(shape[1:])
+
+    def matrix_rank(self, position: int) -> int:
+        """:math:`k_l = \\min(k, \\text{rows}, \\text{columns})` of a tied weight matrix."""
+        return min(self.k, *self.matrix_shape(position))
+
+    def _check_k(self) -> None:
+        tied = [
+            (f"{layer.name}.{name}", pos)
+            for layer in self.layers
+            if self.is_tied(layer)
+            for name, pos in layer.weight_matrices
+        ]
+        if not tied:
+            return
+        largest = max(min(self.matrix_shape(pos)) for _, pos in tied)
+        if self.k > largest:
+            shapes = ", ".join(
+                f"{label} {self.matrix_shape(pos)[1]}→{self.matrix_shape(pos)[0]}" for label, pos in tied
+            )
+            raise ValueError(
+                f"ktied: k={self.k} exceeds the largest possible rank of a tied weight matrix of this model"
+                f" ({largest}; {shapes}); choose 1 <= k <= {largest}"
+            )
 
     def _init_variational(self) -> dict[str, Tensor]:
-        largest = max(min(layer.in_features, layer.out_features) for layer in self.layers)
-        if self.k > largest:
-            shapes = ", ".join(f"{layer.in_features}→{layer.out_features}" for layer in self.layers)
-            raise ValueError(
-                f"ktied: k={self.k} exceeds the largest possible rank of a weight matrix of this model"
-                f" ({largest}; layers {shapes}); choose 1 <= k <= {largest}"
-            )
+        self._check_k()
         g = self.problem.generator
         lam_parts = self.split_params(self.prior_precision)
         self.prior_parts = lam_parts
         self.log_prior_parts = [float(torch.log(p).sum()) for p in lam_parts]
+        self.factor_keys: dict[int, tuple[str, str]] = {}  # tied weight position -> (U key, V key)
+        self.rho_keys: dict[int, str] = {}  # every other parameter's position -> its rho key
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
-            rank = self.layer_rank(layer)
-            # stored transposed, (k, in) and (k, out): the products below then run in the fast layouts
-            u = torch.exp(_INIT_JITTER * standard_normal((rank, layer.in_features), g, self.mean))
-            v = torch.exp(_INIT_JITTER * standard_normal((rank, layer.out_features), g, self.mean))
-            scale = math.sqrt(self.init_std / float((v.T @ u).mean()))  # mean of V U^T = init_std exactly
-            tensors[f"u{layer.index}"] = softplus_inverse(scale * u)
-            tensors[f"v{layer.index}"] = softplus_inverse(scale * v)
-            if layer.bias_param is not None:
-                init = torch.full((layer.out_features,), self.init_std, dtype=self.mean.dtype, device=self.mean.device)
-                tensors[f"bias_rho{layer.index}"] = softplus_inverse(init)
+            tied = dict(layer.weight_matrices) if self.is_tied(layer) else {}
+            for name, pos in layer.params.items():
+                # dense layers keep the names u<i>, v<i>, bias_rho<i>; others add the parameter's name
+                # (u2_weight_ih_l0, rho1_weight for an untied convolution or embedding)
+                if name in tied:
+                    suffix = "" if name == "weight" else f"_{name}"
+                    rank, (rows, cols) = self.matrix_rank(pos), self.matrix_shape(pos)
+                    # stored transposed, (k, cols) and (k, rows): the products below then run in the fast layouts
+                    u = torch.exp(_INIT_JITTER * standard_normal((rank, cols), g, self.mean))
+                    v = torch.exp(_INIT_JITTER * standard_normal((rank, rows), g, self.mean))
+                    scale = math.sqrt(self.init_std / float((v.T @ u).mean()))  # mean of V U^T = init_std exactly
+                    keys = (f"u{layer.index}{suffix}", f"v{layer.index}{suffix}")
+                    tensors[keys[0]], tensors[keys[1]] = softplus_inverse(scale * u), softplus_inverse(scale * v)
+                    self.factor_keys[pos] = keys
+                else:
+                    key = f"bias_rho{layer.index}" if name == "bias" else f"rho{layer.index}_{name}"
+                    init = torch.full(
+                        self.param_shapes[pos], self.init_std, dtype=self.mean.dtype, device=self.mean.device
+                    )
+                    tensors[key] = softplus_inverse(init)
+                    self.rho_keys[pos] = key
         for t in tensors.values():
             t.requires_grad_(True)
         return tensors
 
     def _step_terms(self, with_kl: bool) -> _Terms:
-        ins, outs, bias_std = [], [], []
-        for layer in self.layers:
-            ins.append(F.softplus(self.variational[f"u{layer.index}"]))
-            outs.append(F.softplus(self.variational[f"v{layer.index}"]))
-            rho = self.variational.get(f"bias_rho{layer.index}")
-            bias_std.append(None if rho is None else F.softplus(rho))
-        kl = None
-        if with_kl:
-            means = self.split_params(self.mean)
-            terms = []
-            for layer, u, v, b_std in zip(self.layers, ins, outs, bias_std):
-                w = layer.weight_param
-                terms.append(diag_kl(means[w], v.T @ u, self.prior_parts[w], self.log_prior_parts[w]))
-                if b_std is not None:
-                    b = layer.bias_param
-                    terms.append(diag_kl(means[b], b_std, self.prior_parts[b], self.log_prior_parts[b]))
-            kl = torch.stack(terms).sum()
-        return _Terms(
-            in_factors=ins,
-            out_factors=outs,
-            bias_std=bias_std,
-            kl=kl,
-        )
+        var = self.variational
+        factors = {pos: (F.softplus(var[u]), F.softplus(var[v])) for pos, (u, v) in self.factor_keys.items()}
+        stds = {pos: F.softplus(var[key]) for pos, key in self.rho_keys.items()}
+        terms = _Terms(factors=factors, stds=stds, kl=None)
+        if not with_kl:
+            return terms
+        means = self.split_params(self.mean)
+        kl = torch.stack(
+            [
+                diag_kl(mean, self._param_std(terms, pos), self.prior_parts[pos], self.log_prior_parts[pos])
+                for pos, mean in enumerate(means)
+            ]
+        ).sum()
+        return _Terms(factors=factors, stds=stds, kl=kl)
+
+    def _param_std(self, terms: _Terms, position: int) -> Tensor:
+        """The standard deviations of the parameter at ``position``, in its shape (:math:`VU^\\top` if tied)."""
+        if position in terms.factors:
+            u, v = terms.factors[position]
+            return (v.T @ u).view(self.param_shapes[position])
+        return terms.stds[position]
 
     def _local_preactivation(
-        self, terms: _Terms, layer: LinearLayer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
+        self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
-        i = layer.index - 1
-        mean = F.linear(a, weight_mean, bias_mean)
-        var = ktied_variance(a, terms.in_factors[i], terms.out_factors[i])
-        if terms.bias_std[i] is not None:
-            var = var + terms.bias_std[i] ** 2
-        eps = standard_normal(tuple(mean.shape), self.problem.generator, mean)
-        return mean + sqrt_or_tiny(var) * eps
+        g, pos = self.problem.generator, layer.weight_param
+        bias_var = None if layer.bias_param is None else terms.stds[layer.bias_param] ** 2
+        if isinstance(layer.module, nn.Linear):
+            mean = F.linear(a, weight_mean, bias_mean)
+            var = ktied_variance(a, *terms.factors[pos])
+            if bias_var is not None:
+                var = var + bias_var
+            eps = standard_normal(tuple(mean.shape), g, mean)
+            return mean + sqrt_or_tiny(var) * eps
+        # nn.Conv2d: one more convolution, with the materialised variances (tied or not)
+        weight_var = self._param_std(terms, pos).square()
+        return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)
 
     def flat_std(self, terms: _Terms | None = None) -> Tensor:
         """Every parameter's standard deviation in flat order, ``(D,)``."""
         terms = terms if terms is not None else self._step_terms(with_kl=False)
-        parts: list[Tensor] = [torch.empty(0)] * len(self.param_sizes)
-        for layer, u, v, b_std in zip(self.layers, terms.in_factors, terms.out_factors, terms.bias_std):
-            parts[layer.weight_param] = (v.T @ u).flatten()
-            if b_std is not None:
-                parts[layer.bias_param] = b_std
-        return torch.cat(parts)
+        return torch.cat([self._param_std(terms, pos).flatten() for pos in range(len(self.param_sizes))])
 
     def _sample_params(self, terms: _Terms, n_samples: int) -> Tensor:
         eps = standard_normal((n_samples, self.mean.numel()), self.problem.generator, self.mean)
         return self.mean + self.flat_std(terms) * eps
 
-    def _snr_grads(self, layer: LinearLayer) -> list[Tensor]:
-        tensors = [self.variational[f"u{layer.index}"], self.variational[f"v{layer.index}"]]
+    def _snr_grads(self, layer: Layer) -> list[Tensor]:
+        keys = []
+        for _, pos in layer.weight_matrices:
+            keys += self.factor_keys[pos] if pos in self.factor_keys else [self.rho_keys[pos]]
+        tensors = [self.variational[key] for key in keys]
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
 
     @torch.no_grad()
     def weight_stds(self) -> list[Tensor]:
-        """Each linear layer's matrix of weight standard deviations :math:`VU^\\top`, ``(out, in)``."""
+        """Every weight's matrix of standard deviations (:math:`VU^\\top` where tied), layer by layer:
+        ``(out, in)`` for ``nn.Linear``, ``(C_out, C_in·kh·kw)`` for ``nn.Conv2d``, ``(4H, in)`` and
+        ``(4H, H)`` for an ``nn.LSTM`` layer, ``(vocabulary, dim)`` for ``nn.Embedding``."""
         terms = self._step_terms(with_kl=False)
-        return [v.T @ u for u, v in zip(terms.in_factors, terms.out_factors)]
+        return [self._param_std(terms, pos).flatten(1) for layer in self.layers for _, pos in layer.weight_matrices]
 
     @torch.no_grad()
     def posterior(self) -> DiagGaussian:

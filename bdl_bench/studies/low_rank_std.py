@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from bdl_bench.data.base import Dataset
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.methods._layerwise_vi import LinearLayer, forward_flat_params, linear_layers
+from bdl_bench.methods._layerwise_vi import Layer, forward_flat_params, linear_layers
 from bdl_bench.methods.bbb import kl_diag_to_prior, standard_normal
 from bdl_bench.metrics import brier_score, predictive_metrics
 
@@ -60,7 +60,7 @@ class MeanFieldNetwork:
     """
 
     model: nn.Module
-    layers: list[LinearLayer]
+    layers: list[Layer]
     mean: Tensor  # (D,)
     std: Tensor  # (D,)
     prior_precision: Tensor  # (D,)

@@ -15,8 +15,8 @@ from bdl_bench.models.params import prior_precision_vector
 
 COMMON = {"lr": 0.02, "n_train_mc_samples": 2, "init_std": 0.01, "kl_annealing_steps": 0, "snr_window": 0}
 CONFIGS = {
-    "gmfvi": {"name": "gmfvi", **COMMON},
-    "ktied": {"name": "ktied", "k": 2, **COMMON},
+    "gmfvi": {"name": "gmfvi", "conv_estimator": "local", **COMMON},
+    "ktied": {"name": "ktied", "k": 2, "tie_conv": False, "conv_estimator": "local", **COMMON},
     "elrg": {"name": "elrg", "rank": 2, "learn_diag": False, **COMMON},
     "elrg_d": {"name": "elrg", "rank": 2, "learn_diag": True, **COMMON},
 }

@@ -76,6 +76,6 @@ def test_bad_k_raises_at_construction(k: object, message: str) -> None:
 
 def test_k_above_every_layer_rank_raises_at_setup() -> None:
     problem = make_problem(3, Gaussian(noise_precision=1.0), seed=0)  # largest min(in, out) is 24
-    with pytest.raises(ValueError, match=r"k=25 exceeds .* \(24; layers 3→24, 24→24, 24→1\)"):
+    with pytest.raises(ValueError, match=r"k=25 exceeds .* \(24; 0\.weight 3→24, 2\.weight 24→24, 4\.weight 24→1\)"):
         make_method("ktied", k=25).setup(problem)
     make_method("ktied", k=24).setup(problem)  # the largest that any layer allows is fine
