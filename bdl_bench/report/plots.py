@@ -91,17 +91,22 @@ def plot_covariance(
         raise ValueError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
     n = len(runs)
     fig, axes = plt.subplots(1, n + 1, figsize=(3.2 * (n + 1), 3.4), squeeze=False)
-    for ax, (_, run) in zip(axes[0, :n], runs.iterrows()):
-        gaussian = load_gaussian(Path(run["run_dir"]) / "posterior.pt").to_dense()
+    gaussians = [load_gaussian(Path(d) / "posterior.pt").to_dense() for d in runs["run_dir"]]
+    corrs = []
+    for gaussian in gaussians:
         corr = _correlation(gaussian.covariance.double())[:max_dim, :max_dim].clone()
-        corr.fill_diagonal_(0.0)
-        ax.imshow(corr.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
-        ax.set(title=str(run["label"]), xticks=[], yticks=[])
-        axes[0, n].plot(gaussian.covariance.diagonal().sqrt()[:max_dim].numpy(), label=str(run["label"]))
+        corrs.append(corr.fill_diagonal_(0.0))
+    # one colour scale for every panel, set by the strongest off-diagonal correlation shown
+    limit = max(float(c.abs().max()) for c in corrs) or 1.0
+    image = None
+    for ax, label, gaussian, corr in zip(axes[0, :n], runs["label"], gaussians, corrs):
+        image = ax.imshow(corr.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit)
+        ax.set(title=str(label), xticks=[], yticks=[])
+        axes[0, n].plot(gaussian.covariance.diagonal().sqrt()[:max_dim].numpy(), label=str(label))
+    fig.colorbar(image, ax=list(axes[0, :n]), shrink=0.8, label="correlation")
     axes[0, n].set(title="marginal std", xlabel="parameter")
     axes[0, n].legend(fontsize="x-small")
-    fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal)")
-    fig.tight_layout()
+    fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal, first {max_dim} parameters)")
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

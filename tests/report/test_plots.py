@@ -1,0 +1,46 @@
+"""`bdl-bench plot covariance` (SLANG Fig. 1) draws one panel per method from the runs' posterior.pt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from bdl_bench.gaussians import DiagGaussian, FullGaussian
+from bdl_bench.gaussians.io import save_gaussian
+from bdl_bench.report.plots import plot_covariance
+from bdl_bench.results import write_config, write_metrics
+
+
+def _run(root: Path, name: str, method: dict, gaussian) -> None:
+    run_dir = root / name
+    write_config(run_dir, {"data": {"name": "libsvm/usps_3vs5", "split": 0}, "method": method})
+    write_metrics(run_dir, {"nll": 0.1})
+    save_gaussian(gaussian, run_dir / "posterior.pt")
+
+
+def test_covariance_figure_has_a_panel_per_requested_method(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    factor = torch.randn(6, 6, dtype=torch.float64)
+    precision = factor @ factor.T + 6 * torch.eye(6, dtype=torch.float64)
+    _run(
+        tmp_path,
+        "full",
+        {"name": "exact_vi", "covariance": "full"},
+        FullGaussian(torch.zeros(6, dtype=torch.float64), precision),
+    )
+    _run(
+        tmp_path,
+        "diag",
+        {"name": "exact_vi", "covariance": "diag"},
+        DiagGaussian(torch.zeros(6, dtype=torch.float64), precision.diagonal().clone()),
+    )
+    out = plot_covariance(
+        tmp_path, tmp_path / "fig.png", methods=["exact_vi covariance=full", "exact_vi covariance=diag"]
+    )
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 100 and image.shape[1] > 2.5 * image.shape[0]  # one row of 3 panels (2 maps + std)
+    with pytest.raises(ValueError, match="no runs with posterior.pt"):
+        plot_covariance(tmp_path, tmp_path / "none.png", dataset="australian")
