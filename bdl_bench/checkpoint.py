@@ -7,6 +7,10 @@ so it holds only tensors, numbers, strings and plain containers. It stores the m
 runner seeds it once, for ``nn.init``; anything drawing from it later continues the same stream), the
 epoch reached, the history rows so far and the training time spent, plus the config hash so that a
 checkpoint is never applied to another config.
+
+A finished run removes its checkpoint; what it keeps of the fit is ``params.pt``
+(:func:`save_params`): the final flat parameter vector of methods with a point estimate or a posterior
+mean (MAP, MC dropout, Laplace, the VI methods), which ``method.map_dir`` of ``method=laplace`` reads.
 """
 
 from __future__ import annotations
@@ -35,17 +39,41 @@ class Checkpoint:
     elapsed_s: float
 
 
-def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    """Write ``checkpoint`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
+def _atomic_torch_save(obj: Any, path: Path) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        torch.save(asdict(checkpoint), tmp)
+        torch.save(obj, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
+    """Write ``checkpoint`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
+    _atomic_torch_save(asdict(checkpoint), path)
+
+
+def save_params(path: Path, theta: Tensor, *, method: str, config_hash: str) -> None:
+    """Write a finished run's flat parameters ``theta`` (``(D,)``, ``model.parameters()`` order) atomically,
+    as ``{"theta": (D,) CPU tensor, "method": name, "config_hash": hash}``."""
+    payload = {"theta": theta.detach().cpu().clone(), "method": str(method), "config_hash": str(config_hash)}
+    _atomic_torch_save(payload, path)
+
+
+def load_params(path: Path) -> dict[str, Any]:
+    """Inverse of :func:`save_params` (``weights_only=True``, tensors on the CPU).
+
+    Raises:
+        ValueError: when the file does not hold a ``theta`` vector (naming the file).
+    """
+    payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    theta = payload.get("theta") if isinstance(payload, dict) else None
+    if not isinstance(theta, Tensor) or theta.dim() != 1:
+        raise ValueError(f"{path} is not a bdl-bench params file (no 1-d 'theta' tensor)")
+    return payload
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:

@@ -3,8 +3,10 @@
 A run folder holds ``config.yaml`` (the resolved config), ``history.csv`` (one row per epoch,
 appended as training goes) and ``metrics.json``, written last and atomically: its presence means the
 run finished. Beside them: ``run.json`` (the latest attempt: status, times, code version, config
-hash), ``checkpoint.pt`` while a run is unfinished, and ``failure.json``/``failure.txt`` when the
-latest attempt raised. Loading never needs the run to have happened on this machine.
+hash), ``checkpoint.pt`` while a run is unfinished, ``params.pt`` (the final flat parameters, point
+estimate or posterior mean: :func:`bdl_bench.checkpoint.save_params`) once it has finished, and
+``failure.json``/``failure.txt`` when the latest attempt raised. Loading never needs the run to have
+happened on this machine.
 
 The *config hash* identifies what a run computes: a SHA-256 of the resolved config without the keys
 that only say where or how verbosely it runs (:data:`HASH_EXCLUDED_KEYS`). A finished run is reused
@@ -34,6 +36,7 @@ CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "history.csv"
 RUN_RECORD_FILE = "run.json"
 CHECKPOINT_FILE = "checkpoint.pt"
+PARAMS_FILE = "params.pt"
 FAILURE_FILE = "failure.json"
 FAILURE_TEXT_FILE = "failure.txt"
 
@@ -216,11 +219,11 @@ def read_failure(run_dir: Path) -> dict[str, Any] | None:
 
 
 def clear_attempt(run_dir: Path, *, finished: bool) -> None:
-    """Remove the failure record of an earlier attempt; with ``finished``, also the metrics and the
-    checkpoint (``force=true`` starts the run afresh)."""
+    """Remove the failure record of an earlier attempt; with ``finished``, also the metrics, the final
+    parameters and the checkpoint (``force=true`` starts the run afresh)."""
     names = [FAILURE_FILE, FAILURE_TEXT_FILE]
     if finished:
-        names += [METRICS_FILE, CHECKPOINT_FILE]
+        names += [METRICS_FILE, PARAMS_FILE, CHECKPOINT_FILE]
     for name in names:
         (Path(run_dir) / name).unlink(missing_ok=True)
 

@@ -8,7 +8,9 @@ here and passed down.
 Every ``trainer.checkpoint_every`` epochs the run saves a checkpoint (``checkpoint.pt``, see
 :mod:`bdl_bench.checkpoint`); a run started in a folder holding one continues from it and ends with the
 same metrics as an unbroken run (bit for bit on the CPU with one thread). The checkpoint is removed
-once ``metrics.json`` is written.
+once ``metrics.json`` is written; a method with a point estimate or a posterior mean
+(``Method.point_estimate``) leaves its final flat parameters in ``params.pt`` (what ``method.map_dir``
+of ``method=laplace`` reads).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_params
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.gaussians.io import save_gaussian
@@ -38,7 +40,14 @@ from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.metrics import ood_metrics, predictive_metrics, uncertainty_arrays
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.results import CHECKPOINT_FILE, HistoryWriter, config_hash, write_config, write_metrics
+from bdl_bench.results import (
+    CHECKPOINT_FILE,
+    PARAMS_FILE,
+    HistoryWriter,
+    config_hash,
+    write_config,
+    write_metrics,
+)
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,24 @@ def elbo_per_example(method: Method, likelihood: Likelihood, dataset: Dataset, n
     return (expected_loglik - float(kl)) / dataset.n_train
 
 
+def elbo_without_bias_logdet(elbo: float, model: torch.nn.Module, prior: torch.Tensor, n_train: int) -> float | None:
+    r"""The SLANG authors' ELBO for logistic regression: ours minus :math:`\tfrac12\log\lambda_{bias}/N`.
+
+    Their reported ELBO (``chol_log_reg.m`` in aaronpmishkin/SLANG, used for every Table 1 column) sums
+    the prior's log-precisions over ``lambda(2:end)`` only: the bias's :math:`\tfrac12\log\lambda_0`
+    term of :math:`-\mathrm{KL}` is left out (their comment: "?why 2:end?"). With the bias prior
+    precision 1e-5 that raises the ELBO by :math:`5.76/N` per example. ``None`` unless the model is one
+    ``nn.Linear`` with a bias (our bias is the last coordinate of the flat parameter vector).
+    """
+    children = list(model.modules())
+    linears = [m for m in children if isinstance(m, torch.nn.Linear)]
+    if len(linears) != 1 or linears[0].bias is None:
+        return None
+    if len(list(model.parameters())) != 2:
+        return None
+    return elbo - 0.5 * math.log(float(prior[-1])) / n_train
+
+
 def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Dataset) -> float | None:
     """Quadrature value of ``Σ_i E_q[log p(y_i | x_i, θ)]`` for Bayesian logistic regression, else ``None``."""
     try:
@@ -134,6 +161,8 @@ def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Data
     model = method.problem.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not isinstance(likelihood, Bernoulli) or posterior is None or len(linears) != 1:
+        return None
+    if len(list(model.parameters())) != len(list(linears[0].parameters())):  # more than the linear layer (IMDB LSTM)
         return None
     x = dataset.x_train
     if linears[0].bias is not None:
@@ -309,6 +338,9 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
             metrics.update(evaluate_ood(method, likelihood, dataset, int(trainer.n_test_mc_samples), run_dir))
     if elbo is not None:
         metrics["elbo"] = elbo
+        authors = elbo_without_bias_logdet(elbo, model, prior, dataset.n_train)
+        if authors is not None:
+            metrics["elbo_no_bias_logdet"] = authors
     metrics["train_time_s"] = train_time
     metrics["n_params"] = int(prior.numel())
     reference_cfg = _cfg_get(cfg, "reference")
@@ -320,6 +352,9 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
         raise FloatingPointError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")
+    point = method.point_estimate()
+    if point is not None:
+        save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=chash)
     write_metrics(run_dir, metrics)
     checkpoint_path.unlink(missing_ok=True)
     return RunResult(run_dir=run_dir, metrics=metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,24 @@ def test_bad_values_give_one_line_errors(tmp_path: Path, compose_cfg, override: 
     with pytest.raises(ValueError, match=message) as info:
         run(cfg, tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_authors_elbo_leaves_out_only_the_bias_log_prior_precision() -> None:
+    import torch
+
+    from bdl_bench.runner import elbo_without_bias_logdet
+
+    logreg = torch.nn.Sequential(torch.nn.Linear(3, 1))
+    prior = torch.tensor([1.0, 1.0, 1.0, 1e-5])  # weights, then the bias (flat parameter order)
+    # their -KL lacks 0.5 * log(1e-5) = -5.756: their ELBO is higher by 5.756 / N per example
+    assert elbo_without_bias_logdet(-0.5, logreg, prior, 100) == pytest.approx(-0.5 + 0.5 * math.log(1e5) / 100)
+    assert elbo_without_bias_logdet(-0.5, logreg, torch.ones(4), 100) == pytest.approx(-0.5)  # log 1 = 0
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    assert elbo_without_bias_logdet(-0.5, mlp, torch.ones(21), 100) is None
+
+
+def test_logistic_regression_run_reports_the_authors_elbo(tmp_path: Path, compose_cfg) -> None:
+    cfg = compose_cfg(["experiment=slang_table1", "data=libsvm/breast_cancer", "variant=slang_table1/mf_exact"])
+    metrics = run(cfg, tmp_path / "run").metrics
+    n_train = 341  # 683 points, 50/50 split
+    assert metrics["elbo_no_bias_logdet"] - metrics["elbo"] == pytest.approx(0.5 * math.log(1e5) / n_train, rel=1e-3)

@@ -4,7 +4,8 @@ A method object holds only hyperparameters (keyword-only constructor arguments, 
 of ``conf/method/<name>.yaml`` apart from ``name``). ``setup`` receives the problem and creates the
 fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iterative methods) or is
 overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of the network output,
-``posterior`` returns the Gaussian over the flat parameter vector where the method has one.
+``posterior`` returns the Gaussian over the flat parameter vector where the method has one, and
+``point_estimate`` the single parameter vector the runner saves (``params.pt``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class Method(ABC):
     def posterior(self) -> Any | None:
         """The Gaussian over the flat parameters (a ``StructuredGaussian``), or ``None``."""
         return None
+
+    def point_estimate(self) -> Tensor | None:
+        """The flat parameters ``(D,)`` a finished run keeps in ``params.pt``: the point estimate
+        (MAP, MC dropout's weights) or the posterior mean, or ``None`` where there is no single one
+        (ensembles, HMC). By default the mean of :meth:`posterior`."""
+        posterior = self.posterior()
+        return None if posterior is None else posterior.mean
 
     def kl_to_prior(self) -> Tensor | None:
         """KL(q ‖ prior) of a variational posterior (a scalar tensor), or ``None``.

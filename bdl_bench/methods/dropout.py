@@ -8,6 +8,14 @@ layer, the first included, so ``conf/method/dropout.yaml`` sets it. Masks come f
 ``problem.generator`` only: the forward pass is written here over the ``nn.Sequential``'s ``nn.Linear``
 layers and activations, and any ``nn.Dropout`` modules in the model are skipped.
 
+Models with other parametrised layers (convolutions: DEF's ``lenet``, whose MC-dropout baseline drops
+the first fully connected layer's output) are run module by module instead, and dropout is applied
+*at the model's own top-level* ``nn.Dropout`` *modules* (``model.dropout=p`` puts them in place; the
+model must have at least one), again with masks from ``problem.generator``, drawn per example, sample
+and unit, in training and in ``predict``. Their rate must equal ``dropout_rate`` (set
+``method.dropout_rate=${model.dropout}``); ``dropout_inputs`` also drops the input pixels. The
+deterministic modules before the first dropout run once per minibatch, not once per mask draw.
+
 Objective per training example, estimated on a minibatch B of size M with S = ``n_train_mc_samples``
 mask draws (S = 1 is standard):
 
@@ -31,16 +39,20 @@ with fresh masks (MC dropout); the noise precision :math:`\tau` enters through `
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, unflatten
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
+_PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
+_PREFIX_ROWS = 1024  # module-wise path: examples per pass through the deterministic modules in ``predict``
 
 
 @register_method("dropout")
@@ -76,21 +88,47 @@ class MCDropout(Method):
         """Start from the model's parameters.
 
         Raises:
-            ValueError: unless the model is an ``nn.Sequential`` whose only parametrised modules are
-                ``nn.Linear``.
+            ValueError: unless the model is an ``nn.Sequential``; when it has parametrised modules
+                other than ``nn.Linear``, unless it has top-level ``nn.Dropout`` modules, all of rate
+                ``dropout_rate``, and no dropout nested inside another module.
         """
         super().setup(problem)
         model = problem.model
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"dropout: needs an nn.Sequential model, got {type(model).__name__}")
-        for name, module in model.named_children():
-            if not isinstance(module, nn.Linear) and any(True for _ in module.parameters()):
-                raise ValueError(
-                    f"dropout: handles nn.Linear layers and parameter-free modules only;"
-                    f" layer {name} is {type(module).__name__}"
-                )
+        others = [
+            (name, module)
+            for name, module in model.named_children()
+            if not isinstance(module, nn.Linear) and any(True for _ in module.parameters())
+        ]
+        self._linear_only = not others
+        if not self._linear_only:
+            self._check_dropout_modules(model, others[0])
         self.theta = flat_params(model).requires_grad_(True)  # (D,)
         self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+
+    def _check_dropout_modules(self, model: nn.Sequential, first_other: tuple[str, nn.Module]) -> None:
+        """The module-wise path's requirements (module docstring)."""
+        name, module = first_other
+        sites = [(n, m) for n, m in model.named_children() if isinstance(m, nn.modules.dropout._DropoutNd)]
+        if not sites:
+            raise ValueError(
+                f"dropout: layer {name} is {type(module).__name__}, not nn.Linear; for such models dropout is applied "
+                "at the model's own nn.Dropout modules, and this model has none (set model.dropout=<rate>)"
+            )
+        for n, m in sites:
+            if type(m) is not nn.Dropout:
+                raise ValueError(f"dropout: layer {n} is {type(m).__name__}; only element-wise nn.Dropout is supported")
+            if not math.isclose(m.p, self.dropout_rate, rel_tol=1e-12, abs_tol=0.0):
+                raise ValueError(
+                    f"dropout: the model's nn.Dropout (layer {n}) has rate {m.p} but method.dropout_rate="
+                    f"{self.dropout_rate}; set them equal (method.dropout_rate=${{model.dropout}})"
+                )
+        for n, child in model.named_children():
+            if not isinstance(child, nn.modules.dropout._DropoutNd) and any(
+                isinstance(sub, nn.modules.dropout._DropoutNd) for sub in child.modules()
+            ):
+                raise ValueError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
 
     def _drop(self, h: Tensor) -> Tensor:
         """``h`` times a fresh inverted-dropout mask from the generator, one entry per element."""
@@ -100,6 +138,9 @@ class MCDropout(Method):
 
     def _outputs(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
         """Network outputs under ``n_samples`` independent mask draws: ``(S, N, out)``."""
+        if not self._linear_only:
+            params = self._module_params(theta)
+            return self._stochastic_part(params, self._deterministic_part(params, x), n_samples)
         model = self.problem.model
         params = unflatten(model, theta)
         h = x.unsqueeze(0).expand(n_samples, *x.shape)  # (S, N, in)
@@ -114,6 +155,57 @@ class MCDropout(Method):
                 h = module(h)
         return h
 
+    # ------------------------------------------------------------------ module-wise path (conv models)
+    def _module_params(self, theta: Tensor) -> list[dict[str, Tensor]]:
+        """``theta`` split per top-level module, keyed by the module's own parameter names."""
+        params = unflatten(self.problem.model, theta)
+        out: list[dict[str, Tensor]] = []
+        for name, _ in self.problem.model.named_children():
+            prefix = f"{name}."
+            out.append({k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)})
+        return out
+
+    def _first_stochastic(self) -> int:
+        """Index of the first top-level module that draws masks (0 with ``dropout_inputs``)."""
+        if self.dropout_inputs:
+            return 0
+        return next(i for i, m in enumerate(self.problem.model.children()) if isinstance(m, nn.Dropout))
+
+    def _apply(self, index: int, module: nn.Module, params: list[dict[str, Tensor]], h: Tensor) -> Tensor:
+        if isinstance(module, nn.Dropout):
+            return self._drop(h)
+        return functional_call(module, params[index], (h,)) if params[index] else module(h)
+
+    def _deterministic_part(self, params: list[dict[str, Tensor]], x: Tensor) -> Tensor:
+        """The modules before the first mask, once for all mask draws: ``(N, ...)``."""
+        h = x
+        for i, module in enumerate(list(self.problem.model.children())[: self._first_stochastic()]):
+            h = self._apply(i, module, params, h)
+        return h
+
+    def _stochastic_part(self, params: list[dict[str, Tensor]], h: Tensor, n_samples: int) -> Tensor:
+        """The remaining modules under ``n_samples`` mask draws of ``h`` ``(N, ...)``: ``(S, N, out)``."""
+        n = h.shape[0]
+        h = h.unsqueeze(0).expand(n_samples, *h.shape).reshape(n_samples * n, *h.shape[1:])
+        start = self._first_stochastic()
+        if self.dropout_inputs:
+            h = self._drop(h)
+        for i, module in enumerate(list(self.problem.model.children())[start:], start=start):
+            h = self._apply(i, module, params, h)
+        return h.reshape(n_samples, n, *h.shape[1:])
+
+    def _predict_module_wise(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
+        """``predict`` of the module-wise path, in slices that bound the memory of a conv net on a test set."""
+        params = self._module_params(theta)
+        h = torch.cat([self._deterministic_part(params, xs) for xs in x.split(_PREFIX_ROWS)])
+        chunks = []
+        for start in range(0, n_samples, _PREDICT_CHUNK):
+            s = min(_PREDICT_CHUNK, n_samples - start)
+            rows = max(1, _PREDICT_BUDGET // s)
+            chunks.append(torch.cat([self._stochastic_part(params, hs, s) for hs in h.split(rows)], dim=1))
+        return torch.cat(chunks)
+
+    # ------------------------------------------------------------------ fitting and prediction
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
@@ -129,10 +221,16 @@ class MCDropout(Method):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``n_samples`` stochastic forward passes with dropout active: ``(S, N, out)``."""
         theta = self.theta.detach()
+        if not self._linear_only:
+            return self._predict_module_wise(theta, x, n_samples)
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
             chunks.append(self._outputs(theta, x, min(_PREDICT_CHUNK, n_samples - start)))
         return torch.cat(chunks)
+
+    def point_estimate(self) -> Tensor:
+        """The trained weights (what a deterministic network with dropout switched off would use)."""
+        return self.theta.detach()
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}

@@ -58,6 +58,7 @@ import yaml
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
+from bdl_bench.checkpoint import load_params
 from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix
 from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
@@ -72,10 +73,12 @@ from bdl_bench.methods.map import map_step
 from bdl_bench.methods.vogn import parse_choice
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
 
 logger = logging.getLogger(__name__)
 
 _PREDICT_CHUNK = 64  # posterior samples per vectorised forward pass
+_PREDICT_BUDGET = 2**13  # (posterior samples x examples) per vectorised forward pass, when the inputs are sliced
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 
 
@@ -118,15 +121,17 @@ _STRUCTURE_CLASSES: dict[Structure, type[StructuredGaussian]] = {
 def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
     """:math:`\\theta_{MAP}` from a finished run folder, after checking its model matches ``model``.
 
-    The folder must hold the run's ``config.yaml`` and either ``checkpoint.pt`` (a method state dict
-    with ``theta``, as ``MAP.state_dict`` writes it, optionally under a ``"method"`` key) or
-    ``posterior.pt`` (a saved Gaussian; its mean is used: a Laplace run's posterior is centred at the
-    MAP it trained). The folder's ``model`` config is rebuilt with ``model``'s input and output widths
-    and must give the same modules.
+    The folder must hold the run's ``config.yaml`` and, in order of preference, ``params.pt`` (the
+    final flat parameters every finished run of ``map``, ``dropout``, ``laplace`` or a VI method
+    keeps: :func:`bdl_bench.checkpoint.save_params`), ``checkpoint.pt`` (a method state dict with
+    ``theta``, as ``MAP.state_dict`` writes it, optionally under a ``"method"`` key: an unfinished
+    run, or one from before ``params.pt`` existed) or ``posterior.pt`` (a saved Gaussian; its mean is
+    used: a Laplace run's posterior is centred at the MAP it trained). The folder's ``model`` config
+    is rebuilt with ``model``'s input and output widths and must give the same modules.
 
     Raises:
-        ValueError: if the folder holds neither file, or its model config differs from ``model``
-            (both are named).
+        ValueError: if the folder holds none of these files, or its model config differs from
+            ``model`` (both are named).
     """
     folder = Path(map_dir)
     cfg_path = folder / "config.yaml"
@@ -145,8 +150,10 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
             f"(data {saved_cfg.get('data', {}).get('name')!r}), which does not match this run's model "
             f"{_describe(model)}; point method.map_dir at a run with the same model config"
         )
-    checkpoint = folder / "checkpoint.pt"
-    if checkpoint.is_file():
+    checkpoint = folder / CHECKPOINT_FILE
+    if (folder / PARAMS_FILE).is_file():
+        theta = load_params(folder / PARAMS_FILE)["theta"]
+    elif checkpoint.is_file():
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         state = state.get("method", state)
         if "theta" not in state:
@@ -155,7 +162,9 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
     elif (folder / "posterior.pt").is_file():
         theta = load_gaussian(folder / "posterior.pt").mean
     else:
-        raise ValueError(f"laplace: {folder} holds neither checkpoint.pt nor posterior.pt to take the MAP from")
+        raise ValueError(
+            f"laplace: {folder} holds none of {PARAMS_FILE}, {CHECKPOINT_FILE}, posterior.pt to take the MAP from"
+        )
     n_params = sum(p.numel() for p in model.parameters())
     if theta.shape != (n_params,):
         raise ValueError(
@@ -442,16 +451,27 @@ class Laplace(Method):
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
             thetas = self._posterior.rsample(min(_PREDICT_CHUNK, n_samples - start), self.problem.generator)
-            if self.predictive is Predictive.SAMPLE:
-                chunks.append(vmap(lambda th: forward_with(model, th, x))(thetas))
-            else:
-                f0 = forward_with(model, theta, x)
-
-                def linear(delta: Tensor) -> Tensor:
-                    return jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))[1]
-
-                chunks.append(f0 + vmap(linear)(thetas - theta))
+            # Slices of x keep (samples x examples) per pass bounded: a LeNet on a 10k test set would
+            # otherwise hold 64 x 10k conv activations. Small problems run in one pass, as before.
+            rows = x.shape[0] if x.shape[0] * len(thetas) <= _PREDICT_BUDGET else max(1, _PREDICT_BUDGET // len(thetas))
+            chunks.append(torch.cat([self._outputs_at(thetas, xs) for xs in x.split(rows)], dim=1))
         return torch.cat(chunks) if chunks else forward_with(model, theta, x)[None][:0]
+
+    def _outputs_at(self, thetas: Tensor, x: Tensor) -> Tensor:
+        """``(S, N, out)`` outputs at the parameter samples ``thetas`` ``(S, D)`` (per ``predictive``)."""
+        model, theta = self.problem.model, self.theta.detach()
+        if self.predictive is Predictive.SAMPLE:
+            return vmap(lambda th: forward_with(model, th, x))(thetas)
+        f0 = forward_with(model, theta, x)
+
+        def linear(delta: Tensor) -> Tensor:
+            return jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))[1]
+
+        return f0 + vmap(linear)(thetas - theta)
+
+    def point_estimate(self) -> Tensor:
+        """:math:`\\theta_{MAP}` (the posterior's mean once it is fitted)."""
+        return self.theta.detach()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class MAP(Method):
         f = forward_with(self.problem.model, self.theta.detach(), x)
         return f.unsqueeze(0).expand(n_samples, *f.shape)
 
+    def point_estimate(self) -> Tensor:
+        return self.theta.detach()
+
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models import build_model
@@ -177,3 +178,113 @@ def test_state_dict_round_trip_gives_identical_next_step() -> None:
         method.train_step(x[:25], y[:25])
     assert_close(b.state_dict()["theta"], a.state_dict()["theta"], rtol=0, atol=0)
     assert_close(c.state_dict()["theta"], a.state_dict()["theta"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- models with convolutions (DEF's LeNet)
+TINY_LENET = {"name": "lenet", "image_size": 8, "channels": [2, 3], "hidden": 8}
+
+
+def lenet_problem(rate: float, seed: int = 0, prior: float = 1e-3) -> tuple[Problem, Tensor, Tensor]:
+    """A tiny LeNet (8x8 images, 2 and 3 filters, 8 hidden units, 3 classes) with nn.Dropout(rate) before
+    its last layer, and 12 random images of 3 classes (to memorise: a weak prior)."""
+    torch.manual_seed(seed)  # nn.init of the conv layers
+    model = build_model({**TINY_LENET, "dropout": rate}, in_features=1, out_features=3)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(12, 1, 8, 8, generator=g)
+    y = torch.arange(12) % 3
+    precision = prior_precision_vector(model, prior, None)
+    return Problem(model, Categorical(), 12, precision, torch.Generator().manual_seed(seed + 1)), x, y
+
+
+def test_lenet_outputs_vary_with_the_variance_of_dropout_before_the_last_layer() -> None:
+    """Dropout at the model's nn.Dropout (before the linear last layer): the MC mean of the logits is the
+    network without dropout, and their variance is Σ_j W_kj² h_j² p / (1 − p) (h: the dropped units)."""
+    rate = 0.5
+    problem, x, _ = lenet_problem(rate)
+    method = make_dropout(dropout_rate=rate, dropout_inputs=False)
+    method.setup(problem)
+    f = method.predict(x, 4000)
+    assert f.shape == (4000, 12, 3)
+    assert not torch.allclose(f[0], f[1])
+    model = problem.model.eval()  # nn.Dropout off: the deterministic network
+    with torch.no_grad():
+        hidden = model[:-2](x)  # the units the dropout module multiplies (after the hidden ReLU)
+        expected_mean = model(x)
+    weight = model[-1].weight
+    expected_var = (hidden**2) @ (weight**2).T * rate / (1 - rate)
+    assert expected_var.min() > 1e-4
+    assert_close(f.mean(0), expected_mean, rtol=0, atol=4 * (expected_var.max() / 4000).sqrt().item())
+    assert_close(f.var(0), expected_var, rtol=0.15, atol=1e-5)
+
+
+def test_lenet_masks_follow_the_generator_only() -> None:
+    problem, x, _ = lenet_problem(0.5)
+    method = make_dropout(dropout_rate=0.5, dropout_inputs=False)
+    method.setup(problem)
+    global_state = torch.get_rng_state()
+    problem.generator.manual_seed(3)
+    first = method.predict(x, 5)
+    problem.generator.manual_seed(3)
+    assert_close(method.predict(x, 5), first, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), global_state)
+
+
+def test_lenet_predict_in_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slicing the test set (memory bound for a full LeNet) changes nothing but the order of mask draws."""
+    import bdl_bench.methods.dropout as dropout_module
+
+    problem, x, _ = lenet_problem(0.5)
+    method = make_dropout(dropout_rate=0.5, dropout_inputs=True)
+    method.setup(problem)
+    problem.generator.manual_seed(0)
+    whole = method.predict(x, 3)
+    monkeypatch.setattr(dropout_module, "_PREDICT_BUDGET", 9)  # 3 samples x 3 rows per pass
+    monkeypatch.setattr(dropout_module, "_PREFIX_ROWS", 5)
+    problem.generator.manual_seed(0)
+    sliced = method.predict(x, 3)
+    assert sliced.shape == whole.shape and torch.isfinite(sliced).all()
+    assert not torch.allclose(sliced, whole)  # other masks, same distribution
+    params = method._module_params(method.theta.detach())
+    problem.generator.manual_seed(0)
+    assert_close(method._stochastic_part(params, x[:3], 3), sliced[:, :3], rtol=0, atol=0)
+
+
+def test_lenet_train_steps_decrease_the_loss() -> None:
+    problem, x, y = lenet_problem(0.2)
+    method = make_dropout(lr=0.02, dropout_rate=0.2, dropout_inputs=False, n_train_mc_samples=4)
+    method.setup(problem)
+
+    def predictive_nll() -> float:
+        problem.generator.manual_seed(9)
+        return float(-Categorical().log_predictive(method.predict(x, 200), y).mean())
+
+    before = predictive_nll()
+    losses = [method.train_step(x, y)["loss"] for _ in range(30)]
+    assert sum(losses[-5:]) / 5 < 0.6 * losses[0]
+    assert predictive_nll() < 0.6 * before
+
+
+def test_conv_model_without_dropout_modules_or_with_another_rate_is_refused() -> None:
+    problem, _, _ = lenet_problem(0.0)
+    with pytest.raises(ValueError, match=r"layer 0 is Conv2d.*has none \(set model.dropout=<rate>\)"):
+        make_dropout(dropout_rate=0.5).setup(problem)
+    problem, _, _ = lenet_problem(0.6)
+    with pytest.raises(ValueError, match=r"rate 0.6 but method.dropout_rate=0.5.*\$\{model.dropout\}"):
+        make_dropout(dropout_rate=0.5).setup(problem)
+
+
+def test_def_table1_mc_dropout_variant_builds_a_lenet_with_matching_rates() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=def_table1", "variant=def_table1/mc_dropout"])
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert container["model"]["dropout"] == container["method"]["dropout_rate"] == 0.6
+    assert container["method"]["dropout_inputs"] is False
+    small = {**container["model"], "image_size": 8, "channels": [2, 3], "hidden": 8}
+    model = build_model(small, in_features=1, out_features=10)
+    method = build_method(container["method"])
+    method.setup(Problem(model, Categorical(), 10, prior_precision_vector(model, 1.0, None), torch.Generator()))
+    assert method.predict(torch.rand(2, 1, 8, 8), 3).shape == (3, 2, 10)

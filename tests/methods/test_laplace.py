@@ -14,12 +14,13 @@ from torch import Tensor
 from torch.func import hessian
 from torch.testing import assert_close
 
+from bdl_bench.checkpoint import load_params, save_params
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Bernoulli, Gaussian
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
-from bdl_bench.methods.laplace import Laplace
+from bdl_bench.methods.laplace import Laplace, load_map_parameters
 from bdl_bench.models import build_model
 from bdl_bench.models.params import forward_with, prior_precision_vector
 from bdl_bench.runner import run
@@ -237,6 +238,46 @@ def test_map_dir_with_another_model_is_refused_naming_both(tmp_path: Path) -> No
         make_laplace(map_dir=str(tmp_path / "nowhere")).setup(problem)
 
 
+def test_map_dir_takes_theta_from_a_finished_map_run(tmp_path: Path, compose_cfg) -> None:
+    """A finished ``method=map`` run keeps no checkpoint and no posterior, only ``params.pt``: Laplace
+    with ``map_dir`` pointing at it is centred at exactly that MAP, trains nothing, and (same seed, lr and
+    epochs) gives what Laplace training its own MAP gives: def_table1's two-step CPU protocol."""
+    common = ["data=toy/cubic", "trainer.n_epochs=3", "method.lr=0.01"]
+    laplace = ["method=laplace", "method.structure=kfac", "method.curvature=fisher", *common]
+    map_dir, reuse_dir, inplace_dir = tmp_path / "map", tmp_path / "reuse", tmp_path / "inplace"
+    run(compose_cfg(["method=map", *common]), map_dir)
+    assert not (map_dir / "checkpoint.pt").exists() and not (map_dir / "posterior.pt").exists()
+    saved = load_params(map_dir / "params.pt")
+    assert saved["method"] == "map" and saved["theta"].dim() == 1
+    reused = run(compose_cfg([*laplace, f"method.map_dir={map_dir}"]), reuse_dir).metrics
+    posterior = torch.load(reuse_dir / "posterior.pt", weights_only=True)["tensors"]
+    assert_close(posterior["mean"], saved["theta"], rtol=0, atol=0)
+    assert_close(load_params(reuse_dir / "params.pt")["theta"], saved["theta"], rtol=0, atol=0)
+    assert len((reuse_dir / "history.csv").read_text().splitlines()) == 2  # header + one row: no MAP epochs
+    in_place = run(compose_cfg(laplace), inplace_dir).metrics
+    for key, tensor in torch.load(inplace_dir / "posterior.pt", weights_only=True)["tensors"].items():
+        assert_close(posterior[key], tensor, rtol=0, atol=0)
+    assert {k: v for k, v in reused.items() if k != "train_time_s"} == {
+        k: v for k, v in in_place.items() if k != "train_time_s"
+    }
+
+
+def test_map_dir_prefers_params_over_posterior(tmp_path: Path) -> None:
+    model = build_model({"name": "mlp", "hidden": [4], "activation": "relu"}, in_features=1, out_features=1)
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"name": "mlp", "hidden": [4], "activation": "relu"}, "data": {"name": "toy/cubic"}})
+    )
+    n = sum(p.numel() for p in model.parameters())
+    save_gaussian(DiagGaussian(torch.zeros(n), torch.ones(n)), tmp_path / "posterior.pt")
+    save_params(tmp_path / "params.pt", torch.arange(n, dtype=torch.float32), method="map", config_hash="x")
+    assert_close(load_map_parameters(tmp_path, model), torch.arange(n, dtype=torch.float32))
+    (tmp_path / "params.pt").unlink()
+    assert_close(load_map_parameters(tmp_path, model), torch.zeros(n))
+    (tmp_path / "posterior.pt").unlink()
+    with pytest.raises(ValueError, match="holds none of params.pt, checkpoint.pt, posterior.pt"):
+        load_map_parameters(tmp_path, model)
+
+
 def test_unknown_structure_lists_the_choices() -> None:
     with pytest.raises(ValueError, match="unknown structure 'kron'; choices: diag, kfac, efb, def, block, full"):
         make_laplace(structure="kron")
@@ -309,6 +350,22 @@ def test_lenet_convolutions_are_supported(structure: str) -> None:
     assert f.shape == (4, 30, 3) and torch.isfinite(f).all()
     if structure == "def":
         assert method.fit_info["kept_rank"] >= 4 * 4  # at least K per layer, four weight layers
+
+
+@pytest.mark.parametrize("predictive", ["sample", "linearised"])
+def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch, predictive: str) -> None:
+    """Slicing a large test set (memory bound for a conv net) draws the same posterior samples."""
+    import bdl_bench.methods.laplace as laplace_module
+
+    problem, x, y = _tiny_lenet_problem()
+    method = make_laplace(structure="diag", predictive=predictive)
+    method.setup(problem)
+    method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    problem.generator.manual_seed(5)
+    whole = method.predict(x, 5)
+    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 5 * 7)  # 7 rows per pass: 30 = 4 x 7 + 2
+    problem.generator.manual_seed(5)
+    assert_close(method.predict(x, 5), whole)
 
 
 def test_def_refuses_a_rank_too_large_for_its_core(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,201 @@
+"""Time the KFAC and DEF Laplace fits of DEF's MNIST LeNet against one MAP training epoch (issue 7).
+
+Everything runs in this one process, on the same model and data: DEF's LeNet (conv 5x5x32, conv 5x5x64,
+FC 1024, FC 10; ``--channels``/``--hidden``/``--image-size`` shrink it) and ``--n-data`` random images
+``(1, 28, 28)`` with random labels of 10 classes, float32, ``--threads`` torch threads (1 by default).
+
+- **epoch**: one epoch of ``method=map`` (Adam, lr 0.001, minibatches of ``--batch-size`` = 50, the
+  prior precision 0.001 of ``experiment=def_table1``), through ``Method.fit``, after a two-step warm-up;
+- **fit**: ``Laplace.fit_posterior`` at the trained MAP, with the options of ``variant=def_table1/kfac``
+  and ``def_table1/def`` (Fisher with one sampled label per example, curvature chunks of 64 examples,
+  DEF rank K = ``--rank``): the curvature passes over all the data in float64, the eigendecompositions,
+  and for DEF the EFB eigenvalues, Alg. 1 and the diagonal correction. This is the code ``method=laplace``
+  runs after its MAP epochs.
+
+MNIST's training set has 50,000 images. With a smaller ``--n-data`` both times are scaled up to 50,000,
+and each record says so (``scaling``): the epoch linearly (``epoch_s = measured_epoch_s * 50000 / n``);
+the fit, which also has a part that does not grow with the data (eigendecompositions, Alg. 1), as
+``a + b * 50000`` from a second fit on the first n/2 images (``fit_fixed_s`` = a, ``fit_per_example_ms``
+= 1000 b; when the two fits give a ≤ 0, plain linear scaling). ``ratio_at_n_data`` (both times as
+measured on the same n images) is an upper bound on the ratio at 50,000 when the fixed part is
+non-negative. The issue's target: ``ratio_to_epoch <= 2``. One
+JSON line per structure:
+
+    {"structure": "kfac", "fit_s": ..., "epoch_s": ..., "ratio_to_epoch": ..., "n_data": 5000,
+     "threads": 1, "scaled_to": 50000, "scaling": "...", "measured_fit_s": ..., ...}
+
+    python scripts/bench_laplace_fit.py --n-data 5000            # about a minute per structure on 1 thread
+    python scripts/bench_laplace_fit.py --n-data 100 --channels 2,3 --hidden 8 --image-size 8   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bdl_bench.likelihoods import Categorical
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Problem
+from bdl_bench.methods.laplace import Laplace
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+
+FULL_N = 50_000  # MNIST training images (DEF Table 1)
+PRIOR_PRECISION = 0.001  # experiment=def_table1: TensorFlow's L2 coefficient 1e-8 as lambda = 2cN
+LR = 0.001
+STRUCTURE_OPTIONS = {  # conf/variant/def_table1/{kfac,def}.yaml
+    "kfac": {"structure": "kfac", "curvature": "fisher"},
+    "def": {"structure": "def", "curvature": "fisher"},
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-data", type=int, default=FULL_N, help=f"training images (default {FULL_N})")
+    parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--structures", default="kfac,def", help="comma-separated: kfac, def")
+    parser.add_argument("--rank", type=int, default=200, help="DEF's K (variant=def_table1/def: 200)")
+    parser.add_argument("--curvature-batch-size", type=int, default=64)
+    parser.add_argument("--channels", default="32,64", help="LeNet's two conv widths (default DEF's 32,64)")
+    parser.add_argument("--hidden", type=int, default=1024, help="LeNet's FC width (default DEF's 1024)")
+    parser.add_argument("--image-size", type=int, default=28)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    if ns.n_data < 2 or ns.batch_size < 1:
+        parser.error("--n-data must be >= 2 and --batch-size >= 1")
+    unknown = set(ns.structures.split(",")) - set(STRUCTURE_OPTIONS)
+    if unknown:
+        parser.error(f"unknown structure(s) {sorted(unknown)}; choose from {', '.join(STRUCTURE_OPTIONS)}")
+    return ns
+
+
+def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem:
+    return Problem(
+        model=model,
+        likelihood=Categorical(),
+        n_data=FULL_N,  # only scales the prior term and the posterior precision, not the work
+        prior_precision=prior_precision_vector(model, PRIOR_PRECISION, None),
+        generator=torch.Generator(device=device).manual_seed(seed),
+    )
+
+
+def _time_fit(laplace: Laplace, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    laplace.fit_posterior(x, y)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ns = _parse(argv)
+    torch.set_num_threads(ns.threads)
+    device = torch.device(ns.device)
+    torch.manual_seed(ns.seed)
+    model_cfg = {
+        "name": "lenet",
+        "image_size": ns.image_size,
+        "channels": [int(c) for c in ns.channels.split(",")],
+        "hidden": ns.hidden,
+        "dropout": 0.0,
+    }
+    model = build_model(model_cfg, in_features=1, out_features=10).to(device)
+    g = torch.Generator().manual_seed(ns.seed + 1)
+    x = torch.rand(ns.n_data, 1, ns.image_size, ns.image_size, generator=g).to(device)
+    y = torch.randint(0, 10, (ns.n_data,), generator=g).to(device)
+
+    warm = build_method({"name": "map", "lr": LR})
+    warm.setup(_problem(model, device, ns.seed))
+    for _ in range(2):
+        warm.train_step(x[: ns.batch_size], y[: ns.batch_size])
+    map_method = build_method({"name": "map", "lr": LR})
+    map_method.setup(_problem(model, device, ns.seed))
+    _sync(device)
+    start = time.perf_counter()
+    map_method.fit(x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2))
+    _sync(device)
+    measured_epoch = time.perf_counter() - start
+    theta = map_method.point_estimate()
+
+    scale = FULL_N / ns.n_data
+    records = []
+    for structure in ns.structures.split(","):
+        laplace = build_method(
+            {
+                "name": "laplace",
+                **STRUCTURE_OPTIONS[structure],
+                "n_curvature_samples": 1,
+                "prior_precision": None,
+                "dataset_scale": None,
+                "rank": ns.rank,
+                "predictive": "sample",
+                "lr": LR,
+                "map_dir": None,
+                "curvature_batch_size": ns.curvature_batch_size,
+            }
+        )
+        assert isinstance(laplace, Laplace)
+        laplace.setup(_problem(model, device, ns.seed + 3))
+        with torch.no_grad():
+            laplace.theta.copy_(theta)
+        measured_fit = _time_fit(laplace, x, y, device)
+        info = {k: int(v) for k, v in laplace.fit_info.items()}
+        record: dict[str, Any] = {"structure": structure}
+        if ns.n_data >= FULL_N:
+            fit_s, epoch_s, fixed, per_example, half_fit = measured_fit, measured_epoch, None, None, None
+            scaling = "none: measured on the full-size data"
+        else:
+            half = ns.n_data // 2
+            half_fit = _time_fit(laplace, x[:half], y[:half], device)
+            per_example = max(measured_fit - half_fit, 0.0) / (ns.n_data - half)
+            fixed = measured_fit - per_example * ns.n_data
+            if fixed < 0:  # the half fit took more than half the time (noise): scale the fit linearly
+                fixed, per_example = 0.0, measured_fit / ns.n_data
+            fit_s, epoch_s = fixed + per_example * FULL_N, measured_epoch * scale
+            scaling = (
+                f"extrapolated from n_data={ns.n_data} to {FULL_N} images: epoch_s = measured_epoch_s x {scale:g} "
+                f"(linear); fit_s = fit_fixed_s + {FULL_N} x per-example time, from fits on {ns.n_data} and "
+                f"{half} images"
+            )
+        record.update(
+            {
+                "fit_s": round(fit_s, 3),
+                "epoch_s": round(epoch_s, 3),
+                "ratio_to_epoch": round(fit_s / epoch_s, 3),
+                "n_data": ns.n_data,
+                "threads": ns.threads,
+                "scaled_to": FULL_N,
+                "scaling": scaling,
+                "measured_fit_s": round(measured_fit, 6),
+                "measured_epoch_s": round(measured_epoch, 6),
+                "ratio_at_n_data": round(measured_fit / measured_epoch, 3),
+                "measured_half_fit_s": None if half_fit is None else round(half_fit, 6),
+                "fit_fixed_s": None if fixed is None else round(fixed, 6),
+                "fit_per_example_ms": None if per_example is None else round(1000 * per_example, 4),
+                "fit_info": info if structure == "def" else {},
+                "model": {k: v for k, v in model_cfg.items() if k != "name"},
+                "batch_size": ns.batch_size,
+                "rank": ns.rank if structure == "def" else None,
+                "device": str(device),
+                "torch": torch.__version__,
+            }
+        )
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
