@@ -415,7 +415,9 @@ class LayerwiseVI(Method):
         Dense networks carry the S samples as a leading dimension; networks with convolutions (whose
         modules take ``(N, C, H, W)``) fold them into the batch, ``(S·N, ...)``.
         """
-        parts = self.split_params(self.mean)
+        parts = getattr(terms, "mean_parts", None)  # a family may pass the mean through its fused KL
+        if parts is None:
+            parts = self.split_params(self.mean)
         fold = n_samples > 1 and not self.dense
         if n_samples == 1:
             h = x

@@ -76,10 +76,15 @@ class _Block:
 
 
 class _LowRankCovKL(torch.autograd.Function):
-    """Lemma 2's KL over blocks that share one low-rank term, with a hand-written backward (:func:`elrg_kl`)."""
+    """Lemma 2's KL over blocks that share one low-rank term, with a hand-written backward (:func:`elrg_kl`).
+
+    Returns the KL and every block's factor (a view of it): a caller that runs the network on those
+    views gets the network's gradient of a factor and the KL's summed in one product here
+    (``addmm``), rather than by autograd's accumulation of two factor-sized tensors.
+    """
 
     @staticmethod
-    def forward(ctx: Any, alpha: float, *args: Any) -> Tensor:
+    def forward(ctx: Any, alpha: float, *args: Any) -> tuple[Tensor, ...]:
         blocks = [_Block(*args[i : i + 4]) for i in range(0, len(args), 4)]
         first = blocks[0].factor
         rank = first.shape[0]
@@ -113,13 +118,17 @@ class _LowRankCovKL(torch.autograd.Function):
         # which takes a flat tuple of tensors; the inputs are leaves or views that nothing changes in place
         ctx.alpha, ctx.blocks = alpha, blocks
         ctx.gram_inv = gram_inv
-        return 0.5 * (total - logdet_gram)
+        return (0.5 * (total - logdet_gram), *(b.factor.view_as(b.factor) for b in blocks))
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, g: Tensor | None, *g_factor_outs: Tensor | None) -> tuple[Tensor | None, ...]:
         alpha, gram_inv = ctx.alpha, ctx.gram_inv
         grads: list[Tensor | None] = [None]
-        for i, b in enumerate(ctx.blocks):
+        if g is None:  # only the factors' pass-through is differentiated
+            for i, g_out in enumerate(g_factor_outs):
+                grads += [None, g_out if ctx.needs_input_grad[2 + 4 * i] else None, None, None]
+            return tuple(grads)
+        for i, (b, g_out) in enumerate(zip(ctx.blocks, g_factor_outs)):
             need_mean, need_factor, need_diag = ctx.needs_input_grad[1 + 4 * i : 4 + 4 * i]
             g_mean = g_factor = g_diag = None
             if need_mean:  # lambda mu
@@ -127,11 +136,15 @@ class _LowRankCovKL(torch.autograd.Function):
             if need_factor:  # alpha (lambda V - G^{-1} V C^{-1})
                 if b.scaled is None and b.lam_factor is None:  # one (K, K) x (K, D_b) product
                     eye = torch.eye(gram_inv.shape[0], dtype=gram_inv.dtype, device=gram_inv.device)
-                    g_factor = ((b.lam * eye - gram_inv / b.diag) * (alpha * g)) @ b.factor
+                    coef = (b.lam * eye - gram_inv / b.diag) * (alpha * g)
+                    # + the pass-through's gradient, in the same product
+                    g_factor = coef @ b.factor if g_out is None else torch.addmm(g_out, coef, b.factor)
                 else:
                     ginv_scaled = gram_inv @ (b.scaled if b.scaled is not None else b.factor / b.diag)
                     g_factor = (b.lam_factor if b.lam_factor is not None else b.lam * b.factor) - ginv_scaled
                     g_factor.mul_(alpha * g)
+                    if g_out is not None:
+                        g_factor.add_(g_out)
             if need_diag and b.scaled is not None:  # (lambda - 1/c + alpha diag(C^-1 V G^-1 V^T C^-1)) / 2
                 curvature = (gram_inv @ b.scaled).mul_(b.scaled).sum(0)
                 g_diag = curvature.mul_(alpha).sub_(b.diag.reciprocal()).add_(b.lam).mul_(0.5 * g)
@@ -142,6 +155,13 @@ class _LowRankCovKL(torch.autograd.Function):
 def elrg_kl_blocks(blocks: list[tuple[Tensor, Tensor, Tensor | float, Tensor | float]], alpha: float) -> Tensor:
     """:func:`elrg_kl` of a Gaussian whose coordinates come in blocks ``(mean, factor, diag, prior_precision)``
     (e.g. a layer's weights and its bias), without concatenating them: the Gram matrix is a sum over blocks."""
+    return _LowRankCovKL.apply(float(alpha), *(x for block in blocks for x in block))[0]
+
+
+def _elrg_kl_blocks_with_factors(
+    blocks: list[tuple[Tensor, Tensor, Tensor | float, Tensor | float]], alpha: float
+) -> tuple[Tensor, ...]:
+    """:func:`elrg_kl_blocks` and each block's factor as a view whose gradient joins the KL's in one product."""
     return _LowRankCovKL.apply(float(alpha), *(x for block in blocks for x in block))
 
 
@@ -179,6 +199,7 @@ class _Terms:
     var: Tensor | None  # (D,)  learned sigma^2, or None for the constant diagonal
     var_parts: list[Tensor] | None
     kl: Tensor | None
+    factors: dict[int, tuple[Tensor, Tensor | None]] | None = None  # layer index -> its v_k to run on
 
 
 @register_method("elrg")
@@ -283,6 +304,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             means = self.split_params(self.mean)
             diags = self.split_params(var) if var is not None else None
             terms = []
+            factors = {}
             for layer in self.layers:
                 blocks = []
                 for index, factor in zip((layer.weight_param, layer.bias_param), self._factor(layer)):
@@ -291,15 +313,19 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
                         lam = self.param_prior[index]
                         lam = lam.flatten() if isinstance(lam, Tensor) else lam
                         blocks.append((means[index].flatten(), factor.flatten(1), diag, lam))
-                terms.append(elrg_kl_blocks(blocks, self.alpha))
+                layer_kl, *outs = _elrg_kl_blocks_with_factors(blocks, self.alpha)
+                terms.append(layer_kl)
+                factors[layer.index] = (outs[0], outs[1] if len(outs) > 1 else None)
             kl = torch.stack(terms).sum()
+            return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl, factors=factors)
         return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl)
 
     def _local_preactivation(
         self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
         g, K, out = self.problem.generator, self.rank, layer.out_features
-        v_weight, v_bias = self._factor(layer)
+        # the KL's pass-through views of v_k when there are (their gradient joins the KL's in one product)
+        v_weight, v_bias = terms.factors[layer.index] if terms.factors is not None else self._factor(layer)
         mean = F.linear(a, weight_mean, bias_mean)  # F_mu(x)
         # the K products F_{v_k}(x) as one product with a (K*out, in) weight
         low = F.linear(a, v_weight.view(K * out, -1), None if v_bias is None else v_bias.view(K * out))

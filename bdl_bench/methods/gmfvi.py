@@ -41,39 +41,58 @@ from bdl_bench.methods.bbb import local_reparam_linear, softplus_inverse, standa
 
 
 class _MeanFieldVarianceKL(torch.autograd.Function):
-    """``(softplus(rho)**2, KL(N(mean, softplus(rho)**2) || N(0, 1/lam)))`` with a hand-written backward."""
+    """``(softplus(rho)**2, KL(N(mean, softplus(rho)**2) || N(0, 1/lam)), mean)`` with a hand-written backward.
+
+    The third output is ``mean`` itself (a view): a caller that runs the network on it rather than on
+    ``mean`` gets the network's gradient and the KL's added in one pass here, not by autograd's
+    accumulation. ``work`` is a ``(D,)`` scratch buffer (contents ignored, overwritten), so that
+    the temporaries of a step allocate no fresh memory (fresh pages are what such passes mostly cost).
+    """
 
     @staticmethod
-    def forward(ctx: Any, mean: Tensor, rho: Tensor, lam: Tensor, log_lam_sum: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, mean: Tensor, rho: Tensor, lam: Tensor, log_lam_sum: float, work: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         std = F.softplus(rho)
         var = std * std
-        lam_mean = lam * mean
-        quad = torch.dot(lam, var) + torch.dot(lam_mean, mean)
-        kl = 0.5 * (quad - mean.numel() - log_lam_sum - 2.0 * torch.log(std).sum())
-        ctx.save_for_backward(rho, std, lam_mean, lam)
-        return var, kl
+        quad = torch.dot(lam, var) + torch.dot(lam, torch.mul(mean, mean, out=work))
+        log_std_sum = torch.log(std, out=work).sum()
+        kl = 0.5 * (quad - mean.numel() - log_lam_sum - 2.0 * log_std_sum)
+        ctx.save_for_backward(mean, rho, std, lam)
+        ctx.work = work
+        return var, kl, mean.view_as(mean)
 
     @staticmethod
-    def backward(ctx: Any, g_var: Tensor | None, g_kl: Tensor | None) -> tuple[Tensor | None, ...]:
-        rho, std, lam_mean, lam = ctx.saved_tensors
+    def backward(
+        ctx: Any, g_var: Tensor | None, g_kl: Tensor | None, g_mean_out: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        mean, rho, std, lam = ctx.saved_tensors
+        work = ctx.work
+        gk = 0.0 if g_kl is None else float(g_kl)
         g_mean = g_rho = None
-        if ctx.needs_input_grad[1]:
-            if g_kl is not None:
-                g_rho = torch.mul(lam, std)
-                g_rho.sub_(std.reciprocal()).mul_(g_kl)  # dKL/dsigma
-                if g_var is not None:
-                    g_rho.addcmul_(std, g_var, value=2.0)  # + dvar/dsigma * g_var
-            else:
-                g_rho = torch.mul(std, g_var).mul_(2.0)
-            g_rho.mul_(torch.sigmoid(rho))  # dsigma/drho
-        if ctx.needs_input_grad[0] and g_kl is not None:
-            g_mean = lam_mean * g_kl
-        return g_mean, g_rho, None, None
+        if ctx.needs_input_grad[1] and (g_kl is not None or g_var is not None):
+            g_rho = torch.mul(lam, std).mul_(gk)  # dKL/dsigma = lam sigma - 1/sigma, times g_kl ...
+            g_rho.sub_(torch.reciprocal(std, out=work), alpha=gk)
+            if g_var is not None:
+                g_rho.addcmul_(std, g_var, value=2.0)  # ... + dvar/dsigma * g_var
+            g_rho.mul_(torch.sigmoid(rho, out=work))  # dsigma/drho
+        if ctx.needs_input_grad[0]:
+            if g_mean_out is not None:
+                g_mean = torch.addcmul(g_mean_out, lam, mean, value=gk)  # + lam mu g_kl
+            elif g_kl is not None:
+                g_mean = torch.mul(lam, mean).mul_(gk)
+        return g_mean, g_rho, None, None, None
 
 
 def mean_field_variance_and_kl(
-    mean: Tensor, rho: Tensor, prior_precision: Tensor, log_prior_precision_sum: float | None = None
-) -> tuple[Tensor, Tensor]:
+    mean: Tensor,
+    rho: Tensor,
+    prior_precision: Tensor,
+    log_prior_precision_sum: float | None = None,
+    *,
+    work: Tensor | None = None,
+    with_mean: bool = False,
+) -> tuple[Tensor, ...]:
     r""":math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and the closed-form
     :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\, \mathcal N(0, \operatorname{diag}\lambda^{-1}))`.
 
@@ -83,13 +102,20 @@ def mean_field_variance_and_kl(
     Args:
         mean, rho, prior_precision: flat ``(D,)`` tensors (λ > 0).
         log_prior_precision_sum: :math:`\sum_d \log\lambda_d` if already known.
+        work: a ``(D,)`` scratch buffer to reuse (overwritten by the forward and the backward; it must
+            not be in use elsewhere meanwhile), or ``None`` for a fresh one.
+        with_mean: also return ``mean`` as a third output (a view of it) whose gradient is summed with the
+            KL's in the fused backward: differentiate the rest of the objective through it.
 
     Returns:
-        ``(var (D,), kl ())``, both differentiable in ``mean`` and ``rho``.
+        ``(var (D,), kl ())`` (and ``mean`` with ``with_mean``), differentiable in ``mean`` and ``rho``.
     """
     if log_prior_precision_sum is None:
         log_prior_precision_sum = float(torch.log(prior_precision).sum())
-    return _MeanFieldVarianceKL.apply(mean, rho, prior_precision, log_prior_precision_sum)
+    if work is None:
+        work = torch.empty_like(mean)
+    var, kl, mean_out = _MeanFieldVarianceKL.apply(mean, rho, prior_precision, log_prior_precision_sum, work)
+    return (var, kl, mean_out) if with_mean else (var, kl)
 
 
 class _DiagKL(torch.autograd.Function):
@@ -130,6 +156,7 @@ class _Terms:
     var: Tensor  # (D,)  sigma^2
     var_parts: list[Tensor]  # one per model parameter
     kl: Tensor | None
+    mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (KL's gradient fused)
 
 
 @register_method("gmfvi")
@@ -168,6 +195,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
     def _init_variational(self) -> dict[str, Tensor]:
         self.log_prior_precision_sum = float(torch.log(self.prior_precision).sum())
         self.rho = softplus_inverse(torch.full_like(self.mean, self.init_std)).requires_grad_(True)  # (D,)
+        self._work = torch.empty_like(self.mean)  # scratch of the fused KL (mean_field_variance_and_kl)
         return {"rho": self.rho}
 
     def std(self) -> Tensor:
@@ -176,12 +204,17 @@ class GaussianMeanFieldVI(LayerwiseVI):
 
     def _step_terms(self, with_kl: bool) -> _Terms:
         if with_kl:
-            var, kl = mean_field_variance_and_kl(
-                self.mean, self.rho, self.prior_precision, self.log_prior_precision_sum
+            var, kl, mean = mean_field_variance_and_kl(
+                self.mean,
+                self.rho,
+                self.prior_precision,
+                self.log_prior_precision_sum,
+                work=self._work,
+                with_mean=True,
             )
-        else:
-            var, kl = F.softplus(self.rho).square(), None
-        return _Terms(var=var, var_parts=self.split_params(var), kl=kl)
+            return _Terms(var=var, var_parts=self.split_params(var), kl=kl, mean_parts=self.split_params(mean))
+        var = F.softplus(self.rho).square()
+        return _Terms(var=var, var_parts=self.split_params(var), kl=None)
 
     def _local_preactivation(
         self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
