@@ -140,13 +140,18 @@ def elbo_without_bias_logdet(elbo: float, model: torch.nn.Module, prior: torch.T
     precision 1e-5 that raises the ELBO by :math:`5.76/N` per example. ``None`` unless the model is one
     ``nn.Linear`` with a bias (our bias is the last coordinate of the flat parameter vector).
     """
-    children = list(model.modules())
-    linears = [m for m in children if isinstance(m, torch.nn.Linear)]
-    if len(linears) != 1 or linears[0].bias is None:
-        return None
-    if len(list(model.parameters())) != 2:
+    linear = _only_linear_layer(model)
+    if linear is None or linear.bias is None:
         return None
     return elbo - 0.5 * math.log(float(prior[-1])) / n_train
+
+
+def _only_linear_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's one ``nn.Linear`` if it holds every parameter (logistic regression), else ``None``."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if len(linears) != 1 or len(list(model.parameters())) != len(list(linears[0].parameters())):
+        return None
+    return linears[0]
 
 
 def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Dataset) -> float | None:
@@ -159,13 +164,11 @@ def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Data
 
     posterior = method.posterior()
     model = method.problem.model
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not isinstance(likelihood, Bernoulli) or posterior is None or len(linears) != 1:
-        return None
-    if len(list(model.parameters())) != len(list(linears[0].parameters())):  # more than the linear layer (IMDB LSTM)
+    linear = _only_linear_layer(model)  # not, e.g., the IMDB LSTM with its one linear head
+    if not isinstance(likelihood, Bernoulli) or posterior is None or linear is None:
         return None
     x = dataset.x_train
-    if linears[0].bias is not None:
+    if linear.bias is not None:
         x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
     mean, var = posterior.linear_moments(x.to(posterior.mean.dtype))
     sign = 2.0 * dataset.y_train.to(mean.dtype) - 1.0  # log p(y | f) = log σ(sign · f)

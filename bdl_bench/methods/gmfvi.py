@@ -173,25 +173,6 @@ class GaussianMeanFieldVI(LayerwiseVI):
             (``bdl_bench.methods._layerwise_vi``).
     """
 
-    def __init__(
-        self,
-        *,
-        lr: float,
-        n_train_mc_samples: int,
-        init_std: float,
-        kl_annealing_steps: int,
-        snr_window: int,
-        conv_estimator: str,
-    ) -> None:
-        super().__init__(
-            lr=lr,
-            n_train_mc_samples=n_train_mc_samples,
-            init_std=init_std,
-            kl_annealing_steps=kl_annealing_steps,
-            snr_window=snr_window,
-            conv_estimator=conv_estimator,
-        )
-
     def _init_variational(self) -> dict[str, Tensor]:
         self.log_prior_precision_sum = float(torch.log(self.prior_precision).sum())
         self.rho = softplus_inverse(torch.full_like(self.mean, self.init_std)).requires_grad_(True)  # (D,)

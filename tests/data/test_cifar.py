@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _archives import write_tar_gz
 
 from bdl_bench.data import build_dataset, registry_files
 from bdl_bench.data.cifar import CIFAR10, CIFAR100, parse_cifar_records, read_cifar_archive
@@ -62,30 +61,21 @@ def test_parse_refuses_partial_records() -> None:
         parse_cifar_records(raw, label_bytes=1, label_index=2)
 
 
-def _tarball(path: Path, members: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def _cifar10_tarball(path: Path, n_per_batch: int = 2) -> Path:
+def _cifar10write_tar_gz(path: Path, n_per_batch: int = 2) -> Path:
     members = {}
     for i, member in enumerate((*CIFAR10.train_members, *CIFAR10.test_members)):
         members[member] = _records(n_per_batch, 1, seed=10 + i)[0]
-    return _tarball(path, members)
+    return write_tar_gz(path, members)
 
 
 def test_read_archive_joins_the_training_batches(tmp_path: Path) -> None:
-    train, test = read_cifar_archive(_cifar10_tarball(tmp_path / "c10.tar.gz"), CIFAR10)
+    train, test = read_cifar_archive(_cifar10write_tar_gz(tmp_path / "c10.tar.gz"), CIFAR10)
     assert train.images.shape == (10, 3, 32, 32) and test.images.shape == (2, 3, 32, 32)
     np.testing.assert_array_equal(train.images[:2], _records(2, 1, seed=10)[2])
 
 
 def test_read_archive_reports_missing_members(tmp_path: Path) -> None:
-    archive = _tarball(tmp_path / "c100.tar.gz", {"cifar-100-binary/train.bin": _records(2, 2, 0)[0]})
+    archive = write_tar_gz(tmp_path / "c100.tar.gz", {"cifar-100-binary/train.bin": _records(2, 2, 0)[0]})
     with pytest.raises(ValueError, match="missing member.*cifar-100-binary/test.bin"):
         read_cifar_archive(archive, CIFAR100)
     with pytest.raises(ValueError, match="label must be one of"):
@@ -95,7 +85,7 @@ def test_read_archive_reports_missing_members(tmp_path: Path) -> None:
 def test_cifar10_loader_from_a_mirror_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mirror = tmp_path / "mirror"
     mirror.mkdir()
-    archive = _cifar10_tarball(mirror / "cifar-10-binary.tar.gz", n_per_batch=4)
+    archive = _cifar10write_tar_gz(mirror / "cifar-10-binary.tar.gz", n_per_batch=4)
     sha = hashlib.sha256(archive.read_bytes()).hexdigest()
     monkeypatch.setitem(registry_files.FILES, CIFAR10.key, RemoteFile(CIFAR10.key, urls=(), sha256=sha))
     data = build_dataset(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _archives import write_tar_gz
 
 from bdl_bench.data import build_dataset, registry_files
 from bdl_bench.data.base import Task
@@ -59,13 +58,7 @@ def _acl_tarball(path: Path) -> Path:
         "test/pos/0_10.txt": "great",
         "test/neg/0_3.txt": "bad unknownword",
     }
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in reviews.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"aclImdb/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_tar_gz(path, {f"aclImdb/{name}": text.encode() for name, text in reviews.items()})
 
 
 def test_imdb_loader_on_a_tiny_archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import math
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _archives import write_tar_gz
 from _vi_helpers import make_method
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
@@ -345,15 +344,6 @@ def test_lstm_train_steps_and_predict(variant: str) -> None:
 
 
 # ---------------------------------------------------------------- through the runner, on tiny archives
-def _tarball(path: Path, members: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 def _cifar100_records(n: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 100, size=(n, 2), dtype=np.uint8)  # coarse, fine
@@ -370,7 +360,7 @@ def _register(monkeypatch: pytest.MonkeyPatch, key: str, archive: Path, md5: boo
 def test_runner_ktied_on_the_cifar100_cnn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compose_cfg) -> None:
     mirror = tmp_path / "mirror"
     mirror.mkdir()
-    archive = _tarball(
+    archive = write_tar_gz(
         mirror / "cifar-100-binary.tar.gz",
         {CIFAR100.train_members[0]: _cifar100_records(12, 0), CIFAR100.test_members[0]: _cifar100_records(4, 1)},
     )
@@ -405,7 +395,7 @@ def test_runner_gmfvi_on_the_imdb_lstm(tmp_path: Path, monkeypatch: pytest.Monke
         "test/pos/0_10.txt": "great",
         "test/neg/0_3.txt": "bad unknownword",
     }
-    archive = _tarball(mirror / "aclImdb_v1.tar.gz", {f"aclImdb/{k}": v.encode() for k, v in reviews.items()})
+    archive = write_tar_gz(mirror / "aclImdb_v1.tar.gz", {f"aclImdb/{k}": v.encode() for k, v in reviews.items()})
     _register(monkeypatch, "imdb/aclImdb_v1.tar.gz", archive, md5=True)
     cfg = compose_cfg(
         [
