@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,30 @@ class Categorical(Likelihood):
     def probs(f_samples: Tensor) -> Tensor:
         """Predictive class probabilities ``(N, C)`` averaged over samples ``(S, N, C)``."""
         return torch.softmax(f_samples, dim=-1).mean(0)
+
+
+def stacked_nll(likelihoods: Sequence[Likelihood], f: Tensor, y: Tensor) -> Tensor:
+    """Per-example negative log-likelihoods of R stacked copies, copy r under ``likelihoods[r]``.
+
+    Args:
+        likelihoods: one per copy, all of one class (Gaussians may differ in noise precision: each split
+            has its own target scale).
+        f: outputs ``(R, ..., M, out)``.
+        y: targets ``(R, M)``.
+
+    Returns:
+        ``(R, ..., M)``.
+    """
+    kinds = {type(lik) for lik in likelihoods}
+    if len(kinds) != 1 or len(likelihoods) != f.shape[0]:
+        raise ValueError(f"stacked_nll needs one likelihood of one class per copy, got {kinds} for {f.shape[0]} copies")
+    targets = y.reshape(y.shape[0], *([1] * (f.dim() - 3)), y.shape[1])  # (R, 1.., M)
+    if kinds == {Gaussian}:
+        shape = (len(likelihoods), *([1] * (f.dim() - 2)))
+        tau = torch.tensor([lik.noise_precision for lik in likelihoods], dtype=f.dtype, device=f.device).view(shape)
+        return 0.5 * tau * (f.squeeze(-1) - targets) ** 2 - 0.5 * torch.log(tau / (2 * math.pi))
+    targets = targets.expand(f.shape[:-1])
+    return likelihoods[0].nll(f.reshape(-1, f.shape[-1]), targets.reshape(-1)).view(f.shape[:-1])
 
 
 def build_likelihood(dataset: Dataset, noise_precision: float | None) -> Likelihood:

@@ -8,7 +8,9 @@
    a finished study of the same config is not run again.
 3. The test runs run as Hydra sweeps (one per dataset), with the joblib launcher on ``--jobs`` cores
    unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
-   killed ones resume.
+   killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
+   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`) unless they are tuned (each
+   split then has its own precisions).
 4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
    printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
@@ -66,6 +68,7 @@ class Plan:
     jobs: list[list[str]]  # per job: "key=value" for every swept key
     sweep_dir: Path
     tuning_dir: Path | None  # None: no tuning
+    stack_splits: bool = False  # the experiment sweeps data.split=all: untuned runs of a dataset are stacked
 
     @property
     def dirname_settings(self) -> tuple[list[str], str, str]:
@@ -146,6 +149,12 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
     for combo in itertools.product(*(values[k] for k in keys)):
         job = dict(zip(keys, combo))
         n_splits = _n_splits(job.get("data", str(config.data.name)))
+        if job.get("data.split") == "all":  # every split of the dataset, one job each in the plan
+            if n_splits is None:
+                raise SystemExit(f"bdl-bench reproduce: data.split=all, but {job.get('data')} has no protocol.n_splits")
+            for split in range(min(n_splits, QUICK_SPLITS) if quick else n_splits):
+                jobs.append([f"{k}={split if k == 'data.split' else v}" for k, v in job.items()])
+            continue
         if "data.split" in job and n_splits is not None and int(job["data.split"]) >= n_splits:
             dropped.add(job.get("data", str(config.data.name)))
             continue
@@ -157,7 +166,8 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
     tuning_dir = sweep_dir.with_name(f"{sweep_dir.name}_tuning") if tuned else None
-    return Plan(experiment, config, fixed, launcher, sweeper, keys, jobs, sweep_dir, tuning_dir)
+    stack = values.get("data.split") == ["all"]
+    return Plan(experiment, config, fixed, launcher, sweeper, keys, jobs, sweep_dir, tuning_dir, stack_splits=stack)
 
 
 def _quoted(key: str, path: Path) -> str:
@@ -232,6 +242,8 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
         values = {
             k: list(dict.fromkeys(o.split("=", 1)[1] for o in (j[i] for j in group))) for i, k in enumerate(plan.keys)
         }
+        if plan.stack_splits and plan.tuning_dir is None:  # one stacked job per method (bdl_bench.stacked)
+            values["data.split"] = [f"[{','.join(values['data.split'])}]"]
         sweep = [f"{k}={','.join(v)}" for k, v in values.items()]
         extra = [_quoted("tuned_from", plan.tuning_dir)] if plan.tuning_dir is not None else []
         print(f"[runs] {data or plan.experiment}: {len(group)} runs → {plan.sweep_dir}", flush=True)

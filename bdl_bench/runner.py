@@ -295,18 +295,17 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         )
 
     def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
-        row: dict[str, Any] = {"epoch": epoch, **train_stats, "time_s": time.perf_counter() - start}
-        kl = method.kl_to_prior()
-        if kl is not None and "train/nll" in train_stats:
-            row["train/elbo"] = -train_stats["train/nll"] - float(kl) / dataset.n_train
-        if eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs):
-            with _swap_generator(method, eval_generator):
-                row.update(
-                    {
-                        f"test/{k}": v
-                        for k, v in evaluate(method, likelihood, dataset, int(trainer.n_eval_mc_samples)).items()
-                    }
-                )
+        row = epoch_row(
+            method,
+            likelihood,
+            dataset,
+            epoch,
+            train_stats,
+            elapsed=time.perf_counter() - start,
+            evaluate_now=eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs),
+            n_eval_samples=int(trainer.n_eval_mc_samples),
+            eval_generator=eval_generator,
+        )
         history.append(row)
         if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
             save(epoch)
@@ -327,6 +326,67 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     bar.close()
     train_time = time.perf_counter() - start
 
+    return finish_run(
+        cfg,
+        run_dir,
+        method,
+        likelihood=likelihood,
+        dataset=dataset,
+        prior=prior,
+        config_hash_=chash,
+        train_time=train_time,
+        eval_generator=eval_generator,
+    )
+
+
+def epoch_row(
+    method: Method,
+    likelihood: Likelihood,
+    dataset: Dataset,
+    epoch: int,
+    train_stats: Mapping[str, float],
+    *,
+    elapsed: float,
+    evaluate_now: bool,
+    n_eval_samples: int,
+    eval_generator: torch.Generator,
+) -> dict[str, Any]:
+    """One ``history.csv`` row: the epoch's training statistics, the training ELBO where the method
+    has a KL, and (when ``evaluate_now``) test metrics from ``n_eval_samples`` posterior samples."""
+    row: dict[str, Any] = {"epoch": epoch, **train_stats, "time_s": elapsed}
+    kl = method.kl_to_prior()
+    if kl is not None and "train/nll" in train_stats:
+        row["train/elbo"] = -train_stats["train/nll"] - float(kl) / dataset.n_train
+    if evaluate_now:
+        with _swap_generator(method, eval_generator):
+            row.update({f"test/{k}": v for k, v in evaluate(method, likelihood, dataset, n_eval_samples).items()})
+    return row
+
+
+def finish_run(
+    cfg: DictConfig,
+    run_dir: Path,
+    method: Method,
+    *,
+    likelihood: Likelihood,
+    dataset: Dataset,
+    prior: torch.Tensor,
+    config_hash_: str,
+    train_time: float,
+    eval_generator: torch.Generator,
+    extra_metrics: Mapping[str, float] | None = None,
+) -> RunResult:
+    """A fitted run's final metrics (test, validation, ELBO, OOD, ``sym_kl``), ``posterior.pt``,
+    ``params.pt`` and ``metrics.json`` (written last: its presence marks the run finished); removes
+    the run's checkpoint.
+
+    Raises:
+        FloatingPointError: when a final metric is not finite (no ``metrics.json`` is written).
+    """
+    trainer = cfg.trainer
+    model = method.problem.model
+    seed = int(trainer.seed)
+    chash = config_hash_
     with _swap_generator(method, eval_generator):
         metrics: dict[str, float] = evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples))
         if dataset.x_val.shape[0] > 0:
@@ -345,6 +405,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         if authors is not None:
             metrics["elbo_no_bias_logdet"] = authors
     metrics["train_time_s"] = train_time
+    metrics.update(extra_metrics or {})
     metrics["n_params"] = int(prior.numel())
     reference_cfg = _cfg_get(cfg, "reference")
     if reference_cfg is not None and method.posterior() is not None:
@@ -359,7 +420,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     if point is not None:
         save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=chash)
     write_metrics(run_dir, metrics)
-    checkpoint_path.unlink(missing_ok=True)
+    (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     return RunResult(run_dir=run_dir, metrics=metrics)
 
 

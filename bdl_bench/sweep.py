@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from bdl_bench.results import (
     METRICS_FILE,
     RUN_RECORD_FILE,
+    atomic_write_text,
     clear_attempt,
     code_version,
     config_hash,
@@ -44,6 +46,7 @@ from bdl_bench.results import (
     write_failure,
 )
 from bdl_bench.runner import EpochHook, run
+from bdl_bench.stacked import member_config, run_stack, stacked_splits
 from bdl_bench.tuning import apply_tuned
 
 EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
@@ -85,6 +88,8 @@ def _exit_with_failure_status() -> None:
 def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> JobResult:
     """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it.
 
+    A job whose ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`).
+
     Raises:
         ConfigVersionError: when ``run_dir`` holds a finished run of a different config (without ``force``).
         Exception: whatever the run raised (after writing the failure record).
@@ -92,40 +97,18 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = _task_overrides()
+    if stacked_splits(cfg) is not None:
+        return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
     force = bool(OmegaConf.select(cfg, "force", default=False))
     config: dict[str, Any] = {}
     try:
         cfg = apply_tuned(cfg, overrides)
         config = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         chash = config_hash(config)
-        finished = (run_dir / METRICS_FILE).exists()
-        if finished and not force:
-            stored = stored_config_hash(run_dir)
-            if stored != chash:
-                raise ConfigVersionError(
-                    f"{run_dir} holds a finished run of another config version (config hash {stored}, this job "
-                    f"{chash}): a default or the experiment changed since it ran. Re-run it with force=true, "
-                    "or write this sweep elsewhere (hydra.sweep.dir=… or results_root=…)"
-                )
-            update_run_record(run_dir, status="skipped", last_seen=time.time())
-            clear_attempt(run_dir, finished=False)
+        if _finished(run_dir, chash, force):
             metrics = json.loads((run_dir / METRICS_FILE).read_text())
             return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
-        clear_attempt(run_dir, finished=force)
-        attempts = int(read_run_record(run_dir).get("attempts", 0)) + 1
-        update_run_record(
-            run_dir,
-            status="running",
-            started=time.time(),
-            last_seen=time.time(),
-            ended=None,
-            attempts=attempts,
-            host=os.uname().nodename,
-            pid=os.getpid(),
-            code_version=code_version(),
-            config_hash=chash,
-            overrides=overrides,
-        )
+        _start_attempt(run_dir, chash, overrides, force)
         result = run(cfg, run_dir, epoch_hook=epoch_hook)
     except Exception as error:
         write_failure(run_dir, error, config, overrides)
@@ -135,6 +118,120 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
         raise
     update_run_record(run_dir, status="finished", ended=time.time(), error=None)
     return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
+
+
+def _finished(run_dir: Path, chash: str, force: bool) -> bool:
+    """Whether ``run_dir`` holds a finished run of this config (recorded as skipped); never with ``force``.
+
+    Raises:
+        ConfigVersionError: when it holds a finished run of another config.
+    """
+    if force or not (run_dir / METRICS_FILE).exists():
+        return False
+    stored = stored_config_hash(run_dir)
+    if stored != chash:
+        raise ConfigVersionError(
+            f"{run_dir} holds a finished run of another config version (config hash {stored}, this job "
+            f"{chash}): a default or the experiment changed since it ran. Re-run it with force=true, "
+            "or write this sweep elsewhere (hydra.sweep.dir=… or results_root=…)"
+        )
+    update_run_record(run_dir, status="skipped", last_seen=time.time())
+    clear_attempt(run_dir, finished=False)
+    return True
+
+
+def _start_attempt(run_dir: Path, chash: str, overrides: list[str], force: bool) -> None:
+    """Clear a previous attempt's failure record and mark the run as running in ``run.json``."""
+    clear_attempt(run_dir, finished=force)
+    attempts = int(read_run_record(run_dir).get("attempts", 0)) + 1
+    update_run_record(
+        run_dir,
+        status="running",
+        started=time.time(),
+        last_seen=time.time(),
+        ended=None,
+        attempts=attempts,
+        host=os.uname().nodename,
+        pid=os.getpid(),
+        code_version=code_version(),
+        config_hash=chash,
+        overrides=overrides,
+    )
+
+
+def member_dirs(run_dir: Path, overrides: list[str], splits: list[int]) -> dict[int, Path]:
+    """The run folder of each split of a stacked job: the folder a single run of that split gets (the
+    job's overrides with ``data.split=<k>``, named as Hydra names it), or ``run_dir/split=<k>`` outside
+    a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bdl_bench.cli import run_name
+
+    if not HydraConfig.initialized():
+        return {k: run_dir / f"split={k}" for k in splits}
+    naming = HydraConfig.get().job.config.override_dirname
+    parser = OverridesParser.create()
+    job_name = run_name(HydraConfig.get().job.override_dirname)
+    if not str(run_dir).endswith(job_name):
+        raise ValueError(
+            f"cannot name the split folders of stacked job {run_dir}: its folder is not named by its overrides"
+        )
+    root = str(run_dir)[: len(str(run_dir)) - len(job_name)]
+    dirs = {}
+    for k in splits:
+        kept = sorted(
+            o for o in _with_split(overrides, k) if parser.parse_override(o).key_or_group not in naming.exclude_keys
+        )
+        dirs[k] = Path(root + run_name(naming.item_sep.join(kept).replace("=", naming.kv_sep)))
+    return dirs
+
+
+def _with_split(overrides: list[str], split: int) -> list[str]:
+    """The overrides of the single run of ``split``: the job's, with ``data.split=<split>``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    return [f"data.split={split}" if parser.parse_override(o).key_or_group == "data.split" else o for o in overrides]
+
+
+def run_stacked_job(
+    cfg: DictConfig, run_dir: Path, *, overrides: list[str], epoch_hook: EpochHook | None = None
+) -> JobResult:
+    """:func:`run_job` for a stacked job (``data.split`` a list; :mod:`bdl_bench.stacked`): splits whose
+    folder holds a finished run of the same config are skipped, the others are fitted together; each
+    split's folder gets its own ``run.json`` and, if the stack fails, its failure record.
+
+    Returns:
+        The job's result: ``run_dir`` and the mean of each metric over the stacked splits.
+    """
+    force = bool(OmegaConf.select(cfg, "force", default=False))
+    if OmegaConf.select(cfg, "tuned_from") is not None:
+        raise ValueError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
+    splits = stacked_splits(cfg) or []
+    dirs = member_dirs(run_dir, overrides, splits)
+    hashes = {k: config_hash(OmegaConf.to_container(member_config(cfg, k), resolve=True)) for k in splits}  # type: ignore[arg-type]
+    todo = {k: d for k, d in dirs.items() if not _finished(d, hashes[k], force)}
+    if todo:
+        for k, d in todo.items():
+            _start_attempt(d, hashes[k], _with_split(overrides, k), force)
+            if overrides:  # what a single run's Hydra folder records (reproduce re-composes runs from it)
+                atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
+        try:
+            run_stack(cfg, todo, run_dir, epoch_hook=epoch_hook)
+        except Exception as error:
+            for k, d in todo.items():
+                write_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), overrides)  # type: ignore[arg-type]
+                update_run_record(d, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+            if os.environ.get("SUBMITIT_EXECUTOR"):
+                _exit_with_failure_status()
+            raise
+        for d in todo.values():
+            update_run_record(d, status="finished", ended=time.time(), error=None)
+    per_split = [json.loads((d / METRICS_FILE).read_text()) for d in dirs.values()]
+    keys = set.intersection(*(set(m) for m in per_split))
+    means = {key: sum(float(m[key]) for m in per_split) / len(per_split) for key in keys}
+    return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,20 @@ fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iter
 overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of the network output,
 ``posterior`` returns the Gaussian over the flat parameter vector where the method has one, and
 ``point_estimate`` the single parameter vector the runner saves (``params.pt``).
+
+**Stacked splits.** A method with ``supports_replicas = True`` can also fit R independent copies of
+itself at once, one per data split (:mod:`bdl_bench.stacked`): ``setup_replicas`` receives one problem
+per split (same model, prior and N; their own likelihood), ``train_step_replicas`` takes minibatches
+``(R, M, ...)`` and ``replica(r)`` returns an ordinary, set-up method holding copy r's state (for
+evaluation). Copy r draws exactly the noise a single run of the same seed draws (one draw broadcast
+over the copies), so a stacked fit equals R single runs up to floating-point rounding.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,12 +56,14 @@ class NonFiniteLossError(FloatingPointError):
 
 
 EpochCallback = Callable[[int, Mapping[str, float]], None]
+ReplicaEpochCallback = Callable[[int, Sequence[Mapping[str, float]]], None]
 
 
 class Method(ABC):
     """Base class of inference methods (see module docstring)."""
 
     name: ClassVar[str]
+    supports_replicas: ClassVar[bool] = False
     problem: Problem
 
     def setup(self, problem: Problem) -> None:
@@ -141,6 +150,68 @@ class Method(ABC):
                     totals[k] = totals.get(k, 0.0) + v
             if on_epoch_end is not None:
                 on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in totals.items()})
+
+    # ------------------------------------------------------------------ stacked splits (module docstring)
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """Create the fitting state of ``len(problems)`` independent copies (one per split).
+
+        Raises:
+            NotImplementedError: for methods without ``supports_replicas`` (the message says how to run
+                the splits instead).
+        """
+        raise NotImplementedError(
+            f"method {self.name!r} cannot fit several splits at once; give data.split one split per job "
+            "(e.g. data.split=0 or the sweep data.split=range(20)) instead of a list"
+        )
+
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the
+        statistics of :meth:`train_step`, each as an ``(R,)`` tensor."""
+        raise NotImplementedError(f"method {self.name!r} has no stacked training step")
+
+    def replica(self, index: int) -> Method:
+        """Copy ``index`` as an ordinary, set-up method (its own problem; state copied, not shared)."""
+        raise NotImplementedError(f"method {self.name!r} has no stacked copies")
+
+    def fit_replicas(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        n_epochs: int,
+        batch_size: int,
+        data_generator: torch.Generator,
+        on_epoch_end: ReplicaEpochCallback | None = None,
+        start_epoch: int = 0,
+    ) -> None:
+        """:meth:`fit`'s loop for stacked copies: ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``. Every copy sees
+        its own data in the order a single run of the same seed uses (one permutation for all).
+
+        Raises:
+            NonFiniteLossError: naming the copy, epoch and step, as soon as a loss is not finite.
+        """
+        n = x.shape[1]
+        batch_size = min(batch_size, n)
+        n_batches = math.ceil(n / batch_size)
+        for epoch in range(start_epoch, n_epochs):
+            order = torch.randperm(n, generator=data_generator).to(x.device)
+            totals: dict[str, Tensor] = {}
+            for step in range(n_batches):
+                idx = order[step * batch_size : (step + 1) * batch_size]
+                out = self.train_step_replicas(x[:, idx], y[:, idx])
+                finite = torch.isfinite(out["loss"])
+                if not bool(finite.all()):
+                    bad = int((~finite).nonzero()[0, 0])
+                    raise NonFiniteLossError(
+                        f"method {self.name!r}: non-finite loss {float(out['loss'][bad])} in stacked copy {bad} at"
+                        f" epoch {epoch + 1}, step {step + 1} — lower the learning rate or check the precisions"
+                    )
+                for k, v in out.items():
+                    totals[k] = totals[k] + v if k in totals else v.clone()
+            if on_epoch_end is not None:
+                means = {k: (v / n_batches).tolist() for k, v in totals.items()}
+                n_copies = x.shape[0]
+                on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
 
 
 METHODS: dict[str, type[Method]] = {}

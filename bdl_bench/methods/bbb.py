@@ -43,6 +43,7 @@ deterministic network, while Adam (steps of about ``lr`` in :math:`\rho` each) c
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
@@ -51,8 +52,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import Method, Problem, register_method
-from bdl_bench.models.params import flat_params, forward_with, unflatten
+from bdl_bench.models.params import flat_params, forward_with, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
@@ -82,10 +84,10 @@ def kl_diag_to_prior(mean: Tensor, std: Tensor, prior_precision: Tensor) -> Tens
         prior_precision: :math:`\lambda > 0`, ``(D,)``.
 
     Returns:
-        A scalar tensor, differentiable in ``mean`` and ``std``.
+        A scalar tensor, differentiable in ``mean`` and ``std`` (``(R,)`` for stacked ``(R, D)`` inputs).
     """
     var_ratio = prior_precision * std**2
-    return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum()
+    return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum(-1)
 
 
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
@@ -140,6 +142,8 @@ class BayesByBackprop(Method):
         ValueError: on a non-positive ``lr`` or ``init_std``, ``n_train_mc_samples < 1``, or an unknown
             ``estimator`` (the message lists the choices).
     """
+
+    supports_replicas = True
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
         if not lr > 0:
@@ -207,6 +211,65 @@ class BayesByBackprop(Method):
                 h = module(h)
         return h
 
+    # ------------------------------------------------------------------ stacked splits
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies (``(R, D)`` means and ρ's, one Adam over both: Adam acts per coordinate, so this is
+        R independent Adams); ``local_reparam`` only.
+
+        Raises:
+            ValueError: for ``estimator='reparam'`` (and whatever :meth:`setup` refuses).
+        """
+        if self.estimator is not Estimator.LOCAL_REPARAM:
+            raise ValueError("bbb: stacked splits need estimator=local_reparam; run reparam one split per job")
+        self.setup(problems[0])
+        self._replica_problems = list(problems)
+        n_copies = len(problems)
+        self.mean = self.mean.detach().expand(n_copies, -1).clone().requires_grad_(True)  # (R, D)
+        self.rho = self.rho.detach().expand(n_copies, -1).clone().requires_grad_(True)
+        self.optimizer = torch.optim.Adam([self.mean, self.rho], lr=self.lr)
+
+    def _outputs_local_replicas(self, x: Tensor, n_samples: int) -> Tensor:
+        """:meth:`_outputs_local` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``.
+        Each layer's noise is drawn once, with a single run's shape, and shared by the copies."""
+        model = self.problem.model
+        means = unflatten_stacked(model, self.mean)
+        variances = unflatten_stacked(model, self.std() ** 2)
+        n_copies, n_examples = x.shape[0], x.shape[1]
+        h = x.unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:]).reshape(n_copies, n_samples * n_examples, -1)
+        for name, module in model.named_children():
+            if not isinstance(module, nn.Linear):
+                h = module(h)
+                continue
+            bias_mean = means.get(f"{name}.bias")
+            bias_var = variances.get(f"{name}.bias")
+            weight_mean_t, weight_var_t = means[f"{name}.weight"].mT, variances[f"{name}.weight"].mT
+            mean = h @ weight_mean_t if bias_mean is None else torch.baddbmm(bias_mean.unsqueeze(1), h, weight_mean_t)
+            var = h**2 @ weight_var_t if bias_var is None else torch.baddbmm(bias_var.unsqueeze(1), h**2, weight_var_t)
+            eps = standard_normal((n_samples, n_examples, mean.shape[-1]), self.problem.generator, mean)
+            h = mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps.view(1, *mean.shape[1:])
+        return h.view(n_copies, n_samples, n_examples, -1)
+
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
+        likelihoods = [p.likelihood for p in self._replica_problems]
+        self.optimizer.zero_grad(set_to_none=True)
+        f = self._outputs_local_replicas(x, self.n_train_mc_samples)
+        nll = stacked_nll(likelihoods, f, y).mean(dim=(1, 2))  # (R,)
+        kl = kl_diag_to_prior(self.mean, self.std(), self.problem.prior_precision) / self.problem.n_data
+        loss = nll + kl
+        loss.sum().backward()
+        self.optimizer.step()
+        return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
+
+    def replica(self, index: int) -> BayesByBackprop:
+        single = copy.copy(self)
+        single.setup(self._replica_problems[index])
+        with torch.no_grad():
+            single.mean.copy_(self.mean[index])
+            single.rho.copy_(self.rho[index])
+        return single
+
+    # ------------------------------------------------------------------ single run
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)

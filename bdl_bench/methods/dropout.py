@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,8 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import Method, Problem, register_method
-from bdl_bench.models.params import flat_params, unflatten
+from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
 _PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
@@ -69,6 +71,8 @@ class MCDropout(Method):
         ValueError: on a non-positive ``lr``, ``dropout_rate`` outside (0, 1), ``n_train_mc_samples < 1``
             or a non-bool ``dropout_inputs``.
     """
+
+    supports_replicas = True  # stacked splits: models of nn.Linear layers (UCI MLPs)
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         if not lr > 0:
@@ -130,10 +134,11 @@ class MCDropout(Method):
             ):
                 raise ValueError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
 
-    def _drop(self, h: Tensor) -> Tensor:
-        """``h`` times a fresh inverted-dropout mask from the generator, one entry per element."""
+    def _drop(self, h: Tensor, shared_dims: int = 0) -> Tensor:
+        """``h`` times a fresh inverted-dropout mask from the generator, one entry per element; the
+        mask is drawn without ``h``'s first ``shared_dims`` dimensions and shared along them."""
         g = self.problem.generator
-        u = torch.rand(h.shape, generator=g, device=g.device, dtype=h.dtype).to(h.device)
+        u = torch.rand(h.shape[shared_dims:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
         return h * (u >= self.dropout_rate).to(h.dtype) / (1 - self.dropout_rate)
 
     def _outputs(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
@@ -204,6 +209,57 @@ class MCDropout(Method):
             rows = max(1, _PREDICT_BUDGET // s)
             chunks.append(torch.cat([self._stochastic_part(params, hs, s) for hs in h.split(rows)], dim=1))
         return torch.cat(chunks)
+
+    # ------------------------------------------------------------------ stacked splits
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies: ``(R, D)`` weights, one Adam (per coordinate, so R independent Adams).
+
+        Raises:
+            ValueError: for models with layers other than ``nn.Linear`` (and whatever :meth:`setup` refuses).
+        """
+        self.setup(problems[0])
+        if not self._linear_only:
+            raise ValueError("dropout: stacked splits need a model of nn.Linear layers; run one split per job")
+        self._replica_problems = list(problems)
+        self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
+        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+
+    def _outputs_replicas(self, x: Tensor, n_samples: int) -> Tensor:
+        """:meth:`_outputs` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``; each mask
+        is drawn once, with a single run's shape, and shared by the copies."""
+        params = unflatten_stacked(self.problem.model, self.theta)
+        n_copies, n_examples = x.shape[0], x.shape[1]
+        h = x.unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:]).reshape(n_copies, n_samples * n_examples, -1)
+        first = True
+        for name, module in self.problem.model.named_children():
+            if isinstance(module, nn.Linear):
+                if not first or self.dropout_inputs:
+                    h = self._drop(h.view(n_copies, n_samples, n_examples, -1), shared_dims=1).view(h.shape)
+                first = False
+                weight_t, bias = params[f"{name}.weight"].mT, params.get(f"{name}.bias")
+                h = h @ weight_t if bias is None else torch.baddbmm(bias.unsqueeze(1), h, weight_t)
+            elif not isinstance(module, nn.modules.dropout._DropoutNd):
+                h = module(h)
+        return h.view(n_copies, n_samples, n_examples, -1)
+
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
+        p = self.problem
+        self.optimizer.zero_grad(set_to_none=True)
+        f = self._outputs_replicas(x, self.n_train_mc_samples)
+        nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=(1, 2))  # (R,)
+        penalty = 0.5 * (p.prior_precision * self.theta**2).sum(-1) / p.n_data
+        loss = nll + penalty
+        loss.sum().backward()
+        self.optimizer.step()
+        return {"loss": loss.detach(), "nll": nll.detach()}
+
+    def replica(self, index: int) -> MCDropout:
+        single = copy.copy(self)
+        single.setup(self._replica_problems[index])
+        with torch.no_grad():
+            single.theta.copy_(self.theta[index])
+        return single
 
     # ------------------------------------------------------------------ fitting and prediction
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:

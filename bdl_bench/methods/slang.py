@@ -51,8 +51,9 @@ from the training samples (the exact trace costs O(D L²); ``kl_to_prior`` is ex
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,6 +322,74 @@ class Slang(Method):
         self.state = new_state
         self._cached = (new_state, new_cache)
         return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
+
+    # ---------------------------------------------------------------------- stacked splits
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies of the initial state, stacked (``(R, D)``, U ``(R, D, L)``); fitted by
+        :func:`bdl_bench.methods._slang_stacked.stacked_slang_update`."""
+        from bdl_bench.methods._slang_stacked import stacked_cache
+
+        self.setup(problems[0])
+        self._replica_problems = list(problems)
+        n_copies, s = len(problems), self.state
+        stacked = {
+            f: getattr(s, f).expand(n_copies, *getattr(s, f).shape).clone() for f in ("mean", "prec_diag", "momentum")
+        }
+        self.state = SlangState(
+            **stacked, prec_factor=torch.zeros_like(stacked["mean"][..., None].expand(-1, -1, self.rank)), step=0
+        )
+        self._cached = (self.state, stacked_cache(self.state))
+
+    @torch.no_grad()
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """:meth:`train_step` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``)."""
+        from bdl_bench.methods._slang_stacked import stacked_factors, stacked_noise, stacked_slang_update
+
+        problem, state = self.problem, self.state
+        step = state.step + 1
+        cache = self._cached[1] if self._cached is not None else None
+        assert cache is not None and self._cached[0] is state, "setup_replicas first"
+        noise = stacked_noise(state, cache, self.n_train_mc_samples, problem.generator)  # (R, S, D)
+        likelihoods = [p.likelihood for p in self._replica_problems]
+        factors = stacked_factors(problem.model, self.layout, state.mean[:, None] + noise, x, y, likelihoods)
+        logdet = state.prec_diag.log().sum(-1) + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        trace = (noise.square() @ self.prior_precision).mean(-1)
+        penalty = ((self.prior_precision * state.mean) * state.mean).sum(-1)
+        kl_est = 0.5 * (trace + penalty - state.mean.shape[-1] + logdet - self._log_prior_det)
+        nll = factors.losses.mean(dim=(1, 2))
+        kl_per_example = kl_est / problem.n_data
+        self.state, new_cache = stacked_slang_update(
+            state,
+            cache,
+            factors,
+            self.layout,
+            n_data=problem.n_data,
+            prior_precision=self.prior_precision,
+            lr=decayed_rate(self.lr, self.decay, step),
+            beta=decayed_rate(self.beta, self.decay, step),
+            momentum=self.momentum,
+        )
+        self._cached = (self.state, new_cache)
+        return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
+
+    def replica(self, index: int) -> Slang:
+        single = copy.copy(self)
+        single.setup(self._replica_problems[index])
+        s, cache = self.state, self._cached[1] if self._cached is not None else None
+        prec_factor = torch.empty_like(single.state.prec_factor)  # column-major, as setup made it
+        prec_factor.copy_(s.prec_factor[index])
+        single.state = SlangState(
+            mean=s.mean[index].clone(),
+            prec_factor=prec_factor,
+            prec_diag=s.prec_diag[index].clone(),
+            momentum=s.momentum[index].clone(),
+            step=s.step,
+        )
+        single._cached = None
+        if cache is not None and self._cached is not None and self._cached[0] is s:
+            fields = {f.name: getattr(cache, f.name)[index].clone() for f in dataclasses.fields(cache)}
+            single._cached = (single.state, PrecisionCache(**fields))
+        return single
 
     # ------------------------------------------------------------------------- prediction
     @torch.no_grad()

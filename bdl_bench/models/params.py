@@ -33,6 +33,18 @@ def unflatten(model: nn.Module, theta: Tensor) -> dict[str, Tensor]:
     return out
 
 
+def unflatten_stacked(model: nn.Module, thetas: Tensor) -> dict[str, Tensor]:
+    """Split R stacked parameter vectors ``thetas`` ``(R, D)`` into ``{name: (R, *shape)}`` views."""
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for name, p in model.named_parameters():
+        out[name] = thetas[:, offset : offset + p.numel()].reshape(thetas.shape[0], *p.shape)
+        offset += p.numel()
+    if offset != thetas.shape[1]:
+        raise ValueError(f"parameter vectors have {thetas.shape[1]} entries, model has {offset}")
+    return out
+
+
 def forward_with(model: nn.Module, theta: Tensor, x: Tensor) -> Tensor:
     """``model(x)`` evaluated at the flat parameters ``theta`` (differentiable in ``theta``)."""
     return functional_call(model, unflatten(model, theta), (x,))

@@ -1,0 +1,228 @@
+r"""SLANG's update for R stacked copies at once (one per data split; :mod:`bdl_bench.stacked`).
+
+The same maths as :func:`bdl_bench.methods.slang.slang_update` and
+:func:`bdl_bench.curvature.gram.low_rank_update` (Mishkin et al. 2018, Alg. 1 with the exact top-L
+step by the Gram trick), written with a leading copy dimension R on every tensor instead of the
+single run's blocked, in-place passes over D. Meant for the small networks of SLANG's UCI study
+(D ≈ 10³, P = S·M ≈ 40 per-example gradients): there the single run's cost is Python overhead per
+step, which one stacked step shares among R splits. As in the single run, no D x P tensor is formed:
+every product with the per-example gradient matrix G goes through the layer factors A (inputs) and
+:math:`\Delta` (output gradients), :math:`g_p = \operatorname{vec}(\delta_p a_p^\top)` per layer.
+
+Copy r draws exactly the standard normals a single run of the same seed draws (one ``(S, D + L)``
+draw, shared by the copies), so a stacked fit equals R single runs up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from bdl_bench.curvature.low_rank import PrecisionCache
+from bdl_bench.curvature.per_example import LinearLayout
+from bdl_bench.likelihoods import Likelihood, stacked_nll
+from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
+
+
+@dataclass(frozen=True)
+class StackedFactors:
+    """Per-example layer factors of R copies: ``inputs[l]`` ``(R, P, in_l)``, ``output_grads[l]``
+    ``(R, P, out_l)``, per-example losses ``(R, S, M)``."""
+
+    inputs: list[Tensor]
+    output_grads: list[Tensor]
+    losses: Tensor
+
+
+def stacked_noise(state: SlangState, cache: PrecisionCache, n_samples: int, generator: torch.Generator) -> Tensor:
+    """Draws of :math:`\\mathcal N(0, P_r^{-1})` for every copy, ``(R, S, D)``, from one ``(S, D + L)``
+    draw of standard normals (:func:`bdl_bench.curvature.low_rank.sample_noise`'s algebra)."""
+    u, d = state.prec_factor, state.prec_diag  # (R, D, L), (R, D)
+    n_params, rank = u.shape[1], u.shape[2]
+    eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=d.dtype)
+    eps = eps.to(d.device)
+    white = eps[:, :n_params] * d.rsqrt()[:, None, :]  # (R, S, D)
+    low = eps[:, n_params:]  # (S, L)
+    proj = white @ u + low @ cache.capacitance  # (R, S, L)
+    coeffs = low - torch.cholesky_solve(proj.mT, cache.capacitance_chol).mT
+    return white + (coeffs @ u.mT) / d[:, None, :]
+
+
+def stacked_factors(
+    model: nn.Sequential,
+    layout: LinearLayout,
+    thetas: Tensor,
+    x: Tensor,
+    y: Tensor,
+    likelihoods: Sequence[Likelihood],
+) -> StackedFactors:
+    """Layer inputs and output gradients of :math:`\\sum_{s,i}\\ell_r(f(x_{r,i};\\theta_{r,s}), y_{r,i})`.
+
+    Args:
+        thetas: ``(R, S, D)``; x: ``(R, M, in)``; y: ``(R, M)``; likelihoods: one per copy.
+    """
+    n_copies, n_samples = thetas.shape[:2]
+    n_examples = x.shape[1]
+    slot_of = {slot.module_index: slot for slot in layout.slots}
+    inputs, pre_activations = [], []
+    with torch.enable_grad():
+        h = x.to(thetas.dtype).unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:])  # (R, S, M, in)
+        for index, module in enumerate(model):
+            slot = slot_of.get(index)
+            if slot is None:
+                h = module(h)
+                continue
+            weight = thetas[..., slot.weight_slice].view(n_copies, n_samples, slot.out_features, slot.in_features)
+            z = h @ weight.mT
+            if slot.bias_slice is not None:
+                z = z + thetas[..., slot.bias_slice].unsqueeze(2)
+            if not z.requires_grad:
+                z.requires_grad_(True)
+            inputs.append(h.reshape(n_copies, n_samples * n_examples, slot.in_features))
+            pre_activations.append(z)
+            h = z
+        losses = stacked_nll(likelihoods, h, y)  # (R, S, M)
+        grads = torch.autograd.grad(losses.sum(), pre_activations)
+    return StackedFactors(
+        inputs=[a.detach() for a in inputs],
+        output_grads=[g.reshape(n_copies, n_samples * n_examples, -1) for g in grads],
+        losses=losses.detach(),
+    )
+
+
+def _per_layer(matrix: Tensor, layout: LinearLayout) -> list[tuple[Tensor, Tensor | None]]:
+    """``matrix`` ``(R, D, K)`` as per-layer (weight ``(R, out, in, K)``, bias ``(R, out, K)``) views."""
+    parts = []
+    for slot in layout.slots:
+        weight = matrix[:, slot.weight_slice].reshape(matrix.shape[0], slot.out_features, slot.in_features, -1)
+        bias = None if slot.bias_slice is None else matrix[:, slot.bias_slice]
+        parts.append((weight, bias))
+    return parts
+
+
+def _assemble(layout: LinearLayout, parts: list[tuple[Tensor, Tensor | None]], like: Tensor, trailing: tuple) -> Tensor:
+    """Inverse of :func:`_per_layer`: per-layer (weight, bias) blocks into ``(R, D, *trailing)``."""
+    out = torch.empty(like.shape[0], layout.n_params, *trailing, dtype=like.dtype, device=like.device)
+    for slot, (weight, bias) in zip(layout.slots, parts):
+        out[:, slot.weight_slice] = weight.reshape(like.shape[0], -1, *trailing)
+        if slot.bias_slice is not None and bias is not None:
+            out[:, slot.bias_slice] = bias
+    return out
+
+
+def stacked_slang_update(
+    state: SlangState,
+    cache: PrecisionCache,
+    factors: StackedFactors,
+    layout: LinearLayout,
+    *,
+    n_data: int,
+    prior_precision: Tensor,
+    lr: float,
+    beta: float,
+    momentum: float,
+) -> tuple[SlangState, PrecisionCache]:
+    """:func:`bdl_bench.methods.slang.slang_update` for every copy (module docstring).
+
+    Raises:
+        NonFiniteGradientError: if a copy's gradient or Gram matrix is not finite (naming the copy).
+    """
+    step = state.step + 1
+    u = state.prec_factor  # (R, D, L)
+    n_copies, _, rank = u.shape
+    deltas, acts = factors.output_grads, factors.inputs
+    n_cols = deltas[0].shape[1]
+    scale = n_data / n_cols  # N / (M S)
+    has_bias = [slot.bias_slice is not None for slot in layout.slots]
+    # g_hat = scale * G 1: per layer Delta^T A (and the bias: sum of Delta)
+    grad = _assemble(
+        layout,
+        [(dl.mT @ a, dl.sum(1) if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
+        u,
+        (),
+    ).mul_(scale)
+    _check_finite(grad.sum(1), step, "gradient")
+    # B^T B with B = [sqrt(w0) U, sqrt(w1) G] (gram.py's module docstring)
+    w0, w1 = 1.0 - beta, beta * scale
+    u_layers = _per_layer(u, layout)
+    cross = torch.zeros(n_copies, n_cols, rank, dtype=u.dtype, device=u.device)  # U^T g_p as rows
+    gram = torch.zeros(n_copies, n_cols, n_cols, dtype=u.dtype, device=u.device)  # G^T G
+    for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
+        cross += torch.einsum("rpo,roil,rpi->rpl", dl, uw, a)
+        act_gram = a @ a.mT
+        if ub is not None:
+            cross += torch.einsum("rpo,rol->rpl", dl, ub)
+            act_gram = act_gram + 1.0
+        gram += act_gram * (dl @ dl.mT)
+    btb = torch.empty(n_copies, rank + n_cols, rank + n_cols, dtype=u.dtype, device=u.device)
+    btb[:, :rank, :rank] = cache.factor_gram * w0
+    btb[:, rank:, :rank] = cross * (w0 * w1) ** 0.5
+    btb[:, :rank, rank:] = btb[:, rank:, :rank].mT
+    btb[:, rank:, rank:] = gram * w1
+    _check_finite(btb.flatten(1).sum(1), step, "Gram matrix B^T B")
+    evals, evecs = torch.linalg.eigh(btb)  # ascending
+    eigenvalues = evals[:, -rank:].flip(-1).clamp_min(0.0)  # (R, L)
+    top = evecs[:, :, -rank:].flip(-1)  # (R, L + P, L)
+    # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
+    g_top = top[:, rank:] * w1**0.5  # (R, P, L)
+    new_u = u @ top[:, :rank] * w0**0.5
+    new_u += _assemble(
+        layout,
+        [
+            (torch.einsum("rpo,rpl,rpi->roil", dl, g_top, a), dl.mT @ g_top if b else None)
+            for dl, a, b in zip(deltas, acts, has_bias)
+        ],
+        u,
+        (rank,),
+    )
+    sq_diag = _assemble(
+        layout,
+        [(dl.square().mT @ a.square(), dl.square().sum(1) if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
+        u,
+        (),
+    )
+    new_sqnorms = new_u.square().sum(-1)
+    residual = sq_diag * w1 + cache.factor_sqnorms * w0 - new_sqnorms
+    # eq. (9), eq. (11) with momentum and the Woodbury solve (Alg. 2)
+    prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + residual.clamp_min(0.0)
+    new_momentum = state.momentum * momentum + grad * (1.0 - momentum)
+    direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
+    inv_diag = prec_diag.reciprocal()
+    scaled_u = new_u * inv_diag[..., None]  # (R, D, L)
+    capacitance = new_u.mT @ scaled_u
+    proj = (scaled_u.mT @ direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
+    eye = torch.eye(rank, dtype=u.dtype, device=u.device)
+    chol = torch.linalg.cholesky(capacitance + eye)
+    inner = torch.cholesky_solve(proj[..., None], chol)[..., 0]
+    mean = state.mean - lr * inv_diag * (direction - (new_u @ inner[..., None])[..., 0])
+    new_state = SlangState(mean=mean, prec_factor=new_u, prec_diag=prec_diag, momentum=new_momentum, step=step)
+    new_cache = PrecisionCache(
+        factor_gram=torch.diag_embed(eigenvalues),
+        factor_sqnorms=new_sqnorms,
+        capacitance=capacitance,
+        capacitance_chol=chol,
+    )
+    return new_state, new_cache
+
+
+def stacked_cache(state: SlangState) -> PrecisionCache:
+    """:func:`bdl_bench.curvature.low_rank.build_cache` for every copy of a stacked state."""
+    u, d = state.prec_factor, state.prec_diag
+    capacitance = u.mT @ (u / d[..., None])
+    eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
+    return PrecisionCache(
+        factor_gram=u.mT @ u,
+        factor_sqnorms=u.square().sum(-1),
+        capacitance=capacitance,
+        capacitance_chol=torch.linalg.cholesky(capacitance + eye),
+    )
+
+
+def _check_finite(per_copy_sums: Tensor, step: int, what: str) -> None:
+    finite = torch.isfinite(per_copy_sums)
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise NonFiniteGradientError(f"method 'slang': non-finite {what} at step {step} in stacked copy {bad}")

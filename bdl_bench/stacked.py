@@ -1,0 +1,248 @@
+"""Stacked splits: one job fits a method on several splits of a dataset at once.
+
+``bdl-bench run method=slang data=uci/boston 'data.split=[0,1,2]'`` (a list instead of one split;
+``data.split=all`` for every split of the dataset's protocol) trains the R = 3 copies of the method side by side, with every tensor carrying a leading copy
+dimension (``Method.setup_replicas``). The networks of SLANG's UCI study are so small (D ≈ 750) that a
+single run's time is Python overhead per step; a stacked step costs about as much as one single step,
+so R splits cost about as much as one (``experiment=slang_table2`` stacks the 20 splits of a dataset).
+
+Each split still gets the run folder a single run of it would get (the job's folder name with
+``data.split=<k>``), holding what a single run writes (``config.yaml`` with ``data.split: k``,
+``history.csv``, ``metrics.json``, …) and the same config hash: tables, skipping finished runs and
+``bdl-bench reproduce`` treat stacked and single runs alike, and finished splits are left out of a
+re-run. Copy k draws the noise a single run with the same seed draws (one draw shared by the copies),
+so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; each copy is
+evaluated as an ordinary method (``Method.replica``) with its own evaluation generator.
+``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
+
+The stack checkpoints into the job's own folder (``checkpoint.pt``: the stacked state, the generators
+and every split's history) every ``trainer.checkpoint_every`` epochs; re-running the job resumes it.
+
+Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
+examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
+``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout`` and ``slang`` on MLPs).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm.auto import tqdm
+
+from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from bdl_bench.likelihoods import build_likelihood
+from bdl_bench.methods import Problem, build_method
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.results import CHECKPOINT_FILE, HistoryWriter, config_hash, write_config
+from bdl_bench.runner import (
+    EpochHook,
+    RunResult,
+    _cfg_get,
+    _to_device,
+    epoch_row,
+    finish_run,
+    load_dataset,
+    resolve_device,
+    resolve_dtype,
+)
+
+
+def stacked_splits(cfg: DictConfig) -> list[int] | None:
+    """The splits of a stacked job, else ``None``: ``data.split`` given as a list, or as ``all`` (every
+    split of the dataset's ``protocol.n_splits``).
+
+    Raises:
+        ValueError: on an empty list, repeated splits, or ``all`` for a dataset without ``n_splits``.
+    """
+    split = OmegaConf.select(cfg, "data.split")
+    if split == "all":
+        n_splits = OmegaConf.select(cfg, "data.protocol.n_splits")
+        if n_splits is None:
+            raise ValueError(f"data.split=all: {cfg.data.name} has no protocol.n_splits; give a list of splits")
+        return list(range(int(n_splits)))
+    if not OmegaConf.is_list(split) and not isinstance(split, list | tuple):
+        return None
+    splits = [int(k) for k in split]
+    if not splits or len(set(splits)) != len(splits):
+        raise ValueError(f"data.split={list(split)}: a stacked job needs a non-empty list of distinct splits")
+    return splits
+
+
+def member_config(cfg: DictConfig, split: int) -> DictConfig:
+    """``cfg`` with ``data.split`` set to ``split``: the config of the single run of that split."""
+    member = copy.deepcopy(cfg)
+    with open_dict(member):
+        member.data.split = split
+    return member
+
+
+def run_stack(
+    cfg: DictConfig,
+    member_dirs: Mapping[int, Path],
+    stack_dir: Path,
+    *,
+    epoch_hook: EpochHook | None = None,
+) -> dict[int, RunResult]:
+    """Fit ``cfg``'s method on the splits ``member_dirs`` names, stacked; write each split's run folder.
+
+    Args:
+        cfg: the job's config (its ``data.split`` is ignored: the splits are ``member_dirs``' keys).
+        member_dirs: split → its run folder.
+        stack_dir: the job's folder (the stack's checkpoint).
+        epoch_hook: called with the epoch number after each epoch's rows and checkpoint are written.
+
+    Raises:
+        ValueError: when the splits differ in size or width, the data are augmented, the method cannot
+            stack, or ``stack_dir`` holds a checkpoint of another stack.
+    """
+    splits = list(member_dirs)
+    trainer = cfg.trainer
+    if trainer.threads is not None:
+        torch.set_num_threads(int(trainer.threads))
+    device, dtype, seed = resolve_device(str(trainer.device)), resolve_dtype(str(trainer.dtype)), int(trainer.seed)
+    members = {k: member_config(cfg, k) for k in splits}
+    configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
+    hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
+    stack_hash = config_hash({"members": [hashes[k] for k in splits]})
+    stack_dir = Path(stack_dir)
+    stack_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = stack_dir / CHECKPOINT_FILE
+    checkpoint = load_checkpoint(checkpoint_path)
+    if checkpoint is not None and checkpoint.config_hash != stack_hash:
+        raise ValueError(
+            f"{checkpoint_path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job "
+            f"{stack_hash}); delete it or re-run with force=true"
+        )
+    datasets = {k: _to_device(load_dataset(configs[k]["data"]), device, dtype) for k in splits}  # type: ignore[index]
+    _check_stackable(datasets, cfg)
+    first = datasets[splits[0]]
+    for k in splits:
+        Path(member_dirs[k]).mkdir(parents=True, exist_ok=True)
+        write_config(Path(member_dirs[k]), configs[k])  # type: ignore[arg-type]
+
+    torch.manual_seed(seed)  # nn.init: the initial network of every single run of these splits
+    model = build_model(
+        OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+        in_features=first.n_features,
+        out_features=first.n_outputs,
+    ).to(device, dtype)
+    likelihoods = {k: build_likelihood(datasets[k], _cfg_get(members[k], "noise_precision")) for k in splits}
+    prior = prior_precision_vector(model, float(cfg.prior_precision), _cfg_get(cfg, "bias_prior_precision"))
+    method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
+    method_generator = torch.Generator(device=device).manual_seed(seed + 1)
+    data_generator = torch.Generator().manual_seed(seed + 2)
+    eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in splits}
+    problems = [
+        Problem(
+            model=model,
+            likelihood=likelihoods[k],
+            n_data=first.n_train,
+            prior_precision=prior,
+            generator=method_generator,
+        )
+        for k in splits
+    ]
+    method.setup_replicas(problems)  # a method that cannot stack says how to run the splits instead
+
+    generators = {"method": method_generator, "data": data_generator}
+    generators.update({f"eval_{k}": g for k, g in eval_generators.items()})
+    start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in splits]
+    if checkpoint is not None:
+        method.load_state_dict(checkpoint.method)
+        for name, gen in generators.items():
+            gen.set_state(checkpoint.generators[name])
+        torch.set_rng_state(checkpoint.torch_rng)
+        start_epoch, elapsed_before, histories = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
+    writers = {k: HistoryWriter(Path(member_dirs[k]) / "history.csv", rows) for k, rows in zip(splits, histories)}
+    n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
+    checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
+    bar = tqdm(
+        total=n_epochs,
+        initial=start_epoch,
+        desc=f"{cfg.method.name} on {cfg.data.name}, {len(splits)} splits stacked",
+        unit="epoch",
+        disable=not trainer.progress,
+        leave=False,
+    )
+    start = time.perf_counter() - elapsed_before
+
+    def on_epoch_end(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
+        evaluate_now = eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs)
+        for r, k in enumerate(splits):
+            row = epoch_row(
+                method.replica(r),
+                likelihoods[k],
+                datasets[k],
+                epoch,
+                stats[r],
+                elapsed=time.perf_counter() - start,
+                evaluate_now=evaluate_now,
+                n_eval_samples=int(trainer.n_eval_mc_samples),
+                eval_generator=eval_generators[k],
+            )
+            writers[k].append(row)
+        if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
+            save_checkpoint(
+                checkpoint_path,
+                Checkpoint(
+                    epoch=epoch,
+                    config_hash=stack_hash,
+                    method=method.state_dict(),
+                    generators={name: gen.get_state() for name, gen in generators.items()},
+                    torch_rng=torch.get_rng_state(),
+                    cuda_rng=None,
+                    history=[writers[k].rows for k in splits],
+                    elapsed_s=time.perf_counter() - start,
+                ),
+            )
+        bar.update(1)
+        if epoch_hook is not None:
+            epoch_hook(epoch)
+
+    method.fit_replicas(
+        torch.stack([datasets[k].x_train for k in splits]),
+        torch.stack([datasets[k].y_train for k in splits]),
+        n_epochs=n_epochs,
+        batch_size=int(trainer.batch_size),
+        data_generator=data_generator,
+        on_epoch_end=on_epoch_end,
+        start_epoch=start_epoch,
+    )
+    bar.close()
+    train_time = (time.perf_counter() - start) / len(splits)
+    results = {}
+    for r, k in enumerate(splits):
+        results[k] = finish_run(
+            members[k],
+            Path(member_dirs[k]),
+            method.replica(r),
+            likelihood=likelihoods[k],
+            dataset=datasets[k],
+            prior=prior,
+            config_hash_=hashes[k],
+            train_time=train_time,
+            eval_generator=eval_generators[k],
+            extra_metrics={"stack_size": float(len(splits))},
+        )
+    checkpoint_path.unlink(missing_ok=True)
+    return results
+
+
+def _check_stackable(datasets: Mapping[int, Any], cfg: DictConfig) -> None:
+    """Refuse splits that cannot share one stacked fit, naming what differs."""
+    sizes = {k: (d.n_train, tuple(d.x_train.shape[1:]), d.task) for k, d in datasets.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"split {k}: {n} examples of shape {s}" for k, (n, s, _) in sizes.items())
+        raise ValueError(
+            f"{cfg.data.name}: stacked splits need equal training sets ({listed}); run the splits one per job "
+            "(data.split=range(...)) instead of a list"
+        )
+    if any(d.augmentation is not None for d in datasets.values()):
+        raise ValueError(f"{cfg.data.name}: stacked splits do not support training augmentation; run one split per job")

@@ -1,0 +1,204 @@
+"""Stacked splits (bdl_bench/stacked.py): R splits fitted at once equal R single runs.
+
+The slow, obviously-correct twin of a stacked fit is the single run of each split (same seed, so the same
+noise); they must agree up to float rounding, at the method level (states after two epochs) and at the
+runner level (every metric of every split's folder)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bdl_bench.data import build_dataset
+from bdl_bench.likelihoods import Gaussian, build_likelihood, stacked_nll
+from bdl_bench.methods import Problem, build_method
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.reproduce import make_plan
+from bdl_bench.results import config_hash, read_run_record
+from bdl_bench.runner import run
+from bdl_bench.stacked import _check_stackable, stacked_splits
+from bdl_bench.sweep import run_job
+
+METHODS = {
+    "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},
+    "dropout": {"name": "dropout", "lr": 0.01, "dropout_rate": 0.1, "n_train_mc_samples": 2, "dropout_inputs": True},
+    "slang": {
+        "name": "slang",
+        "rank": 2,
+        "lr": 0.02,
+        "beta": 0.05,
+        "decay": 0.0,
+        "momentum": 0.9,
+        "n_train_mc_samples": 3,
+        "init_prec_diag": 1.0,
+    },
+}
+SPLITS = (0, 3, 7)
+
+
+def _problem(split: int, model: torch.nn.Module, generator: torch.Generator) -> tuple[Problem, object]:
+    data = build_dataset({"name": "uci/yacht", "split": split})
+    likelihood = build_likelihood(data, 2.0)
+    prior = prior_precision_vector(model, 1.0, 1e-6)
+    return Problem(
+        model=model, likelihood=likelihood, n_data=data.n_train, prior_precision=prior, generator=generator
+    ), data
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model({"name": "mlp", "hidden": [20], "activation": "relu"}, in_features=6, out_features=1)
+
+
+def _state(method: object) -> dict[str, torch.Tensor]:
+    """What defines a fitted copy: the parameters of its posterior (or weights)."""
+    if hasattr(method, "rho"):
+        return {"mean": method.mean.detach(), "rho": method.rho.detach()}
+    if hasattr(method, "theta"):
+        return {"theta": method.theta.detach()}
+    s = method.state
+    return {"mean": s.mean, "precision": s.prec_factor @ s.prec_factor.mT, "diag": s.prec_diag}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_stacked_fit_equals_single_fits(name: str) -> None:
+    singles, stats = [], []
+    for split in SPLITS:
+        model = _model()
+        problem, data = _problem(split, model, torch.Generator().manual_seed(1))
+        method = build_method(METHODS[name])
+        method.setup(problem)
+        method.fit(
+            data.x_train, data.y_train, n_epochs=2, batch_size=16, data_generator=torch.Generator().manual_seed(2)
+        )
+        singles.append(method)
+    model, generator = _model(), torch.Generator().manual_seed(1)
+    problems, datasets = zip(*(_problem(split, model, generator) for split in SPLITS))
+    stacked = build_method(METHODS[name])
+    stacked.setup_replicas(list(problems))
+    stacked.fit_replicas(
+        torch.stack([d.x_train for d in datasets]),
+        torch.stack([d.y_train for d in datasets]),
+        n_epochs=2,
+        batch_size=16,
+        data_generator=torch.Generator().manual_seed(2),
+        on_epoch_end=lambda epoch, rows: stats.append(rows),
+    )
+    assert len(stats) == 2 and len(stats[-1]) == len(SPLITS) and "train/loss" in stats[-1][0]
+    for r, single in enumerate(singles):
+        copy = stacked.replica(r)
+        assert copy.problem.likelihood is problems[r].likelihood
+        for key, value in _state(single).items():
+            error = (_state(copy)[key] - value).norm() / value.norm()
+            assert error < 1e-5, f"{name} copy {r}: {key} differs by {float(error):.2e} (relative, Frobenius)"
+    # the copies were really fitted on different data: their states differ
+    key = next(iter(_state(singles[0])))
+    assert (_state(singles[0])[key] - _state(singles[1])[key]).norm() > 1e-3 * _state(singles[0])[key].norm()
+
+
+def test_stacked_nll_matches_each_likelihood() -> None:
+    likelihoods = [Gaussian(0.5), Gaussian(3.0)]
+    f, y = torch.randn(2, 4, 5, 1), torch.randn(2, 5)
+    out = stacked_nll(likelihoods, f, y)
+    for r, lik in enumerate(likelihoods):
+        for s in range(4):
+            torch.testing.assert_close(out[r, s], lik.nll(f[r, s], y[r]))
+
+
+def test_stacked_job_writes_each_split_as_its_single_run(tmp_path: Path, compose_cfg) -> None:
+    cfg = compose_cfg(["method=slang", "data=uci/yacht", "data.split=[1,4]", "trainer.n_epochs=3"])
+    job = run_job(cfg, tmp_path / "stack")
+    assert not job.skipped
+    for split in (1, 4):
+        member = tmp_path / "stack" / f"split={split}"
+        single_cfg = compose_cfg(["method=slang", "data=uci/yacht", f"data.split={split}", "trainer.n_epochs=3"])
+        single = run(single_cfg, tmp_path / f"single{split}").metrics
+        stacked = json.loads((member / "metrics.json").read_text())
+        assert stacked["stack_size"] == 2
+        for key in ("rmse", "test_ll", "elbo"):
+            assert stacked[key] == pytest.approx(single[key], rel=1e-4), key
+        stored = OmegaConf.load(member / "config.yaml")
+        assert stored.data.split == split
+        expected = config_hash(OmegaConf.to_container(single_cfg, resolve=True))
+        assert read_run_record(member)["config_hash"] == expected and read_run_record(member)["status"] == "finished"
+        assert (member / "history.csv").read_text().count("\n") == 4  # header + 3 epochs
+    # a re-run skips both; with one split's metrics gone, only that split runs again
+    assert run_job(cfg, tmp_path / "stack").skipped
+    (tmp_path / "stack" / "split=4" / "metrics.json").unlink()
+    again = run_job(cfg, tmp_path / "stack")
+    assert not again.skipped
+    assert read_run_record(tmp_path / "stack" / "split=1")["status"] == "skipped"
+    assert read_run_record(tmp_path / "stack" / "split=4")["attempts"] == 2
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after(epoch: int):
+    def hook(done: int) -> None:
+        if done == epoch:
+            raise Crash(f"killed after epoch {done}")
+
+    return hook
+
+
+def test_stacked_job_resumes_after_a_kill_and_records_failures(tmp_path: Path, compose_cfg) -> None:
+    overrides = ["method=bbb", "data=uci/yacht", "data.split=[0,2]", "trainer.n_epochs=4", "trainer.checkpoint_every=2"]
+    cfg = compose_cfg(overrides)
+    unbroken = tmp_path / "unbroken"
+    run_job(cfg, unbroken)
+    killed = tmp_path / "killed"
+    with pytest.raises(Crash):
+        run_job(cfg, killed, epoch_hook=_crash_after(3))
+    assert (killed / "checkpoint.pt").exists()
+    for split in (0, 2):
+        assert read_run_record(killed / f"split={split}")["status"] == "failed"
+        assert "killed after epoch 3" in (killed / f"split={split}" / "failure.txt").read_text()
+    run_job(cfg, killed)
+    assert not (killed / "checkpoint.pt").exists()
+    for split in (0, 2):
+        a = json.loads((unbroken / f"split={split}" / "metrics.json").read_text())
+        b = json.loads((killed / f"split={split}" / "metrics.json").read_text())
+        a.pop("train_time_s"), b.pop("train_time_s")
+        assert a == b
+
+
+def test_stacking_refusals(compose_cfg, tmp_path: Path) -> None:
+    assert stacked_splits(compose_cfg(["data=uci/yacht", "data.split=all"])) == list(range(20))
+    assert stacked_splits(compose_cfg(["data=uci/yacht", "data.split=3"])) is None
+    with pytest.raises(ValueError, match="distinct splits"):
+        stacked_splits(compose_cfg(["data=uci/yacht", "data.split=[1,1]"]))
+    cfg = compose_cfg(["method=map", "data=uci/yacht", "data.split=[0,1]"])
+    with pytest.raises(NotImplementedError, match="cannot fit several splits at once.*data.split=range"):
+        run_job(cfg, tmp_path / "map")
+    a, b = build_dataset({"name": "uci/yacht", "split": 0}), build_dataset({"name": "uci/boston", "split": 0})
+    with pytest.raises(ValueError, match="need equal training sets"):
+        _check_stackable({0: a, 1: b}, compose_cfg(["data=uci/yacht"]))
+
+
+def test_reproduce_plans_stacked_jobs_for_data_split_all() -> None:
+    plan = make_plan("slang_table2", ["method=bbb", "data=uci/yacht"], quick=True, tune=False)
+    assert plan.stack_splits
+    assert [j for j in plan.jobs if "data.split=0" in j] and len(plan.jobs) == 2  # --quick: 2 splits
+    per_split = make_plan(
+        "slang_table2", ["method=bbb", "data=uci/yacht", "data.split=range(3)"], quick=False, tune=False
+    )
+    assert not per_split.stack_splits and len(per_split.jobs) == 3
+
+
+def test_cli_names_split_folders_like_single_runs(tmp_path: Path) -> None:
+    args = ["run", "method=dropout", "data=uci/yacht", "trainer=smoke", "data.split=[0,1]", f"results_root={tmp_path}"]
+    out = subprocess.run([sys.executable, "-m", "bdl_bench.cli", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    names = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("metrics.json"))
+    assert names == [f"runs/data.split={k},data=uci/yacht,method=dropout,trainer=smoke" for k in (0, 1)], names
+    overrides = (tmp_path / names[1] / ".hydra" / "overrides.yaml").read_text()
+    assert "data.split=1" in overrides
