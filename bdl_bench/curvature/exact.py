@@ -8,7 +8,7 @@ r"""Exact curvature matrices for small networks: layer blocks, the whole D x D m
   likelihood's output Hessian by ``torch.func.hessian``, independent of the layer-wise code; tests
   compare everything above with it.
 
-All refuse D (or a block's size) above ``MAX_EXACT_DIM``.
+All refuse D (or a block's size) above ``MAX_EXACT_DIM``; sums across minibatches and the results are float64.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def exact_blocks(batches: Iterable[PseudoGrads]) -> tuple[Tensor, ...]:
                 _check_size(layer.shape[0] * layer.shape[1], "layer block")
             sums = [
                 torch.zeros(
-                    size := layer.shape[0] * layer.shape[1], size, dtype=layer.inputs.dtype, device=layer.inputs.device
+                    size := layer.shape[0] * layer.shape[1], size, dtype=torch.float64, device=layer.output_grads.device
                 )
                 for layer in batch.layers
             ]
@@ -69,7 +69,7 @@ def exact_matrix(batches: Iterable[PseudoGrads]) -> Tensor:
     for batch in batches:
         _check_size(batch.layout.n_params, "curvature matrix")
         rows = batch.dense()
-        total = rows.mT @ rows if total is None else total + rows.mT @ rows
+        total = (rows.mT @ rows).double() if total is None else total + rows.mT @ rows
         n_total += batch.n_examples
     if total is None:
         raise ValueError("exact_matrix needs at least one minibatch")

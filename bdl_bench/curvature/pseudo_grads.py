@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -159,29 +160,83 @@ class LayerPseudoGrads:
 
     Attributes:
         slot: where the layer sits in the flat parameter vector.
-        inputs: :math:`\\tilde a_{it}` (with a trailing 1 when the layer has a bias), ``(M, T, n)``.
+        layer_input: the layer's input, ``(M, n_in)`` (linear) or the feature map ``(M, C, H, W)`` (conv);
+            :attr:`inputs` unfolds it into patches only when a consumer asks for them.
         output_grads: :math:`\\delta_{ikt}`, ``(K, M, T, m)``.
     """
 
     slot: KronSlot
-    inputs: Tensor  # (M, T, n)
+    layer_input: Tensor  # (M, n_in) or (M, C, H, W)
     output_grads: Tensor  # (K, M, T, m)
+
+    @cached_property
+    def inputs(self) -> Tensor:
+        """:math:`\\tilde a_{it}` (with a trailing 1 when the layer has a bias), ``(M, T, n)``."""
+        return augmented_patches(self.layer_input, self.slot)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(m, n): rows and columns of the augmented weight :math:`\\tilde W`."""
-        return self.output_grads.shape[-1], self.inputs.shape[-1]
+        return self.slot.shape
 
     @property
     def n_positions(self) -> int:
         """T, the spatial positions (1 for a linear layer)."""
-        return self.inputs.shape[1]
+        return self.output_grads.shape[2]
 
     def per_example(self) -> Tensor:
         """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``."""
         if self.n_positions == 1:
             return self.output_grads[:, :, 0, :, None] * self.inputs[None, :, 0, None, :]
-        return torch.einsum("kitm,itn->kimn", self.output_grads, self.inputs)
+        spec = self.slot.conv
+        if spec is not None and spec.stride == (1, 1) and spec.dilation == (1, 1):
+            return _conv_per_example(self.layer_input, self.output_grads, self.slot)
+        return self.output_grads.transpose(2, 3) @ self.inputs  # one batched GEMM (m x T x n per example)
+
+
+def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot) -> Tensor:
+    """A stride-1 convolution's :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top`, ``(K, M, m, n)``, without unfolding patches.
+
+    For kernel row a, :math:`\\sum_t\\delta_t x^p_{t+(a,b)}` for all b is one GEMM of :math:`\\delta` (zero-padded
+    to the padded map's width, so that positions t are a flat range) with an overlapping strided view of
+    :math:`x^p` (rows: positions; columns: (b, c), contiguous).
+    """
+    spec = slot.conv
+    assert spec is not None
+    (kh, kw), (ph, pw) = spec.kernel_size, spec.padding
+    n_draws, n_rows, _, m = deltas.shape
+    channels, height, width = x.shape[1:]
+    out_h, out_w, padded_w = height + 2 * ph - kh + 1, width + 2 * pw - kw + 1, width + 2 * pw
+    grid = F.pad(x, (pw, pw, ph, ph + 1)).permute(0, 2, 3, 1).contiguous()  # (M, H_p + 1, W_p, C): one spare row
+    wide = F.pad(deltas.view(n_draws, n_rows, out_h, out_w, m), (0, 0, 0, padded_w - out_w))
+    wide = wide.view(n_draws, n_rows, out_h * padded_w, m).transpose(2, 3)  # (K, M, m, out_h·W_p)
+    taps = deltas.new_empty(n_draws, n_rows, kh, m, kw * channels)
+    for a in range(kh):
+        view = grid.as_strided(
+            (n_rows, out_h * padded_w, kw * channels),
+            (grid.stride(0), channels, 1),
+            grid.storage_offset() + a * padded_w * channels,
+        )
+        for k in range(n_draws):
+            torch.bmm(wide[k], view, out=taps[k, :, a])
+    # (K, M, a, m, (b, c)) -> (K, M, m, (c, a, b)), the unfold order
+    grads = taps.view(n_draws, n_rows, kh, m, kw, channels).permute(0, 1, 3, 5, 2, 4)
+    grads = grads.reshape(n_draws, n_rows, m, slot.in_features)
+    if slot.bias_slice is not None:
+        grads = torch.cat([grads, deltas.sum(2)[..., None]], dim=-1)
+    return grads
+
+
+def augmented_patches(layer_input: Tensor, slot: KronSlot) -> Tensor:
+    """The layer's inputs :math:`\\tilde a_{it} = [a_{it}, 1]` as ``(M, T, n)`` (``F.unfold`` patches for a conv)."""
+    if slot.conv is None:
+        a = layer_input[:, None, :]
+    else:
+        spec = slot.conv
+        a = F.unfold(layer_input, spec.kernel_size, spec.dilation, spec.padding, spec.stride).mT  # (M, T, n_in)
+    if slot.bias_slice is not None:
+        a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
+    return a
 
 
 @dataclass(frozen=True)
@@ -269,8 +324,8 @@ def hessian_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
 def _forward(
     model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Network output at ``theta``, every layer's input patches ``(M, T, n_in)`` and its pre-activation
-    (the roots of the graph), in layer order."""
+    """Network output at ``theta``, every layer's input (rows or feature maps, unfolded lazily) and its
+    pre-activation (the roots of the graph), in layer order."""
     slot_of = {slot.module_index: slot for slot in layout.slots}
     inputs: list[Tensor] = []
     pre_activations: list[Tensor] = []
@@ -282,13 +337,11 @@ def _forward(
             continue
         weight = theta[slot.weight_slice]
         bias = None if slot.bias_slice is None else theta[slot.bias_slice]
+        inputs.append(h.detach())
         if slot.conv is None:
-            inputs.append(h.detach()[:, None, :])
             z = F.linear(h, weight.view(slot.out_features, slot.in_features), bias)
         else:
             spec = slot.conv
-            patches = F.unfold(h.detach(), spec.kernel_size, spec.dilation, spec.padding, spec.stride)  # (M, n, T)
-            inputs.append(patches.mT)
             kernel = weight.view(slot.out_features, -1, *spec.kernel_size)
             z = F.conv2d(h, kernel, bias, spec.stride, spec.padding, spec.dilation)
         if not z.requires_grad:
@@ -296,6 +349,16 @@ def _forward(
         pre_activations.append(z)
         h = z
     return h, inputs, pre_activations
+
+
+def _backward(f: Tensor, roots: list[Tensor], cotangents: Tensor) -> tuple[Tensor, ...]:
+    """:math:`\\delta` at every root for each of the K cotangents ``(K, M, out)``: ``(K, M, ...)`` per root.
+
+    One vectorised backward pass for K > 1; a plain one (no vmap) for K = 1 (one sampled label).
+    """
+    if cotangents.shape[0] == 1:
+        return tuple(g.unsqueeze(0) for g in torch.autograd.grad(f, roots, grad_outputs=cotangents[0]))
+    return torch.autograd.grad(f, roots, grad_outputs=cotangents, is_grads_batched=True)
 
 
 def pseudo_grads(
@@ -352,17 +415,14 @@ def pseudo_grads(
             losses = torch.stack([likelihood.nll(f_s, label) for f_s, label in zip(f_leaf, labels)])
             # (S, M, out): gradients of the nll at the sampled labels, scaled so that sum_s = mean_s
             cotangents = torch.autograd.grad(losses.sum(), f_leaf)[0] / math.sqrt(labels.shape[0])
-        # One vectorised backward pass per layer output for all K cotangents: (K, M, m) per layer.
-        grads = torch.autograd.grad(f, pre_activations, grad_outputs=cotangents, is_grads_batched=True)
+        grads = _backward(f, pre_activations, cotangents)
     layers = []
     for slot, a, deltas in zip(layout.slots, inputs, grads):
-        if slot.bias_slice is not None:
-            a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
         if slot.conv is not None:  # (K, M, m, H', W') -> (K, M, T, m)
             deltas = deltas.flatten(3).transpose(2, 3)
         else:
             deltas = deltas[:, :, None, :]
-        layers.append(LayerPseudoGrads(slot=slot, inputs=a, output_grads=deltas))
+        layers.append(LayerPseudoGrads(slot=slot, layer_input=a, output_grads=deltas))
     return PseudoGrads(layers=tuple(layers), layout=layout, n_examples=x.shape[0])
 
 

@@ -31,8 +31,12 @@ its own ``StructuredGaussian``:
   ``BlockDiagGaussian``;
 * ``full``: the whole :math:`N\mathbf I + \operatorname{diag}(\tau)` → ``FullGaussian`` (small nets).
 
-Curvature is computed in float64 from the whole training set in chunks of ``curvature_batch_size``
-and the posterior is then cast to the model's dtype. ``predict`` either samples networks
+Curvature is computed from the whole training set (or a random ``curvature_subset`` of it: the mean
+:math:`\mathbf I` is then estimated from that many examples, still scaled by N) in chunks of
+``curvature_batch_size``. The per-chunk work (forward, backward, the GEMMs of the factors, EFB's
+rotations) runs in ``curvature_dtype`` (``model``: the model's dtype, float32 for the image nets);
+sums across chunks, eigendecompositions and the posterior's construction are float64, and the
+posterior is then cast to the model's dtype. ``predict`` either samples networks
 (``predictive: sample``, Lee et al. eq. 7) or the linearised model
 :math:`f(x;\theta_{MAP}) + J(x)(\theta_s - \theta_{MAP})` (``predictive: linearised``).
 
@@ -80,6 +84,7 @@ logger = logging.getLogger(__name__)
 _PREDICT_CHUNK = 64  # posterior samples per vectorised forward pass
 _PREDICT_BUDGET = 2**13  # (posterior samples x examples) per vectorised forward pass, when the inputs are sliced
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
+_CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
 
 
 class Structure(str, Enum):
@@ -211,6 +216,10 @@ class Laplace(Method):
         lr: Adam learning rate of the MAP fit.
         map_dir: a finished run folder to take the MAP from instead of training, or ``None``.
         curvature_batch_size: examples per chunk when accumulating the curvature.
+        curvature_dtype: ``model`` (the model's dtype), ``float32`` or ``float64``: the dtype of the
+            per-chunk curvature work (sums across chunks are float64 either way).
+        curvature_subset: estimate the curvature on this many training examples, drawn without
+            replacement (``None``: all of them).
 
     Raises:
         ValueError: on an unknown structure, curvature or predictive (the choices are listed), a
@@ -230,6 +239,8 @@ class Laplace(Method):
         lr: float,
         map_dir: str | None,
         curvature_batch_size: int,
+        curvature_dtype: str = "model",
+        curvature_subset: int | None = None,
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
@@ -250,6 +261,12 @@ class Laplace(Method):
         ):
             if int(value) != value or value < 1:
                 raise ValueError(f"laplace: {name} must be an integer >= 1, got {value}")
+        if curvature_dtype not in _CURVATURE_DTYPES:
+            raise ValueError(
+                f"laplace: unknown curvature_dtype {curvature_dtype!r}; choices: {', '.join(_CURVATURE_DTYPES)}"
+            )
+        if curvature_subset is not None and (int(curvature_subset) != curvature_subset or curvature_subset < 1):
+            raise ValueError(f"laplace: curvature_subset must be an integer >= 1 or null (all), got {curvature_subset}")
         if rank is not None and (int(rank) != rank or rank < 1):
             raise ValueError(f"laplace: rank must be an integer >= 1 or null (all eigenvalues), got {rank}")
         self.prior_precision = None if prior_precision is None else float(prior_precision)
@@ -257,6 +274,8 @@ class Laplace(Method):
         self.rank = None if rank is None else int(rank)
         self.n_curvature_samples = int(n_curvature_samples)
         self.curvature_batch_size = int(curvature_batch_size)
+        self.curvature_dtype = _CURVATURE_DTYPES[curvature_dtype]
+        self.curvature_subset = None if curvature_subset is None else int(curvature_subset)
         self.lr = lr
         self.map_dir = map_dir
         self._posterior: StructuredGaussian | None = None
@@ -326,6 +345,7 @@ class Laplace(Method):
     def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
         """Compute the curvature at the current parameters and build the posterior."""
         p = self.problem
+        self.fit_info = {}
         theta = self.theta.detach().double()
         scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
         tau = (
@@ -334,11 +354,14 @@ class Laplace(Method):
             else torch.full_like(theta, self.prior_precision)
         )
 
+        x, y = self._curvature_data(x, y)
+        theta_c = theta.to(self.curvature_dtype or self.theta.dtype)
+
         def batches():
             return iter_pseudo_grads(
                 p.model,
-                theta,
-                x.double(),
+                theta_c,
+                x,
                 y,
                 p.likelihood,
                 batch_size=self.curvature_batch_size,
@@ -348,10 +371,20 @@ class Laplace(Method):
             )
 
         posterior = self._build(theta, scale, tau, batches)
+        self.fit_info["n_curvature_examples"] = x.shape[0]
         fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
         dtype = self.theta.dtype
         self._posterior = type(posterior)(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
         return self._posterior
+
+    def _curvature_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x, y)``, or ``curvature_subset`` of its rows drawn without replacement (in their original order)."""
+        if self.curvature_subset is None or self.curvature_subset >= x.shape[0]:
+            return x, y
+        generator = self.problem.generator
+        keep = torch.randperm(x.shape[0], generator=generator, device=generator.device)[: self.curvature_subset]
+        keep = keep.sort().values.to(x.device)
+        return x[keep], y[keep]
 
     def _layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
         index = torch.cat([block_index(slot, device) for slot in self._layout.slots])
@@ -423,7 +456,7 @@ class Laplace(Method):
         prec_diag = scale * corrections + tau
         invalid = prec_diag <= 0
         n_clipped = int(invalid.sum())
-        self.fit_info = {"n_clipped": n_clipped, "kept_rank": sum(low.rank for low in lows)}
+        self.fit_info.update({"n_clipped": n_clipped, "kept_rank": sum(low.rank for low in lows)})
         if n_clipped:
             logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
         return KroneckerLowRankPlusDiagGaussian(

@@ -377,3 +377,52 @@ def test_def_refuses_a_rank_too_large_for_its_core(monkeypatch: pytest.MonkeyPat
     method.setup(problem)
     with pytest.raises(ValueError, match="lower method.rank"):
         method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize(("key", "value"), [("curvature_dtype", "float16"), ("curvature_subset", 0)])
+def test_bad_curvature_options_are_refused(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key):
+        make_laplace(**{key: value})
+
+
+@pytest.mark.parametrize("structure", ["kfac", "def"])
+def test_float32_curvature_gives_the_float64_posterior(structure: str) -> None:
+    """curvature_dtype=float32 (float64 sums and eigendecompositions) agrees with float64 to ~1e-5."""
+    posteriors = []
+    for dtype in ("float64", "float32"):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # the same initial network for both
+            problem, x, y = _tiny_lenet_problem()
+        method = make_laplace(structure=structure, rank=4, curvature_dtype=dtype)
+        method.setup(problem)
+        method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+        posteriors.append(method.posterior())
+    p64, p32 = (q.to_dense().precision for q in posteriors)
+    assert_close(p32, p64, rtol=1e-4, atol=1e-5 * float(p64.abs().max()))
+
+
+def test_curvature_subset_uses_exactly_that_many_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bdl_bench.methods.laplace as laplace_module
+
+    seen: list[Tensor] = []
+    original = laplace_module.iter_pseudo_grads
+
+    def counting(model, theta, x, *args, **kwargs):
+        seen.append(x)
+        return original(model, theta, x, *args, **kwargs)
+
+    monkeypatch.setattr(laplace_module, "iter_pseudo_grads", counting)
+    problem, x, y = _tiny_lenet_problem()
+    method = make_laplace(structure="def", rank=2, curvature_subset=12)
+    method.setup(problem)
+    method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    assert [len(rows) for rows in seen] == [12, 12]  # KFAC factors and EFB eigenvalues: the same 12 rows
+    assert_close(seen[0], seen[1], rtol=0, atol=0)
+    rows = {tuple(row.tolist()) for row in x}
+    assert all(tuple(row.tolist()) in rows for row in seen[0]) and len({tuple(r.tolist()) for r in seen[0]}) == 12
+    assert method.fit_info["n_curvature_examples"] == 12
+    seen.clear()
+    method = make_laplace(structure="diag", curvature_subset=1000)  # more than there are: all of them
+    method.setup(problem)
+    method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    assert [len(rows) for rows in seen] == [30] and method.fit_info["n_curvature_examples"] == 30
