@@ -291,6 +291,55 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
 
 
+def reusable_grad_buffer(leaf: Tensor, buffer: Tensor) -> Tensor:
+    """``buffer``, to receive ``leaf``'s gradient, unless ``leaf.grad`` already shares its memory (a second
+    backward without zeroing, which accumulates into ``leaf.grad``): then a fresh tensor."""
+    grad = leaf.grad
+    if grad is not None and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+        return torch.empty_like(buffer)
+    return buffer
+
+
+def gather_part_grads(grads: tuple[Tensor | None, ...], sizes: list[int], out: Tensor) -> Tensor:
+    """Write the parameter-shaped ``grads`` (sizes ``sizes``) into the flat ``out`` in order; a part without
+    gradient (``None``) gets zeros, one already written in its place (a layer's backward with
+    ``mm(out=...)``) is left as it is.
+
+    The backward of splitting a flat vector into parts, into a reused buffer, where ``torch.split``'s
+    backward concatenates into a fresh ``(D,)`` tensor every step: fresh pages are what such a pass mostly
+    costs (a ``(D,)`` allocation is above glibc's mmap threshold, so each one is mapped anew).
+    """
+    for segment, size, grad in zip(torch.split(out, sizes), sizes, grads):
+        if grad is None:
+            segment.zero_()
+        elif not (grad.data_ptr() == segment.data_ptr() and grad.is_contiguous() and grad.numel() == size):
+            segment.view(grad.shape).copy_(grad)
+    return out
+
+
+class _FlatParts(torch.autograd.Function):
+    """The parameter-shaped parts of a flat leaf (views); the backward gathers their gradients into a
+    reused ``(D,)`` buffer (:func:`gather_part_grads`), which becomes the leaf's ``.grad`` as it stands."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.flat, ctx.grad_buffer = flat, grad_buffer
+        ctx.sizes = [math.prod(s) for s in shapes]
+        return tuple(part.view(s) for part, s in zip(torch.split(flat, ctx.sizes), shapes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        out = gather_part_grads(grads, ctx.sizes, reusable_grad_buffer(ctx.flat, ctx.grad_buffer))
+        return out.view_as(out), None, None
+
+
+def flat_parts(flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
+    """``flat`` split into tensors of ``shapes`` (views), differentiable: their gradients are written into
+    ``grad_buffer`` (overwritten by every backward) and handed to ``flat`` without concatenating."""
+    return list(_FlatParts.apply(flat, grad_buffer, shapes))
+
+
 class LayerwiseVI(Method):
     """Base of the layer-wise Gaussian VI methods (see the module docstring).
 
@@ -382,6 +431,7 @@ class LayerwiseVI(Method):
         self.dense = self.local and all(isinstance(layer.module, nn.Linear) for layer in self.layers)
         self._layer_of = {layer.module: layer for layer in self.layers}
         self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
+        self._mean_grad = torch.empty_like(self.mean)  # receives the mean's gradient (flat_parts)
         self.param_shapes = [p.shape for p in model.parameters()]
         self.param_sizes = [p.numel() for p in model.parameters()]
         self.noise_free = self._padding_rows()
@@ -397,6 +447,13 @@ class LayerwiseVI(Method):
         lead = flat.shape[:-1]
         parts = torch.split(flat, self.param_sizes, dim=-1)
         return [p.reshape(*lead, *shape) for p, shape in zip(parts, self.param_shapes)]
+
+    def mean_parts(self) -> list[Tensor]:
+        """The mean split per model parameter (views); with autograd on, by :func:`flat_parts` (the
+        gradient lands in a reused buffer), so a step allocates no fresh ``(D,)`` gradient for it."""
+        if not torch.is_grad_enabled():
+            return self.split_params(self.mean)
+        return flat_parts(self.mean, self._mean_grad, self.param_shapes)
 
     def _padding_rows(self) -> Tensor | None:
         """``(D,)`` mask of the padding rows of ``nn.Embedding`` layers, or ``None`` without any."""
@@ -417,7 +474,7 @@ class LayerwiseVI(Method):
         """
         parts = getattr(terms, "mean_parts", None)  # a family may pass the mean through its fused KL
         if parts is None:
-            parts = self.split_params(self.mean)
+            parts = self.mean_parts()
         fold = n_samples > 1 and not self.dense
         if n_samples == 1:
             h = x

@@ -200,6 +200,7 @@ class _Terms:
     var_parts: list[Tensor] | None
     kl: Tensor | None
     factors: dict[int, tuple[Tensor, Tensor | None]] | None = None  # layer index -> its v_k to run on
+    mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (one split per step)
 
 
 @register_method("elrg")
@@ -301,7 +302,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         var = F.softplus(self.variational["rho"]).square() if self.learn_diag else None
         kl = None
         if with_kl:
-            means = self.split_params(self.mean)
+            means = self.mean_parts()  # shared with the network: one gradient gather for the mean
             diags = self.split_params(var) if var is not None else None
             terms = []
             factors = {}
@@ -317,7 +318,8 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
                 terms.append(layer_kl)
                 factors[layer.index] = (outs[0], outs[1] if len(outs) > 1 else None)
             kl = torch.stack(terms).sum()
-            return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl, factors=factors)
+            var_parts = None if var is None else self.split_params(var)
+            return _Terms(var=var, var_parts=var_parts, kl=kl, factors=factors, mean_parts=means)
         return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl)
 
     def _local_preactivation(

@@ -78,7 +78,7 @@ from bdl_bench.methods._layerwise_vi import (
 )
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import diag_kl
+from bdl_bench.methods.gmfvi import diag_kl, uniform_value
 
 _INIT_JITTER = 0.1  # log-scale jitter of the initial factors (symmetry breaking)
 
@@ -113,6 +113,7 @@ class _Terms:
     factors: dict[int, tuple[Tensor, Tensor]]  # tied weight (its position) -> (U^T (k_l, cols), V^T (k_l, rows)) > 0
     stds: dict[int, Tensor]  # every other parameter (its position) -> its standard deviations, parameter-shaped
     kl: Tensor | None
+    mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (one split per step)
 
 
 @register_method("ktied")
@@ -199,8 +200,8 @@ class KTiedNormalVI(LayerwiseVI):
         self._check_k()
         g = self.problem.generator
         lam_parts = self.split_params(self.prior_precision)
-        self.prior_parts = lam_parts
         self.log_prior_parts = [float(torch.log(p).sum()) for p in lam_parts]
+        self.prior_parts = [uniform_value(p) for p in lam_parts]  # one number where shared (the usual case)
         self.factor_keys: dict[int, tuple[str, str]] = {}  # tied weight position -> (U key, V key)
         self.rho_keys: dict[int, str] = {}  # every other parameter's position -> its rho key
         tensors: dict[str, Tensor] = {}
@@ -237,14 +238,14 @@ class KTiedNormalVI(LayerwiseVI):
         terms = _Terms(factors=factors, stds=stds, kl=None)
         if not with_kl:
             return terms
-        means = self.split_params(self.mean)
+        means = self.mean_parts()  # shared with the network: one gradient gather for the mean
         kl = torch.stack(
             [
                 diag_kl(mean, self._param_std(terms, pos), self.prior_parts[pos], self.log_prior_parts[pos])
                 for pos, mean in enumerate(means)
             ]
         ).sum()
-        return _Terms(factors=factors, stds=stds, kl=kl)
+        return _Terms(factors=factors, stds=stds, kl=kl, mean_parts=means)
 
     def _param_std(self, terms: _Terms, position: int) -> Tensor:
         """The standard deviations of the parameter at ``position``, in its shape (:math:`VU^\\top` if tied)."""
