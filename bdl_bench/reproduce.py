@@ -6,7 +6,7 @@
 2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``),
    each job's Optuna study runs first, into ``<results_root>/<experiment_name>_tuning/<job folder>``;
    a finished study of the same config is not run again.
-3. The test runs run as Hydra sweeps (one per dataset), with the joblib launcher on ``--jobs`` cores
+3. The test runs run as Hydra sweeps (one per group of datasets with the same sweep), with the joblib launcher on ``--jobs`` cores
    unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
    killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
    of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`) unless they are tuned (each
@@ -234,19 +234,29 @@ def run_studies(plan: Plan, launcher: list[str], *, jobs: int, quick: bool, forc
 
 
 def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
-    """One Hydra sweep per dataset over the plan's jobs (skipping finished runs, resuming killed ones)."""
+    """The plan's jobs as Hydra sweeps (skipping finished runs, resuming killed ones): one per group of
+    datasets whose other sweep values are the same, so that the launcher's workers share all their jobs."""
     by_data: dict[str, list[list[str]]] = {}
     for job in plan.jobs:
         by_data.setdefault(next((o for o in job if o.startswith("data=")), ""), []).append(job)
-    for data, group in by_data.items():
+    sweeps: dict[str, dict[str, list[str]]] = {}  # datasets with the same values of every other key share a sweep
+    for group in by_data.values():
         values = {
             k: list(dict.fromkeys(o.split("=", 1)[1] for o in (j[i] for j in group))) for i, k in enumerate(plan.keys)
         }
         if plan.stack_splits and plan.tuning_dir is None:  # one stacked job per method (bdl_bench.stacked)
             values["data.split"] = [f"[{','.join(values['data.split'])}]"]
+        others = repr({k: v for k, v in values.items() if k != "data"})
+        if others in sweeps and "data" in values:
+            sweeps[others]["data"] += values["data"]
+        else:
+            sweeps[others] = values
+    for values in sweeps.values():
+        data = f"data={','.join(values['data'])}" if "data" in values else ""
+        n_jobs = len(list(itertools.product(*values.values())))
         sweep = [f"{k}={','.join(v)}" for k, v in values.items()]
         extra = [_quoted("tuned_from", plan.tuning_dir)] if plan.tuning_dir is not None else []
-        print(f"[runs] {data or plan.experiment}: {len(group)} runs → {plan.sweep_dir}", flush=True)
+        print(f"[runs] {data or plan.experiment}: {n_jobs} jobs → {plan.sweep_dir}", flush=True)
         run_hydra(["-m", *plan.fixed, *sweep, *extra, *launcher, *(["force=true"] if force else [])])
 
 

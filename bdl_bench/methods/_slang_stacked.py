@@ -234,15 +234,16 @@ def top_eigenpairs(matrix: Tensor, rank: int, *, tol: float | None = None) -> tu
     start[:rank] += 10.0 * torch.eye(rank, block, dtype=matrix.dtype, device=matrix.device)
     basis = torch.linalg.qr(start.expand(n_copies, size, block)).Q
     for _ in range(_MAX_ITERATIONS):
-        basis = torch.linalg.qr(matrix @ basis).Q
-        image = matrix @ basis
+        image = matrix @ basis  # one product per iteration: A Q serves the Ritz step and the next basis
         ritz_values, ritz_vectors = torch.linalg.eigh(basis.mT @ image)  # ascending, (R, b)
         values = ritz_values[:, -rank:].flip(-1)
-        vectors = basis @ ritz_vectors[:, :, -rank:].flip(-1)
-        residual = (image @ ritz_vectors[:, :, -rank:].flip(-1) - vectors * values[:, None, :]).norm(dim=(1, 2))
+        top = ritz_vectors[:, :, -rank:].flip(-1)
+        vectors = basis @ top
+        residual = (image @ top - vectors * values[:, None, :]).norm(dim=(1, 2))
         done = residual <= tol * values[:, 0].abs().clamp_min(torch.finfo(matrix.dtype).tiny)
         if bool(done.all()):
             return values, vectors
+        basis = torch.linalg.qr(image).Q
     stuck = (~done).nonzero()[:, 0]
     evals, evecs = torch.linalg.eigh(matrix[stuck])
     values, vectors = values.clone(), vectors.clone()
