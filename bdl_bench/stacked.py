@@ -16,7 +16,9 @@ evaluated as an ordinary method (``Method.replica``) with its own evaluation gen
 ``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
 
 The stack checkpoints into the job's own folder (``checkpoint.pt``: the stacked state, the generators
-and every split's history) every ``trainer.checkpoint_every`` epochs; re-running the job resumes it.
+and every split's history) every ``trainer.checkpoint_every`` epochs; re-running the job resumes it
+(a checkpoint of another set of splits, left by a stack killed while writing its results, is
+discarded with a warning: the splits it still lacks start afresh).
 
 Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
 examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,8 +102,8 @@ def run_stack(
         epoch_hook: called with the epoch number after each epoch's rows and checkpoint are written.
 
     Raises:
-        ValueError: when the splits differ in size or width, the data are augmented, the method cannot
-            stack, or ``stack_dir`` holds a checkpoint of another stack.
+        ValueError: when the splits differ in size or width or the data are augmented.
+        NotImplementedError: when the method cannot stack.
     """
     splits = list(member_dirs)
     trainer = cfg.trainer
@@ -116,10 +119,13 @@ def run_stack(
     checkpoint_path = stack_dir / CHECKPOINT_FILE
     checkpoint = load_checkpoint(checkpoint_path)
     if checkpoint is not None and checkpoint.config_hash != stack_hash:
-        raise ValueError(
+        # another set of unfinished splits (e.g. a stack killed while writing its splits' results): start afresh
+        warnings.warn(
             f"{checkpoint_path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job "
-            f"{stack_hash}); delete it or re-run with force=true"
+            f"{stack_hash}); starting the splits {splits} from scratch",
+            stacklevel=2,
         )
+        checkpoint = None
     datasets = {k: _to_device(load_dataset(configs[k]["data"]), device, dtype) for k in splits}  # type: ignore[index]
     _check_stackable(datasets, cfg)
     first = datasets[splits[0]]

@@ -232,3 +232,16 @@ def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
     tied = torch.diag_embed(torch.tensor([[5.0, 5.0, 5.0, 1.0] + [0.5] * 8], dtype=dtype))
     values, vectors = top_eigenpairs(tied, 2)
     torch.testing.assert_close(values, torch.tensor([[5.0, 5.0]], dtype=dtype))
+
+
+def test_checkpoint_of_another_set_of_splits_is_discarded(tmp_path: Path, compose_cfg) -> None:
+    """A stack killed while writing its splits' results leaves a checkpoint of the full set; the re-run
+    (only the unfinished splits) warns and starts them afresh instead of failing."""
+    common = ["method=dropout", "data=uci/yacht", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]
+    with pytest.raises(Crash):
+        run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack", epoch_hook=_crash_after(2))
+    assert (tmp_path / "stack" / "checkpoint.pt").exists()
+    with pytest.warns(UserWarning, match="belongs to another stack of splits"):
+        run_job(compose_cfg([*common, "data.split=[2]"]), tmp_path / "stack")
+    assert (tmp_path / "stack" / "split=2" / "metrics.json").exists()
+    assert not (tmp_path / "stack" / "split=0" / "metrics.json").exists()
