@@ -188,6 +188,19 @@ class LowRankUpdate:
     diag_residual: Tensor  # (D,)
 
 
+def canonical_signs(vectors: Tensor) -> Tensor:
+    """Eigenvectors ``(..., K, L)`` of :math:`B^\top B` with each column's sign chosen so that its
+    entries sum to >= 0.
+
+    An eigenvector's sign is arbitrary (LAPACK picks one), but SLANG's samples
+    :math:`d^{1/2}\\epsilon_1 + U\\epsilon_2` depend on the sign of U's columns: with one convention
+    the dense path, the Gram path and the stacked update (:mod:`bdl_bench.methods._slang_stacked`)
+    draw the same samples from the same noise, so their runs agree up to rounding, on any LAPACK.
+    """
+    signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
+    return vectors * signs
+
+
 def low_rank_update(
     factors: PerExampleFactors,
     prec_factor: Tensor,
@@ -254,7 +267,7 @@ def low_rank_update(
         raise FloatingPointError("non-finite Gram matrix B^T B (non-finite or overflowing per-example gradients)")
     evals, evecs = torch.linalg.eigh(btb)  # ascending
     eigenvalues = evals[-rank:].flip(0).clamp_min(0.0)
-    top = evecs[:, -rank:].flip(1)  # (L+P, L)
+    top = canonical_signs(evecs[:, -rank:].flip(1))  # (L+P, L)
     new_factor = rotate_columns(prec_factor, top[:rank] * old_weight**0.5, target)  # sqrt(w0) U W_U
     new_sqnorms = torch.zeros_like(factor_sqnorms)
     # + sqrt(w1) G W_G, squaring each finished block while it is in cache
@@ -280,7 +293,12 @@ def _dense_update(
         )
     evals, evecs = torch.linalg.eigh(matrix)  # ascending
     eigenvalues = evals[-rank:].flip(0).clamp_min(0.0)
-    new_factor = evecs[:, -rank:].flip(1) * eigenvalues.sqrt()
+    top = evecs[:, -rank:].flip(1)  # (D, L)
+    # the sign convention of the Gram path: its coefficients B^T v / sqrt(lambda) sum to >= 0, where
+    # B^T v = [sqrt(w0) U^T v; sqrt(w1) G^T v], i.e. (sqrt(w0) U 1 + sqrt(w1) G 1)^T v >= 0
+    sums = prec_factor.sum(1) * old_weight**0.5 + grads.sum(1) * new_weight**0.5  # (D,)
+    top = top * torch.where(sums @ top < 0, -1.0, 1.0).to(top.dtype)
+    new_factor = top * eigenvalues.sqrt()
     new_sqnorms = new_factor.square().sum(1)
     return LowRankUpdate(
         prec_factor=new_factor,

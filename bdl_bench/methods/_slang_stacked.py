@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bdl_bench.curvature.gram import canonical_signs
 from bdl_bench.curvature.low_rank import PrecisionCache
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Likelihood, stacked_nll
@@ -164,7 +165,7 @@ def stacked_slang_update(
     btb[:, rank:, rank:] = gram * w1
     _check_finite(btb.flatten(1).sum(1), step, "Gram matrix B^T B")
     eigenvalues, top = top_eigenpairs(btb, rank)  # (R, L), (R, L + P, L)
-    eigenvalues = eigenvalues.clamp_min(0.0)
+    eigenvalues, top = eigenvalues.clamp_min(0.0), canonical_signs(top)
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
     new_u = u @ top[:, :rank] * w0**0.5
