@@ -125,8 +125,12 @@ def stacked_slang_update(
     lr: float,
     beta: float,
     momentum: float,
+    workspace: dict[str, Tensor] | None = None,
 ) -> tuple[SlangState, PrecisionCache]:
     """:func:`bdl_bench.methods.slang.slang_update` for every copy (module docstring).
+
+    ``workspace`` keeps the ``(R, L+P, L+P)`` Gram buffer from one step to the next (a fresh one each
+    step costs more in page faults than the arithmetic filling it).
 
     Raises:
         NonFiniteGradientError: if a copy's gradient or Gram matrix is not finite (naming the copy).
@@ -149,20 +153,28 @@ def stacked_slang_update(
     # B^T B with B = [sqrt(w0) U, sqrt(w1) G] (gram.py's module docstring)
     w0, w1 = 1.0 - beta, beta * scale
     u_layers = _per_layer(u, layout)
+    size = rank + n_cols
+    btb = (workspace or {}).get("btb")
+    if btb is None or btb.shape != (n_copies, size, size) or btb.dtype != u.dtype:
+        btb = torch.empty(n_copies, size, size, dtype=u.dtype, device=u.device)
+        if workspace is not None:
+            workspace["btb"] = btb
     cross = torch.zeros(n_copies, n_cols, rank, dtype=u.dtype, device=u.device)  # U^T g_p as rows
-    gram = torch.zeros(n_copies, n_cols, n_cols, dtype=u.dtype, device=u.device)  # G^T G
+    gram = btb[:, rank:, rank:].zero_()  # G^T G, accumulated in place
     for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
         cross += torch.einsum("rpo,roil,rpi->rpl", dl, uw, a)
-        act_gram = a @ a.mT
         if ub is not None:
             cross += torch.einsum("rpo,rol->rpl", dl, ub)
-            act_gram = act_gram + 1.0
-        gram += act_gram * (dl @ dl.mT)
-    btb = torch.empty(n_copies, rank + n_cols, rank + n_cols, dtype=u.dtype, device=u.device)
+            a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
+        if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
+            scaled = a * dl
+            gram.baddbmm_(scaled, scaled.mT)
+        else:
+            gram.addcmul_(a @ a.mT, dl @ dl.mT)
+    gram.mul_(w1)
     btb[:, :rank, :rank] = cache.factor_gram * w0
     btb[:, rank:, :rank] = cross * (w0 * w1) ** 0.5
     btb[:, :rank, rank:] = btb[:, rank:, :rank].mT
-    btb[:, rank:, rank:] = gram * w1
     _check_finite(btb.flatten(1).sum(1), step, "Gram matrix B^T B")
     eigenvalues, top = top_eigenpairs(btb, rank)  # (R, L), (R, L + P, L)
     eigenvalues, top = eigenvalues.clamp_min(0.0), canonical_signs(top)

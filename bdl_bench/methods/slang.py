@@ -339,6 +339,7 @@ class Slang(Method):
             **stacked, prec_factor=torch.zeros_like(stacked["mean"][..., None].expand(-1, -1, self.rank)), step=0
         )
         self._cached = (self.state, stacked_cache(self.state))
+        self._workspace: dict[str, Tensor] = {}
 
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
@@ -368,6 +369,7 @@ class Slang(Method):
             lr=decayed_rate(self.lr, self.decay, step),
             beta=decayed_rate(self.beta, self.decay, step),
             momentum=self.momentum,
+            workspace=self._workspace,
         )
         self._cached = (self.state, new_cache)
         return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
