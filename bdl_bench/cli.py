@@ -11,8 +11,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from bdl_bench.allocator import keep_freed_memory
-
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
 
@@ -150,7 +148,6 @@ def data_command(args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    keep_freed_memory()  # no page faults for the per-step temporaries (bdl_bench/allocator.py)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return

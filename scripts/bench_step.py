@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bdl_bench.allocator import keep_freed_memory
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
@@ -238,7 +237,6 @@ def main() -> None:
     if args.steps < 20:
         parser.error("--steps must be >= 20")
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # the same allocator settings for the SGD step and the method (bdl_bench/allocator.py)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
