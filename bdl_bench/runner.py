@@ -258,12 +258,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     generators = {"method": method_generator, "data": data_generator, "eval": eval_generator}
     start_epoch, elapsed_before, rows = 0, 0.0, []
     if checkpoint is not None:
-        method.load_state_dict(checkpoint.method)
-        for name, gen in generators.items():
-            gen.set_state(checkpoint.generators[name])
-        torch.set_rng_state(checkpoint.torch_rng)
-        if checkpoint.cuda_rng is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
+        restore_checkpoint(checkpoint, method, generators, device)
         start_epoch, elapsed_before, rows = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
 
     history = HistoryWriter(run_dir / "history.csv", rows)
@@ -280,19 +275,8 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     start = time.perf_counter() - elapsed_before
 
     def save(epoch: int) -> None:
-        save_checkpoint(
-            checkpoint_path,
-            Checkpoint(
-                epoch=epoch,
-                config_hash=chash,
-                method=method.state_dict(),
-                generators={name: gen.get_state() for name, gen in generators.items()},
-                torch_rng=torch.get_rng_state(),
-                cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                history=history.rows,
-                elapsed_s=time.perf_counter() - start,
-            ),
-        )
+        state = make_checkpoint(epoch, chash, method, generators, device, history.rows, time.perf_counter() - start)
+        save_checkpoint(checkpoint_path, state)
 
     def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
         row = epoch_row(
@@ -337,6 +321,41 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         train_time=train_time,
         eval_generator=eval_generator,
     )
+
+
+def make_checkpoint(
+    epoch: int,
+    chash: str,
+    method: Method,
+    generators: Mapping[str, torch.Generator],
+    device: torch.device,
+    history: Any,
+    elapsed_s: float,
+) -> Checkpoint:
+    """What a killed run needs to continue after ``epoch``: the method's state, every generator's and
+    torch's global (and CUDA) RNG state, the history so far and the time spent."""
+    return Checkpoint(
+        epoch=epoch,
+        config_hash=chash,
+        method=method.state_dict(),
+        generators={name: gen.get_state() for name, gen in generators.items()},
+        torch_rng=torch.get_rng_state(),
+        cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        history=history,
+        elapsed_s=elapsed_s,
+    )
+
+
+def restore_checkpoint(
+    checkpoint: Checkpoint, method: Method, generators: Mapping[str, torch.Generator], device: torch.device
+) -> None:
+    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's)."""
+    method.load_state_dict(checkpoint.method)
+    for name, gen in generators.items():
+        gen.set_state(checkpoint.generators[name])
+    torch.set_rng_state(checkpoint.torch_rng)
+    if checkpoint.cuda_rng is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
 
 
 def epoch_row(

@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
-from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from bdl_bench.checkpoint import load_checkpoint, save_checkpoint
 from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
@@ -52,8 +52,10 @@ from bdl_bench.runner import (
     epoch_row,
     finish_run,
     load_dataset,
+    make_checkpoint,
     resolve_device,
     resolve_dtype,
+    restore_checkpoint,
 )
 
 
@@ -161,10 +163,7 @@ def run_stack(
     generators.update({f"eval_{k}": g for k, g in eval_generators.items()})
     start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in splits]
     if checkpoint is not None:
-        method.load_state_dict(checkpoint.method)
-        for name, gen in generators.items():
-            gen.set_state(checkpoint.generators[name])
-        torch.set_rng_state(checkpoint.torch_rng)
+        restore_checkpoint(checkpoint, method, generators, device)
         start_epoch, elapsed_before, histories = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
     writers = {k: HistoryWriter(Path(member_dirs[k]) / "history.csv", rows) for k, rows in zip(splits, histories)}
     n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
@@ -195,19 +194,11 @@ def run_stack(
             )
             writers[k].append(row)
         if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
-            save_checkpoint(
-                checkpoint_path,
-                Checkpoint(
-                    epoch=epoch,
-                    config_hash=stack_hash,
-                    method=method.state_dict(),
-                    generators={name: gen.get_state() for name, gen in generators.items()},
-                    torch_rng=torch.get_rng_state(),
-                    cuda_rng=None,
-                    history=[writers[k].rows for k in splits],
-                    elapsed_s=time.perf_counter() - start,
-                ),
+            histories_now = [writers[k].rows for k in splits]
+            state = make_checkpoint(
+                epoch, stack_hash, method, generators, device, histories_now, time.perf_counter() - start
             )
+            save_checkpoint(checkpoint_path, state)
         bar.update(1)
         if epoch_hook is not None:
             epoch_hook(epoch)

@@ -69,8 +69,8 @@ def weighted_gram(factor: Tensor, weights: Tensor, rhs: Tensor | None = None) ->
 
 def capacitance_cholesky(capacitance: Tensor) -> Tensor:
     """R with :math:`RR^\\top = I + K` (lower Cholesky; positive definite for any U)."""
-    eye = torch.eye(capacitance.shape[0], dtype=capacitance.dtype, device=capacitance.device)
-    return torch.linalg.cholesky(capacitance + eye)
+    eye = torch.eye(capacitance.shape[-1], dtype=capacitance.dtype, device=capacitance.device)
+    return torch.linalg.cholesky(capacitance + eye)  # also for a stack (..., L, L)
 
 
 def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> PrecisionCache:
@@ -100,12 +100,17 @@ def sample_noise(
     :math:`U^\\top D^{-1} z = U^\\top(d^{-1/2}\\circ\\epsilon_1) + K\\epsilon_2`,
     :math:`P^{-1}z = d^{-1/2}\\circ\\epsilon_1 + D^{-1}U(\\epsilon_2 - C^{-1}U^\\top D^{-1} z)`: two
     passes over U for all n samples (as Alg. 3). The normals are drawn on the generator's device.
+
+    For R stacked precisions (U ``(R, D, L)``, d ``(R, D)``, cache entries with a leading R; the stacked
+    splits of :mod:`bdl_bench.stacked`) the draws are ``(R, n, D)``: one ``(n, D + L)`` draw of normals,
+    shared by the copies, as a single run draws it.
     """
-    n_params, rank = prec_factor.shape
+    n_params, rank = prec_factor.shape[-2:]
     eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=prec_diag.dtype)
     eps = eps.to(prec_diag.device)
-    white = eps[:, :n_params] * prec_diag.rsqrt()  # (n, D) d^{-1/2} e1
+    diag = prec_diag.unsqueeze(-2)  # (1, D) or (R, 1, D)
+    white = eps[:, :n_params] * diag.rsqrt()  # (..., n, D) d^{-1/2} e1
     low = eps[:, n_params:]  # (n, L) e2
-    proj = white @ prec_factor + low @ cache.capacitance  # (n, L) rows of U^T D^{-1} z
-    coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (n, L)
-    return white.addcdiv_(coeffs @ prec_factor.mT, prec_diag)
+    proj = white @ prec_factor + low @ cache.capacitance  # (..., n, L) rows of U^T D^{-1} z
+    coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (..., n, L)
+    return white.addcdiv_(coeffs @ prec_factor.mT, diag)

@@ -10,7 +10,8 @@ every product with the per-example gradient matrix G goes through the layer fact
 :math:`\Delta` (output gradients), :math:`g_p = \operatorname{vec}(\delta_p a_p^\top)` per layer.
 
 Copy r draws exactly the standard normals a single run of the same seed draws (one ``(S, D + L)``
-draw, shared by the copies), so a stacked fit equals R single runs up to rounding.
+draw, shared by the copies: :func:`bdl_bench.curvature.low_rank.sample_noise` on the stacked
+precision), so a stacked fit equals R single runs up to rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from bdl_bench.curvature.gram import canonical_signs
-from bdl_bench.curvature.low_rank import PrecisionCache
+from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Likelihood, stacked_nll
 from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
@@ -36,20 +37,6 @@ class StackedFactors:
     inputs: list[Tensor]
     output_grads: list[Tensor]
     losses: Tensor
-
-
-def stacked_noise(state: SlangState, cache: PrecisionCache, n_samples: int, generator: torch.Generator) -> Tensor:
-    """Draws of :math:`\\mathcal N(0, P_r^{-1})` for every copy, ``(R, S, D)``, from one ``(S, D + L)``
-    draw of standard normals (:func:`bdl_bench.curvature.low_rank.sample_noise`'s algebra)."""
-    u, d = state.prec_factor, state.prec_diag  # (R, D, L), (R, D)
-    n_params, rank = u.shape[1], u.shape[2]
-    eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=d.dtype)
-    eps = eps.to(d.device)
-    white = eps[:, :n_params] * d.rsqrt()[:, None, :]  # (R, S, D)
-    low = eps[:, n_params:]  # (S, L)
-    proj = white @ u + low @ cache.capacitance  # (R, S, L)
-    coeffs = low - torch.cholesky_solve(proj.mT, cache.capacitance_chol).mT
-    return white + (coeffs @ u.mT) / d[:, None, :]
 
 
 def stacked_factors(
@@ -206,8 +193,7 @@ def stacked_slang_update(
     scaled_u = new_u * inv_diag[..., None]  # (R, D, L)
     capacitance = new_u.mT @ scaled_u
     proj = (scaled_u.mT @ direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
-    eye = torch.eye(rank, dtype=u.dtype, device=u.device)
-    chol = torch.linalg.cholesky(capacitance + eye)
+    chol = capacitance_cholesky(capacitance)
     inner = torch.cholesky_solve(proj[..., None], chol)[..., 0]
     mean = state.mean - lr * inv_diag * (direction - (new_u @ inner[..., None])[..., 0])
     new_state = SlangState(mean=mean, prec_factor=new_u, prec_diag=prec_diag, momentum=new_momentum, step=step)
@@ -268,12 +254,11 @@ def stacked_cache(state: SlangState) -> PrecisionCache:
     """:func:`bdl_bench.curvature.low_rank.build_cache` for every copy of a stacked state."""
     u, d = state.prec_factor, state.prec_diag
     capacitance = u.mT @ (u / d[..., None])
-    eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
     return PrecisionCache(
         factor_gram=u.mT @ u,
         factor_sqnorms=u.square().sum(-1),
         capacitance=capacitance,
-        capacitance_chol=torch.linalg.cholesky(capacitance + eye),
+        capacitance_chol=capacitance_cholesky(capacitance),
     )
 
 

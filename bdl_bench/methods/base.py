@@ -128,14 +128,10 @@ class Method(ABC):
         Raises:
             NonFiniteLossError: naming the method, epoch and step, as soon as a loss is not finite.
         """
-        n = x.shape[0]
-        batch_size = min(batch_size, n)
-        n_batches = math.ceil(n / batch_size)
+        n_batches = math.ceil(x.shape[0] / min(batch_size, x.shape[0]))
         for epoch in range(start_epoch, n_epochs):
-            order = torch.randperm(n, generator=data_generator).to(x.device)
             totals: dict[str, float] = {}
-            for step in range(n_batches):
-                idx = order[step * batch_size : (step + 1) * batch_size]
+            for step, idx in enumerate(_minibatches(x.shape[0], batch_size, data_generator, x.device)):
                 x_batch = x[idx]
                 if self.problem.augmentation is not None:
                     x_batch = self.problem.augmentation(x_batch, data_generator)
@@ -190,14 +186,10 @@ class Method(ABC):
         Raises:
             NonFiniteLossError: naming the copy, epoch and step, as soon as a loss is not finite.
         """
-        n = x.shape[1]
-        batch_size = min(batch_size, n)
-        n_batches = math.ceil(n / batch_size)
+        n_batches = math.ceil(x.shape[1] / min(batch_size, x.shape[1]))
         for epoch in range(start_epoch, n_epochs):
-            order = torch.randperm(n, generator=data_generator).to(x.device)
             totals: dict[str, Tensor] = {}
-            for step in range(n_batches):
-                idx = order[step * batch_size : (step + 1) * batch_size]
+            for step, idx in enumerate(_minibatches(x.shape[1], batch_size, data_generator, x.device)):
                 out = self.train_step_replicas(x[:, idx], y[:, idx])
                 finite = torch.isfinite(out["loss"])
                 if not bool(finite.all()):
@@ -212,6 +204,13 @@ class Method(ABC):
                 means = {k: (v / n_batches).tolist() for k, v in totals.items()}
                 n_copies = x.shape[0]
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
+
+
+def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
+    """One epoch's minibatch indices: a fresh permutation of ``range(n)`` from ``generator``, cut into
+    ``ceil(n / batch_size)`` slices (the last one shorter)."""
+    order = torch.randperm(n, generator=generator).to(device)
+    return list(order.split(min(batch_size, n)))
 
 
 METHODS: dict[str, type[Method]] = {}

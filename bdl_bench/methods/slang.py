@@ -344,13 +344,13 @@ class Slang(Method):
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """:meth:`train_step` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``)."""
-        from bdl_bench.methods._slang_stacked import stacked_factors, stacked_noise, stacked_slang_update
+        from bdl_bench.methods._slang_stacked import stacked_factors, stacked_slang_update
 
         problem, state = self.problem, self.state
         step = state.step + 1
         cache = self._cached[1] if self._cached is not None else None
         assert cache is not None and self._cached[0] is state, "setup_replicas first"
-        noise = stacked_noise(state, cache, self.n_train_mc_samples, problem.generator)  # (R, S, D)
+        noise = sample_noise(state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator)
         likelihoods = [p.likelihood for p in self._replica_problems]
         factors = stacked_factors(problem.model, self.layout, state.mean[:, None] + noise, x, y, likelihoods)
         logdet = state.prec_diag.log().sum(-1) + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
