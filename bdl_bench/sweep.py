@@ -211,7 +211,18 @@ def run_stacked_job(
     splits = stacked_splits(cfg) or []
     dirs = member_dirs(run_dir, overrides, splits)
     hashes = {k: config_hash(OmegaConf.to_container(member_config(cfg, k), resolve=True)) for k in splits}  # type: ignore[arg-type]
-    todo = {k: d for k, d in dirs.items() if not _finished(d, hashes[k], force)}
+    todo = {}
+    conflicts: list[ConfigVersionError] = []
+    for k, d in dirs.items():
+        try:
+            if not _finished(d, hashes[k], force):
+                todo[k] = d
+        except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
+            write_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), _with_split(overrides, k))  # type: ignore[arg-type]
+            update_run_record(d, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+            conflicts.append(error)
+    if conflicts:
+        raise conflicts[0]
     if todo:
         for k, d in todo.items():
             _start_attempt(d, hashes[k], _with_split(overrides, k), force)

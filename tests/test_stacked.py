@@ -25,7 +25,7 @@ from bdl_bench.reproduce import make_plan
 from bdl_bench.results import config_hash, read_run_record
 from bdl_bench.runner import run
 from bdl_bench.stacked import _check_stackable, stacked_splits
-from bdl_bench.sweep import run_job
+from bdl_bench.sweep import ConfigVersionError, run_job
 
 METHODS = {
     "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},
@@ -140,6 +140,18 @@ def test_stacked_job_writes_each_split_as_its_single_run(tmp_path: Path, compose
     assert not again.skipped
     assert read_run_record(tmp_path / "stack" / "split=1")["status"] == "skipped"
     assert read_run_record(tmp_path / "stack" / "split=4")["attempts"] == 2
+    # another config version is refused and, as for a single run, recorded in every split's folder (so
+    # `reproduce` and `table` see the conflict instead of silently using the old runs)
+    changed = compose_cfg(
+        ["method=slang", "data=uci/yacht", "data.split=[1,4]", "trainer.n_epochs=3", "noise_precision=0.5"]
+    )
+    with pytest.raises(ConfigVersionError, match="another config version"):
+        run_job(changed, tmp_path / "stack")
+    for split in (1, 4):
+        member = tmp_path / "stack" / f"split={split}"
+        assert read_run_record(member)["status"] == "failed"
+        assert json.loads((member / "failure.json").read_text())["error_type"] == "ConfigVersionError"
+        assert (member / "metrics.json").exists()  # the old run is kept
 
 
 class Crash(Exception):
