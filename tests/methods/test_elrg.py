@@ -1,15 +1,20 @@
-"""ELRG-VI: Lemma 2's KL against the dense Gaussian KL, marginals, bad ranks."""
+"""ELRG-VI: Lemma 2's KL against the dense Gaussian KL, marginals, bad ranks, and the fused training step
+(hand-written backwards into reused buffers) against plain autograd."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from _vi_helpers import make_method, make_problem
 from torch.testing import assert_close
 
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, kl
 from bdl_bench.likelihoods import Gaussian
-from bdl_bench.methods.elrg import elrg_kl
+from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
+from bdl_bench.methods.elrg import _LowRankLocalLinear, elrg_kl
 
 DT = torch.float64
 
@@ -99,3 +104,171 @@ def test_rank_above_a_layer_size_raises_at_setup() -> None:
     with pytest.raises(ValueError, match=r"rank=5 exceeds the 4 parameters of linear layer 1 \(3→1\)"):
         make_method("elrg", rank=5).setup(problem)
     make_method("elrg", rank=4).setup(problem)
+
+
+def _plain_lemma_1(a, w_mean, b_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, alpha):  # noqa: ANN001, ANN202
+    """Lemma 1's sample of a dense layer as the plain expression (autograd differentiates it)."""
+    rank, n_out, _ = v_weight.shape
+    low = F.linear(a, v_weight.reshape(rank * n_out, -1), None if v_bias is None else v_bias.reshape(-1))
+    h = F.linear(a, w_mean, b_mean) + math.sqrt(alpha) * (eps_k @ low.unflatten(-1, (rank, n_out))).squeeze(-2)
+    if const_var is None:
+        var = F.linear(a * a, w_var, b_var)
+    else:
+        var = const_var * ((a * a).sum(-1, keepdim=True) + (0.0 if b_mean is None else 1.0))
+    return h + sqrt_or_tiny(var) * eps
+
+
+@pytest.mark.parametrize("learn_diag", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_low_rank_local_linear_matches_autograd_and_writes_into_the_buffers(learn_diag: bool, bias: bool) -> None:
+    """The hand-written backward of Lemma 1's dense layer against autograd of the plain expression, with a
+    leading sample dimension and (without a bias) a clamped, zero variance."""
+    g = torch.Generator().manual_seed(3)
+    rank, n_in, n_out, alpha = 3, 4, 5, 1 / 3
+    a = torch.randn(2, 6, n_in, generator=g, dtype=DT)
+    a[0, 1] = 0.0  # without a bias this output's variance is 0: clamped, no gradient through it
+    params = {
+        "w_mean": torch.randn(n_out, n_in, generator=g, dtype=DT),
+        "b_mean": torch.randn(n_out, generator=g, dtype=DT) if bias else None,
+        "v_weight": torch.randn(rank, n_out, n_in, generator=g, dtype=DT),
+        "v_bias": torch.randn(rank, n_out, generator=g, dtype=DT) if bias else None,
+        "w_var": torch.rand(n_out, n_in, generator=g, dtype=DT) + 0.1 if learn_diag else None,
+        "b_var": torch.rand(n_out, generator=g, dtype=DT) + 0.1 if learn_diag and bias else None,
+    }
+    const_var = None if learn_diag else 0.3
+    eps_k = torch.randn(2, 6, 1, rank, generator=g, dtype=DT)
+    eps, upstream = torch.randn(2, 6, n_out, generator=g, dtype=DT), torch.randn(2, 6, n_out, generator=g, dtype=DT)
+
+    def grads(fused: bool, into: tuple | None = None) -> list[torch.Tensor | None]:
+        leaves = {k: None if t is None else t.clone().requires_grad_(True) for k, t in params.items()}
+        x = a.clone().requires_grad_(True)
+        if fused:
+            temps = (torch.empty(12, rank * n_out, dtype=DT), torch.empty(12, rank * n_out, dtype=DT))
+            coef = math.sqrt(alpha) * eps_k
+            out = _LowRankLocalLinear.apply(x, *leaves.values(), coef, eps, const_var, into or (None,) * 6, temps)
+        else:
+            out = _plain_lemma_1(x, *leaves.values(), const_var, eps_k, eps, alpha)
+        (out * upstream).sum().backward()
+        return [out.detach(), x.grad, *(None if t is None else t.grad for t in leaves.values())]
+
+    plain = grads(False)
+    for fused_grad, plain_grad in zip(grads(True), plain, strict=True):
+        assert_close(fused_grad, plain_grad)
+    into = tuple(None if t is None else torch.full_like(t, float("nan")) for t in params.values())
+    fused = grads(True, into)
+    for buffer, grad in zip(into, fused[2:], strict=True):  # the weight gradients were written into the buffers
+        if buffer is not None:
+            assert_close(buffer, grad)
+    for fused_grad, plain_grad in zip(fused, plain, strict=True):
+        assert_close(fused_grad, plain_grad)
+
+
+def _plain_elrg_loss(method, x, y, leaves, seed):  # noqa: ANN001, ANN202
+    """The annealed negative ELBO of a training step from scratch: Lemma 1 as the plain expression, the KL of
+    every layer as the dense Gaussian KL, the noise drawn in the method's order from its generator reseeded."""
+    problem = method.problem
+    problem.generator.manual_seed(seed)
+    mean = method.split_params(leaves["mean"])
+    var = method.split_params(F.softplus(leaves["rho"]).square()) if "rho" in leaves else None
+    n = method.n_train_mc_samples
+    h = x.unsqueeze(0).expand(n, *x.shape)
+    total_kl = 0.0
+    for module in problem.model.children():
+        layer = method._layer_of.get(module)
+        if layer is None:
+            h = module(h)
+            continue
+        w, b, i = layer.weight_param, layer.bias_param, layer.index
+        v_weight, v_bias = leaves[f"v_weight{i}"], leaves.get(f"v_bias{i}")
+        eps_k = torch.randn((*h.shape[:-1], 1, method.rank), generator=problem.generator, dtype=DT)
+        eps = torch.randn((*h.shape[:-1], layer.out_features), generator=problem.generator, dtype=DT)
+        w_var, b_var = (None, None) if var is None else (var[w], None if b is None else var[b])
+        const_var = None if var is not None else method.init_std**2
+        b_mean = None if b is None else mean[b]
+        h = _plain_lemma_1(h, mean[w], b_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, method.alpha)
+        start = method.layer_offsets[i - 1]
+        flat_mean = leaves["mean"].narrow(0, start, layer.n_params)
+        factor = torch.cat([v_weight.flatten(1)] + ([] if v_bias is None else [v_bias]), dim=1)
+        lam = problem.prior_precision.narrow(0, start, layer.n_params)
+        if var is None:
+            diag = torch.full_like(flat_mean, const_var)
+        else:
+            diag = F.softplus(leaves["rho"]).square().narrow(0, start, layer.n_params)
+        total_kl = total_kl + _dense_kl(flat_mean, factor, diag, lam, method.alpha)
+    nll = torch.stack([problem.likelihood.nll(f, y) for f in h]).mean()
+    return nll, total_kl / problem.n_data
+
+
+def _elrg_method(learn_diag: bool):  # noqa: ANN202
+    model_cfg = {"name": "mlp", "hidden": [5, 4], "activation": "tanh"}
+    problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, model_cfg=model_cfg, dtype=DT, n_data=40)
+    problem.prior_precision[-3:] = 5.0  # not constant on the last layer's weight: the per-parameter prior path
+    method = make_method("elrg", rank=2, learn_diag=learn_diag, init_std=0.1, kl_annealing_steps=3)
+    method.setup(problem)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(7, 3, generator=g, dtype=DT), torch.randn(7, generator=g, dtype=DT)
+    return method, problem, x, y
+
+
+def _leaf_names(method) -> list[str]:  # noqa: ANN001
+    return ["mean", *method.variational]
+
+
+def _leaf(method, name: str) -> torch.Tensor:  # noqa: ANN001
+    return method.mean if name == "mean" else method.variational[name]
+
+
+@pytest.mark.parametrize("learn_diag", [False, True])
+def test_train_step_gradients_match_plain_autograd(learn_diag: bool) -> None:
+    """A fused ELRG step (two MC samples, annealed KL, a per-parameter prior on one layer) has the gradients
+    and values of the plain objective, Lemma 1 and the dense-Gaussian KL differentiated by autograd."""
+    method, problem, x, y = _elrg_method(learn_diag)
+    leaves = {n: _leaf(method, n).detach().clone().requires_grad_(True) for n in _leaf_names(method)}
+    problem.generator.manual_seed(11)
+    out = method.train_step(x, y)
+    nll, kl_term = _plain_elrg_loss(method, x, y, leaves, seed=11)
+    (nll + out["kl_weight"] * kl_term).backward()
+    assert out["kl_weight"] == pytest.approx(1 / 3)
+    assert out["nll"] == pytest.approx(nll.item(), rel=1e-12) and out["kl"] == pytest.approx(kl_term.item(), rel=1e-12)
+    for name, leaf in leaves.items():
+        assert_close(_leaf(method, name).grad, leaf.grad, rtol=1e-10, atol=1e-12)
+        if name != "mean":  # the gradient is the step's buffer itself (no copy)
+            buffers = method._buffers
+            buffer = buffers.grad_rho if name == "rho" else buffers.grad_factors[method._factor_names.index(name)]
+            assert _leaf(method, name).grad.data_ptr() == buffer.data_ptr()
+    assert method.mean.grad.data_ptr() == method._buffers.grad_mean.data_ptr()
+
+
+@pytest.mark.parametrize("learn_diag", [False, True])
+def test_a_second_backward_without_zeroing_accumulates(learn_diag: bool) -> None:
+    """With ``.grad`` already one of the step's buffers, a second backward adds to it (into fresh buffers)."""
+    method, problem, x, y = _elrg_method(learn_diag)
+
+    def backward() -> None:
+        problem.generator.manual_seed(5)
+        terms = method._step_terms(with_kl=True)
+        f = method._outputs_local(terms, x, method.n_train_mc_samples)
+        loss = torch.stack([problem.likelihood.nll(f_s, y) for f_s in f]).mean() + terms.kl / problem.n_data
+        loss.backward()
+
+    backward()
+    once = {n: _leaf(method, n).grad.clone() for n in _leaf_names(method)}
+    backward()
+    for name, grad in once.items():
+        assert_close(_leaf(method, name).grad, 2 * grad)
+
+
+@pytest.mark.parametrize("learn_diag", [False, True])
+def test_fused_steps_follow_the_plain_formulation(learn_diag: bool) -> None:
+    """Three whole training steps (Adam included) with the fused terms and layers, and with the plain ones
+    (:meth:`_plain_terms`: elrg_kl_blocks and Lemma 1 as the plain expression), from one start and one seed."""
+    fused, problem_f, x, y = _elrg_method(learn_diag)
+    plain, problem_p, _, _ = _elrg_method(learn_diag)
+    plain._fused_terms = lambda: plain._plain_terms(with_kl=True)
+    problem_f.generator.manual_seed(21)
+    problem_p.generator.manual_seed(21)
+    for _ in range(3):
+        out_f, out_p = fused.train_step(x, y), plain.train_step(x, y)
+        assert out_f == pytest.approx(out_p, rel=1e-12)
+    for name in _leaf_names(fused):
+        assert_close(_leaf(fused, name), _leaf(plain, name), rtol=1e-12, atol=1e-14)
