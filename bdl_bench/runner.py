@@ -40,6 +40,7 @@ from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.metrics import ood_metrics, predictive_metrics, uncertainty_arrays
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.reference import reference_posterior
 from bdl_bench.results import (
     CHECKPOINT_FILE,
     PARAMS_FILE,
@@ -428,7 +429,10 @@ def finish_run(
     metrics["n_params"] = int(prior.numel())
     reference_cfg = _cfg_get(cfg, "reference")
     if reference_cfg is not None and method.posterior() is not None:
-        metrics["sym_kl"] = _sym_kl_to_reference(method, reference_cfg, model, likelihood, prior, dataset, seed)
+        cache_dir = Path(str(cfg.results_root)) / ".cache" / "references" if _cfg_get(cfg, "results_root") else None
+        metrics["sym_kl"] = _sym_kl_to_reference(
+            method, reference_cfg, model, likelihood, prior, dataset, seed, cache_dir
+        )
     posterior = method.posterior()
     if trainer.save_posterior and posterior is not None:
         save_gaussian(posterior, run_dir / "posterior.pt")
@@ -451,21 +455,13 @@ def _sym_kl_to_reference(
     prior: torch.Tensor,
     dataset: Dataset,
     seed: int,
+    cache_dir: Path | None,
 ) -> float:
-    """Symmetric KL between this method's posterior and a reference method's on the same split."""
-    reference = build_method(OmegaConf.to_container(reference_cfg, resolve=True))  # type: ignore[arg-type]
-    generator = torch.Generator(device=prior.device).manual_seed(seed + 4)
-    reference.setup(
-        Problem(model=model, likelihood=likelihood, n_data=dataset.n_train, prior_precision=prior, generator=generator)
-    )
-    reference.fit(
-        dataset.x_train,
-        dataset.y_train,
-        n_epochs=1,
-        batch_size=dataset.n_train,
-        data_generator=torch.Generator().manual_seed(seed + 5),
-    )
-    return float(method.posterior().sym_kl(reference.posterior()))
+    """Symmetric KL between this method's posterior and the reference's on the same split
+    (:mod:`bdl_bench.reference`: fitted once per split, cached in ``cache_dir``)."""
+    config = OmegaConf.to_container(reference_cfg, resolve=True)
+    reference = reference_posterior(config, model, likelihood, prior, dataset, seed, cache_dir)  # type: ignore[arg-type]
+    return float(method.posterior().sym_kl(reference))
 
 
 @contextmanager
