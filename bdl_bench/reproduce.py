@@ -289,16 +289,32 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
     return found
 
 
-def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float] | None) -> pd.DataFrame:
-    """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric]`` where the
-    experiment states one, else build_table's ``within_2se_<metric>``; empty where the paper has no value."""
+def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series | float:
+    """The largest |ours − paper| a tolerance allows: a number as it is, ``"2%"`` relative to |paper|.
+
+    Raises:
+        ValueError: for a tolerance that is neither a number nor a percentage.
+    """
+    text = str(tolerance).strip()
+    try:
+        if text.endswith("%"):
+            return paper.abs() * float(text[:-1]) / 100.0
+        return float(text)
+    except ValueError:
+        raise ValueError(f"tolerance {tolerance!r}: give a number (absolute) or a percentage such as '2%'") from None
+
+
+def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> pd.DataFrame:
+    """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric]`` (a number, or a
+    percentage of |paper| such as ``"2%"``) where the experiment states one, else build_table's
+    ``within_2se_<metric>``; empty where the paper has no value."""
     frame = frame.copy()
     tolerance = dict(tolerance or {})
     for column in [c for c in frame.columns if c.startswith("paper_") and not c.endswith("_se")]:
         metric = column.removeprefix("paper_")
         ours, paper = frame[metric], frame[column]
         if metric in tolerance:
-            verdict = (ours - paper).abs() <= float(tolerance[metric])
+            verdict = (ours - paper).abs() <= _allowed_difference(tolerance[metric], paper)
         else:
             verdict = frame.get(f"within_2se_{metric}", pd.Series([None] * len(frame), index=frame.index))
         frame[f"agrees_{metric}"] = [
@@ -313,7 +329,7 @@ def _fmt(mean: Any, se: Any) -> str:
     return f"{mean:.3f}" if se is None or pd.isna(se) else f"{mean:.3f} ± {se:.3f}"
 
 
-def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float] | None) -> str:
+def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> str:
     """The table with, per paper metric, ours, the paper's and whether they agree."""
     metrics = [c.removeprefix("agrees_") for c in frame.columns if c.startswith("agrees_")]
     if not metrics:
@@ -337,7 +353,10 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float] | None) -> str:
     if tolerance:
         rule += (
             "; "
-            + ", ".join(f"{m}: |ours − paper| ≤ {t}" for m, t in tolerance.items())
+            + ", ".join(
+                f"{m}: |ours − paper| ≤ {t}" + (" of |paper|" if str(t).strip().endswith("%") else "")
+                for m, t in tolerance.items()
+            )
             + " (the experiment's tolerance)"
         )
     return "\n".join(lines) + f"\n\n{rule}"

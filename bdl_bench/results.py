@@ -50,6 +50,7 @@ HASH_EXCLUDED_KEYS = (
     "trainer.threads",
     "trainer.checkpoint_every",
     "data.protocol.search",
+    "tolerance",  # how `reproduce` compares with the paper, not what a run computes
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
 

@@ -61,6 +61,12 @@ def test_agreement_uses_two_standard_errors_or_the_stated_tolerance() -> None:
     text = markdown(strict, {"rmse": 0.1})
     assert "| boston | bbb | 20 | 3.000 ± 0.100 | 3.430 ± 0.200 | NO |" in text
     assert "| boston | map | 20 | 3.000 ± 0.100 | – | – |" in text and "rmse: |ours − paper| ≤ 0.1" in text
+    # a percentage is relative to the paper's value: |3.0 - 3.43| = 0.43 is 12.5 % of 3.43
+    assert list(agreement(frame, {"rmse": "13%"})["agrees_rmse"]) == [True, None]
+    assert list(agreement(frame, {"rmse": "12%"})["agrees_rmse"]) == [False, None]
+    assert "rmse: |ours − paper| ≤ 2% of |paper|" in markdown(agreement(frame, {"rmse": "2%"}), {"rmse": "2%"})
+    with pytest.raises(ValueError, match="percentage"):
+        agreement(frame, {"rmse": "two"})
 
 
 @pytest.mark.slow
