@@ -89,24 +89,38 @@ def _to_device(dataset: Dataset, device: torch.device, dtype: torch.dtype) -> Da
 
 @torch.no_grad()
 def evaluate(
-    method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int, part: str = "test"
+    method: Method,
+    likelihood: Likelihood,
+    dataset: Dataset,
+    n_samples: int,
+    part: str = "test",
+    f_samples: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Predictive metrics of ``method`` on ``part`` (``test`` or ``val``) with ``n_samples`` MC samples."""
+    """Predictive metrics of ``method`` on ``part`` (``test`` or ``val``) with ``n_samples`` MC samples
+    (or the given output samples ``f_samples`` of that part)."""
     x, y = getattr(dataset, f"x_{part}"), getattr(dataset, f"y_{part}")
-    f_samples = method.predict(x, n_samples)
+    if f_samples is None:
+        f_samples = method.predict(x, n_samples)
     return predictive_metrics(likelihood, f_samples, y, y_mean=dataset.y_mean, y_std=dataset.y_std)
 
 
 @torch.no_grad()
 def evaluate_ood(
-    method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int, run_dir: Path
+    method: Method,
+    likelihood: Likelihood,
+    dataset: Dataset,
+    n_samples: int,
+    run_dir: Path,
+    f_test: torch.Tensor | None = None,
+    f_ood: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Predictive entropy on the out-of-distribution set against the test set (DEF Table 1) and the
-    AUROC of telling them apart by entropy; saves ``uncertainty.npz`` for ``bdl-bench plot kind=ood``."""
+    AUROC of telling them apart by entropy; saves ``uncertainty.npz`` for ``bdl-bench plot kind=ood``.
+    ``f_test`` and ``f_ood`` are output samples already drawn on those sets (else predicted here)."""
     if not isinstance(likelihood, Bernoulli | Categorical):
         raise ValueError(f"OOD metrics need a classification likelihood, got {type(likelihood).__name__}")
-    probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples))
-    probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples))
+    probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples) if f_test is None else f_test)
+    probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples) if f_ood is None else f_ood)
     arrays = uncertainty_arrays(probs_test, dataset.y_test, probs_ood)
     np.savez(run_dir / "uncertainty.npz", **arrays)
     return ood_metrics(probs_test, probs_ood)
@@ -407,18 +421,30 @@ def finish_run(
     model = method.problem.model
     seed = int(trainer.seed)
     chash = config_hash_
+    n_test = int(trainer.n_test_mc_samples)
+    sets = {"test": dataset.x_test}
+    if dataset.x_val.shape[0] > 0:
+        sets["val"] = dataset.x_val
+    if dataset.x_ood is not None:
+        sets["ood"] = dataset.x_ood
     with _swap_generator(method, eval_generator):
-        metrics: dict[str, float] = evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples))
-        if dataset.x_val.shape[0] > 0:
+        # A method with ``predict_sets`` (Laplace) evaluates each posterior sample on every set at once;
+        # the others predict set by set: test, val, (the ELBO's samples), OOD. The OOD metrics reuse the
+        # test predictions.
+        predict_sets = getattr(method, "predict_sets", None)
+        f = predict_sets(sets, n_test) if callable(predict_sets) else {}
+        for part in ("test", "val"):
+            if part in sets and part not in f:
+                f[part] = method.predict(sets[part], n_test)
+        metrics: dict[str, float] = evaluate(method, likelihood, dataset, n_test, f_samples=f["test"])
+        if "val" in f:
             metrics.update(
-                {
-                    f"val_{k}": v
-                    for k, v in evaluate(method, likelihood, dataset, int(trainer.n_test_mc_samples), "val").items()
-                }
+                {f"val_{k}": v for k, v in evaluate(method, likelihood, dataset, n_test, "val", f["val"]).items()}
             )
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
-        if dataset.x_ood is not None:
-            metrics.update(evaluate_ood(method, likelihood, dataset, int(trainer.n_test_mc_samples), run_dir))
+        if "ood" in sets:
+            f_ood = f["ood"] if "ood" in f else method.predict(dataset.x_ood, n_test)
+            metrics.update(evaluate_ood(method, likelihood, dataset, n_test, run_dir, f["test"], f_ood))
     if elbo is not None:
         metrics["elbo"] = elbo
         authors = elbo_without_bias_logdet(elbo, model, prior, dataset.n_train)

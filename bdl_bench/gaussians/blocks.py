@@ -161,9 +161,14 @@ class BlockGaussian(StructuredGaussian):
         return self._join([self._block_variance(b)[None] for b in range(len(self.block_shapes))])[:, 0]
 
     def _sample_transform(self, eps: Tensor) -> Tensor:
-        """Rows :math:`\\mu + \\Pi^\\top\\operatorname{blockdiag}(A_b)\\Pi\\epsilon`."""
-        blocks = self._split(eps.mT)
-        return self.mean + self._join([self._block_sample(b, e) for b, e in enumerate(blocks)]).mT
+        """Rows :math:`\\mu + \\Pi^\\top\\operatorname{blockdiag}(A_b)\\Pi\\epsilon`, gathered and added back
+        block by block (contiguous ``(n, m, n)`` blocks, no transposed copies of the whole sample)."""
+        n_rows = eps.shape[0]
+        out = self.mean.expand(n_rows, -1).clone()
+        for b, (idx, (m, n)) in enumerate(zip(self._block_index, self.block_shapes)):
+            block = self._block_sample(b, eps.index_select(1, idx).view(n_rows, m, n))
+            out.index_add_(1, idx, block.reshape(n_rows, -1))
+        return out
 
     def to_dense(self) -> FullGaussian:
         """``FullGaussian`` with the blocks scattered into a D x D precision."""

@@ -53,6 +53,7 @@ import copy
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,9 @@ from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
 
 logger = logging.getLogger(__name__)
 
-_PREDICT_CHUNK = 64  # posterior samples per vectorised forward pass
-_PREDICT_BUDGET = 2**13  # (posterior samples x examples) per vectorised forward pass, when the inputs are sliced
+_PREDICT_CHUNK = 64  # most posterior samples drawn at once
+_SAMPLE_BUDGET = 2**24  # entries of the parameter samples drawn at once (samples x D): 64 MiB in float32
+_PREDICT_BUDGET = 2**21  # activation entries (samples x examples x widest layer) per forward pass
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
 
@@ -176,6 +178,23 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
             f"laplace: the parameters in {folder} have shape {tuple(theta.shape)}, the model needs ({n_params},)"
         )
     return theta
+
+
+def _widest_activation(model: nn.Module, theta: Tensor, x: Tensor) -> int:
+    """The most entries any module's output (or the input) has per example of ``x`` (one example)."""
+    sizes = [x[0].numel()]
+
+    def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        if isinstance(output, Tensor):
+            sizes.append(output[0].numel() if output.ndim else 1)
+
+    hooks = [module.register_forward_hook(record) for module in model.modules()]
+    try:
+        forward_with(model, theta, x[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(sizes)
 
 
 def _in_features(model: nn.Module) -> int:
@@ -477,30 +496,58 @@ class Laplace(Method):
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``(n_samples, N, out)`` outputs at posterior samples (the MAP's, repeated, before the posterior is fitted)."""
-        model, theta = self.problem.model, self.theta.detach()
-        if self._posterior is None:
-            f = forward_with(model, theta, x)
-            return f.unsqueeze(0).expand(n_samples, *f.shape)
-        chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            thetas = self._posterior.rsample(min(_PREDICT_CHUNK, n_samples - start), self.problem.generator)
-            # Slices of x keep (samples x examples) per pass bounded: a LeNet on a 10k test set would
-            # otherwise hold 64 x 10k conv activations. Small problems run in one pass, as before.
-            rows = x.shape[0] if x.shape[0] * len(thetas) <= _PREDICT_BUDGET else max(1, _PREDICT_BUDGET // len(thetas))
-            chunks.append(torch.cat([self._outputs_at(thetas, xs) for xs in x.split(rows)], dim=1))
-        return torch.cat(chunks) if chunks else forward_with(model, theta, x)[None][:0]
+        return self.predict_sets({"x": x}, n_samples)["x"]
 
-    def _outputs_at(self, thetas: Tensor, x: Tensor) -> Tensor:
-        """``(S, N, out)`` outputs at the parameter samples ``thetas`` ``(S, D)`` (per ``predictive``)."""
+    @torch.no_grad()
+    def predict_sets(self, sets: Mapping[str, Tensor], n_samples: int) -> dict[str, Tensor]:
+        """:meth:`predict` on several inputs, with the same posterior samples for all of them.
+
+        Each sample is drawn once and evaluated on every set before the next is drawn (in chunks of at
+        most ``_SAMPLE_BUDGET`` parameter entries), and the forward passes are sliced so that no
+        activation exceeds ``_PREDICT_BUDGET`` entries: large fresh tensors cost more in page faults
+        than in arithmetic on the CPU.
+        """
+        model, theta = self.problem.model, self.theta.detach()
+        probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
+        rows = 1 if probe is None else max(1, _PREDICT_BUDGET // _widest_activation(model, theta, probe))
+        if self._posterior is None or probe is None:
+            maps = {
+                name: torch.cat([forward_with(model, theta, xs) for xs in x.split(rows)]) for name, x in sets.items()
+            }
+            return {name: f[None].expand(n_samples, *f.shape) for name, f in maps.items()}
+        out_shape = forward_with(model, theta, probe).shape[1:]
+        outs = {name: theta.new_empty(n_samples, x.shape[0], *out_shape) for name, x in sets.items()}
+        chunk = max(1, min(_PREDICT_CHUNK, _SAMPLE_BUDGET // theta.numel()))
+        for start in range(0, n_samples, chunk):
+            thetas = self._posterior.rsample(min(chunk, n_samples - start), self.problem.generator)
+            for name, x in sets.items():
+                outs[name][start : start + len(thetas)] = self._outputs_at(thetas, x, rows)
+        return outs
+
+    def _outputs_at(self, thetas: Tensor, x: Tensor, rows: int) -> Tensor:
+        """``(S, N, out)`` outputs at the parameter samples ``thetas`` ``(S, D)``, in passes of at most
+        ``rows`` (samples x examples): all samples vmapped over a small ``x``, else one sample at a time
+        over row slices."""
+        per_pass = max(1, rows // max(1, x.shape[0]))  # samples per pass
+        return torch.cat(
+            [torch.cat([self._forward(group, xs) for xs in x.split(rows)], dim=1) for group in thetas.split(per_pass)]
+        )
+
+    def _forward(self, thetas: Tensor, x: Tensor) -> Tensor:
+        """One pass: ``(S, N, out)`` outputs at ``thetas`` ``(S, D)`` (per ``predictive``)."""
         model, theta = self.problem.model, self.theta.detach()
         if self.predictive is Predictive.SAMPLE:
+            if len(thetas) == 1:
+                return forward_with(model, thetas[0], x)[None]
             return vmap(lambda th: forward_with(model, th, x))(thetas)
-        f0 = forward_with(model, theta, x)
 
         def linear(delta: Tensor) -> Tensor:
-            return jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))[1]
+            f0, jd = jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))
+            return f0 + jd
 
-        return f0 + vmap(linear)(thetas - theta)
+        if len(thetas) == 1:
+            return linear(thetas[0] - theta)[None]
+        return vmap(linear)(thetas - theta)
 
     def point_estimate(self) -> Tensor:
         """:math:`\\theta_{MAP}` (the posterior's mean once it is fitted)."""

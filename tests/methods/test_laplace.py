@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -363,9 +364,81 @@ def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch
     method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
     problem.generator.manual_seed(5)
     whole = method.predict(x, 5)
-    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 5 * 7)  # 7 rows per pass: 30 = 4 x 7 + 2
+    width = laplace_module._widest_activation(problem.model, method.theta.detach(), x[:1])
+    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 7 * width)  # 7 rows per pass: 30 = 4 x 7 + 2
     problem.generator.manual_seed(5)
     assert_close(method.predict(x, 5), whole)
+
+
+@pytest.mark.parametrize("predictive", ["sample", "linearised"])
+@pytest.mark.parametrize("structure", ["diag", "kfac", "def"])
+def test_predict_sets_equals_a_per_sample_loop(
+    monkeypatch: pytest.MonkeyPatch, structure: str, predictive: str
+) -> None:
+    """The sliced, chunked, shared-sample path gives what a plain loop over the same draws gives."""
+    import bdl_bench.methods.laplace as laplace_module
+
+    problem, x, y = _tiny_lenet_problem()
+    method = make_laplace(structure=structure, rank=4, predictive=predictive)
+    method.setup(problem)
+    method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    q = method.posterior()
+    assert q is not None
+    width = laplace_module._widest_activation(problem.model, method.theta.detach(), x[:1])
+    monkeypatch.setattr(laplace_module, "_SAMPLE_BUDGET", 2 * q.dim)  # draws of 2, 2, 1 samples
+    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 8 * width)  # 8 (samples x rows) per pass
+    sets = {"big": x, "small": x[:3], "middle": x[5:25]}  # sliced rows; 2 samples vmapped; sliced rows
+    problem.generator.manual_seed(5)
+    fast = method.predict_sets(sets, 5)
+
+    g = torch.Generator().manual_seed(5)
+    thetas = torch.cat([q.rsample(k, g) for k in (2, 2, 1)])
+    net = copy.deepcopy(problem.model)
+    for name, inputs in sets.items():
+        outputs = []
+        for theta in thetas:
+            if predictive == "sample":
+                torch.nn.utils.vector_to_parameters(theta, net.parameters())
+                outputs.append(net(inputs).detach())
+            else:
+                f0, jd = torch.func.jvp(lambda th, xs=inputs: forward_with(net, th, xs), (q.mean,), (theta - q.mean,))
+                outputs.append(f0 + jd)
+        loop = torch.stack(outputs)
+        assert fast[name].shape == (5, inputs.shape[0], 3)
+        assert_close(fast[name], loop)
+        assert_close(fast[name].softmax(-1).mean(0), loop.softmax(-1).mean(0))  # the predictive
+    problem.generator.manual_seed(5)
+    assert_close(method.predict(x, 5), fast["big"])  # predict is predict_sets on one set
+
+
+def test_a_run_draws_each_laplace_sample_once_for_test_val_and_ood(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, compose_cfg
+) -> None:
+    """The final evaluation draws the posterior samples once for all sets; the OOD metrics reuse the test set's."""
+    from bdl_bench.data.base import Dataset, Task
+    from bdl_bench.runner import finish_run
+
+    problem, x, y = _tiny_lenet_problem()
+    method = make_laplace(structure="kfac")
+    method.setup(problem)
+    method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    data = Dataset(
+        name="tiny", task=Task.MULTICLASS, x_train=x, y_train=y, x_val=x[:10], y_val=y[:10],
+        x_test=x[10:], y_test=y[10:], n_classes=3, x_ood=x[:7].flip(0),
+    )  # fmt: skip
+    q = method.posterior()
+    drawn: list[int] = []
+    monkeypatch.setattr(type(q), "rsample", lambda self, n, g=None: drawn.append(n) or torch.stack([self.mean] * n))
+    cfg = compose_cfg(["method=laplace", "trainer.n_test_mc_samples=4"])
+    result = finish_run(
+        cfg, tmp_path, method, likelihood=problem.likelihood, dataset=data, prior=problem.prior_precision,
+        config_hash_="x", train_time=0.0, eval_generator=torch.Generator().manual_seed(9),
+    )  # fmt: skip
+    assert drawn == [4]
+    assert {"accuracy", "val_accuracy", "ood_auroc", "in_entropy_mean"} <= set(result.metrics)
+    probs = method.predict(x[10:], 1).softmax(-1)[0]  # every sample is the mean here
+    entropy = -(probs * probs.log()).sum(-1) / math.log(3)
+    assert result.metrics["in_entropy_mean"] == pytest.approx(float(entropy.mean()), rel=1e-6)
 
 
 def test_def_refuses_a_rank_too_large_for_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
