@@ -137,8 +137,49 @@ def stacked_slang_update(
         (),
     ).mul_(scale)
     _check_finite(grad.sum(1), step, "gradient")
-    # B^T B with B = [sqrt(w0) U, sqrt(w1) G] (gram.py's module docstring)
     w0, w1 = 1.0 - beta, beta * scale
+    if layout.n_params <= rank + n_cols:  # e.g. logistic regression: the D x D matrix is the smaller one
+        new_u, eigenvalues, residual = _dense_update(u, deltas, acts, layout, w0, w1, step)
+    else:
+        new_u, eigenvalues, residual = _gram_update(u, cache, deltas, acts, layout, w0, w1, step, workspace)
+    new_sqnorms = new_u.square().sum(-1)
+    # eq. (9), eq. (11) with momentum and the Woodbury solve (Alg. 2)
+    prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + residual.clamp_min(0.0)
+    new_momentum = state.momentum * momentum + grad * (1.0 - momentum)
+    direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
+    inv_diag = prec_diag.reciprocal()
+    scaled_u = new_u * inv_diag[..., None]  # (R, D, L)
+    capacitance = new_u.mT @ scaled_u
+    proj = (scaled_u.mT @ direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
+    chol = capacitance_cholesky(capacitance)
+    inner = torch.cholesky_solve(proj[..., None], chol)[..., 0]
+    mean = state.mean - lr * inv_diag * (direction - (new_u @ inner[..., None])[..., 0])
+    new_state = SlangState(mean=mean, prec_factor=new_u, prec_diag=prec_diag, momentum=new_momentum, step=step)
+    new_cache = PrecisionCache(
+        factor_gram=torch.diag_embed(eigenvalues),
+        factor_sqnorms=new_sqnorms,
+        capacitance=capacitance,
+        capacitance_chol=chol,
+    )
+    return new_state, new_cache
+
+
+def _gram_update(
+    u: Tensor,
+    cache: PrecisionCache,
+    deltas: list[Tensor],
+    acts: list[Tensor],
+    layout: LinearLayout,
+    w0: float,
+    w1: float,
+    step: int,
+    workspace: dict[str, Tensor] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The top-L update by the Gram trick (gram.py): ``(U_new, eigenvalues, diag residual)`` of every copy."""
+    n_copies, _, rank = u.shape
+    n_cols = deltas[0].shape[1]
+    has_bias = [slot.bias_slice is not None for slot in layout.slots]
+    # B^T B with B = [sqrt(w0) U, sqrt(w1) G] (gram.py's module docstring)
     u_layers = _per_layer(u, layout)
     size = rank + n_cols
     btb = (workspace or {}).get("btb")
@@ -183,27 +224,32 @@ def stacked_slang_update(
         u,
         (),
     )
-    new_sqnorms = new_u.square().sum(-1)
-    residual = sq_diag * w1 + cache.factor_sqnorms * w0 - new_sqnorms
-    # eq. (9), eq. (11) with momentum and the Woodbury solve (Alg. 2)
-    prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + residual.clamp_min(0.0)
-    new_momentum = state.momentum * momentum + grad * (1.0 - momentum)
-    direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
-    inv_diag = prec_diag.reciprocal()
-    scaled_u = new_u * inv_diag[..., None]  # (R, D, L)
-    capacitance = new_u.mT @ scaled_u
-    proj = (scaled_u.mT @ direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
-    chol = capacitance_cholesky(capacitance)
-    inner = torch.cholesky_solve(proj[..., None], chol)[..., 0]
-    mean = state.mean - lr * inv_diag * (direction - (new_u @ inner[..., None])[..., 0])
-    new_state = SlangState(mean=mean, prec_factor=new_u, prec_diag=prec_diag, momentum=new_momentum, step=step)
-    new_cache = PrecisionCache(
-        factor_gram=torch.diag_embed(eigenvalues),
-        factor_sqnorms=new_sqnorms,
-        capacitance=capacitance,
-        capacitance_chol=chol,
+    return new_u, eigenvalues, sq_diag * w1 + cache.factor_sqnorms * w0 - new_u.square().sum(-1)
+
+
+def _dense_update(
+    u: Tensor, deltas: list[Tensor], acts: list[Tensor], layout: LinearLayout, w0: float, w1: float, step: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The same update through each copy's D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P),
+    with G materialised and the Gram path's sign convention (as ``gram._dense_update`` for one run)."""
+    rank = u.shape[-1]
+    n_cols = deltas[0].shape[1]
+    has_bias = [slot.bias_slice is not None for slot in layout.slots]
+    grads = _assemble(  # (R, D, P): per-example gradient p of layer l is delta_p a_p^T (and delta_p)
+        layout,
+        [(torch.einsum("rpo,rpi->roip", dl, a), dl.mT if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
+        u,
+        (n_cols,),
     )
-    return new_state, new_cache
+    matrix = (u @ u.mT).mul_(w0).baddbmm_(grads, grads.mT, alpha=w1)
+    _check_finite(matrix.flatten(1).sum(1), step, "matrix w0 U U^T + w1 G G^T")
+    evals, evecs = torch.linalg.eigh(matrix)  # ascending
+    eigenvalues = evals[:, -rank:].flip(-1).clamp_min(0.0)
+    top = evecs[:, :, -rank:].flip(-1)  # (R, D, L)
+    sums = u.sum(-1) * w0**0.5 + grads.sum(-1) * w1**0.5  # (R, D): B 1, whose projections the Gram path makes >= 0
+    top = top * torch.where(sums[:, None, :] @ top < 0, -1.0, 1.0).to(top.dtype)
+    new_u = top * eigenvalues.sqrt()[:, None, :]
+    return new_u, eigenvalues, matrix.diagonal(dim1=-2, dim2=-1) - new_u.square().sum(-1)
 
 
 _OVERSAMPLING = 4  # extra vectors in the subspace iteration of top_eigenpairs
