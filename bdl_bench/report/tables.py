@@ -104,7 +104,8 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
     Args:
         folder: a results folder (searched recursively for run folders).
         paper: a paper table name (``slang_table2``); default: the runs' ``paper_table`` config key.
-        metrics: metric keys to show; default: the paper table's, else every known key present.
+        metrics: metric keys to show; default: those of the paper table's that the runs have, else every
+            known key present.
 
     Raises:
         ValueError: when no finished run is found, naming the folder.
@@ -116,8 +117,9 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
         names = runs["paper_table"].dropna().unique()
         paper = str(names[0]) if len(names) == 1 else None
     spec: PaperTable | None = get_paper_table(paper) if paper else None
-    if metrics is None:
-        metrics = list(spec.metrics) if spec else [m for m in DEFAULT_METRICS if m in runs.columns]
+    if metrics is None:  # the paper table's metrics that the runs have (older runs may lack newer ones)
+        metrics = [m for m in spec.metrics if m in runs.columns] if spec else []
+        metrics = metrics or [m for m in DEFAULT_METRICS if m in runs.columns]
     missing = [m for m in metrics if m not in runs.columns]
     if missing:
         raise ValueError(f"metric(s) {missing} not found in the runs below {folder}")

@@ -125,3 +125,13 @@ def test_selection_without_the_validation_metric_says_so(tmp_path: Path) -> None
         )
     with pytest.raises(ValueError, match="val_error"):
         build_table(tmp_path)
+
+
+def test_slang_table2_puts_the_authors_joint_ll_beside_their_slang_and_bbb_columns() -> None:
+
+    spec = get_paper_table("slang_table2")
+    assert {"test_ll", "test_ll_joint"} <= set(spec.metrics)
+    slang = spec.lookup("boston", "slang", "test_ll_joint")
+    assert slang is not None and slang == spec.lookup("boston", "slang", "test_ll")
+    assert spec.lookup("boston", "bbb", "test_ll_joint") is not None
+    assert spec.lookup("boston", "dropout", "test_ll_joint") is None  # Gal's dropout numbers: the usual mixture
