@@ -58,6 +58,7 @@ def test_table1_columns_scale_and_sign() -> None:
     assert spec.column({"method.name": "slang", "method.rank": 5}) == "slang_L5"
     assert spec.lookup("australian", "slang_L1", "sym_kl_vs_full_exact").value == pytest.approx(0.033)
     assert spec.scale("australian", "sym_kl_vs_full_exact") == pytest.approx(1e4)
+    assert spec.metrics["sym_kl"] == ("sym_kl_vs_full_exact", 0.5)  # the authors average KL(p||q) and KL(q||p)
     assert spec.metrics["elbo_no_bias_logdet"] == ("neg_elbo_per_example", -1.0)
 
 
