@@ -12,7 +12,10 @@ the mean curvature :math:`\mathbf I` over the n training examples (GGN, or the F
 sampled from the model: ``curvature``), the prior precision :math:`\tau` (``prior_precision``; by
 default the run's per-parameter prior, which is also MAP's weight decay) and the paper's
 dataset-size scaling N (``dataset_scale``; by default n, which makes P the Hessian of the negative
-log joint under the GGN). Lee et al. tune N and :math:`\tau` as hyperparameters (App. E.3.1).
+log joint under the GGN). Lee et al. tune N and :math:`\tau` as hyperparameters (App. E.3.1):
+``search`` does that on the run's validation set from one curvature pass (N and :math:`\tau` enter
+only the cheap assembly of P), writes the grid to ``laplace_search.csv`` and the chosen point to
+``metrics.json`` (``chosen_dataset_scale``, ``chosen_prior_precision``).
 ``structure`` picks the approximation of :math:`\mathbf I` (``bdl_bench.curvature``), each held by
 its own ``StructuredGaussian``:
 
@@ -50,9 +53,11 @@ With ``map_dir`` it instead takes :math:`\theta_{MAP}` from a finished run folde
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -76,6 +81,7 @@ from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
 from bdl_bench.methods.map import map_step
 from bdl_bench.methods.vogn import parse_choice
+from bdl_bench.metrics import predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
@@ -87,6 +93,60 @@ _SAMPLE_BUDGET = 2**24  # entries of the parameter samples drawn at once (sample
 _PREDICT_BUDGET = 2**21  # activation entries (samples x examples x widest layer) per forward pass
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
+SEARCH_FILE = "laplace_search.csv"  # the (N, τ) grid of method.search, one row per point
+_SEARCH_COLUMNS = ("accuracy", "ece", "nll", "rmse")  # validation metrics kept per grid point (where defined)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """``method.search``: choose N and τ on the validation set (Lee et al. 2020, App. E.3.1: N in
+    {1, 50000, 100000}, 100 values of τ, the minimum-ECE point with accuracy like the MAP's).
+
+    Attributes:
+        dataset_scale: the grid of N (> 0).
+        prior_precision: the grid of τ (> 0).
+        n_samples: posterior samples per grid point.
+        max_val_examples: use the first this many validation examples (``None``: all).
+        criterion: the validation metric to minimise (``ece``, ``nll``, ``brier``; ``nll``/``rmse`` for regression).
+        accuracy_tolerance: eligible points keep validation accuracy >= the MAP's minus this
+            (``None``: all points; ignored for regression).
+        prune_accuracy_drop: per N, skip the smaller τ once accuracy is this far below the MAP's
+            (``None``: evaluate every point).
+    """
+
+    dataset_scale: tuple[float, ...]
+    prior_precision: tuple[float, ...]
+    n_samples: int = 5
+    max_val_examples: int | None = 2000
+    criterion: str = "ece"
+    accuracy_tolerance: float | None = 0.005
+    prune_accuracy_drop: float | None = 0.05
+
+    @classmethod
+    def parse(cls, cfg: Mapping[str, Any]) -> SearchSettings:
+        """Settings from the config mapping.
+
+        Raises:
+            ValueError: on an unknown key (the keys are listed), an empty or non-positive grid, or a bad count.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"laplace: unknown method.search keys {unknown}; known: {', '.join(sorted(known))}")
+        out = {k: v for k, v in cfg.items()}
+        for key in ("dataset_scale", "prior_precision"):
+            values = out.get(key)
+            values = [values] if isinstance(values, int | float) else list(values or [])
+            if not values or not all(float(v) > 0 for v in values):
+                raise ValueError(
+                    f"laplace: method.search.{key} must be a non-empty list of positive numbers, got {values}"
+                )
+            out[key] = tuple(float(v) for v in values)
+        settings = cls(**out)
+        for name, value in (("n_samples", settings.n_samples), ("max_val_examples", settings.max_val_examples or 1)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"laplace: method.search.{name} must be an integer >= 1, got {value}")
+        return settings
 
 
 class Structure(str, Enum):
@@ -239,6 +299,8 @@ class Laplace(Method):
             per-chunk curvature work (sums across chunks are float64 either way).
         curvature_subset: estimate the curvature on this many training examples, drawn without
             replacement (``None``: all of them).
+        search: a :class:`SearchSettings` mapping: choose N and τ on the validation set given by
+            :meth:`use_validation` (overrides ``dataset_scale`` and ``prior_precision``), or ``None``.
 
     Raises:
         ValueError: on an unknown structure, curvature or predictive (the choices are listed), a
@@ -260,6 +322,7 @@ class Laplace(Method):
         curvature_batch_size: int,
         curvature_dtype: str = "model",
         curvature_subset: int | None = None,
+        search: Mapping[str, Any] | None = None,
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
@@ -297,8 +360,13 @@ class Laplace(Method):
         self.curvature_subset = None if curvature_subset is None else int(curvature_subset)
         self.lr = lr
         self.map_dir = map_dir
+        self.search = None if search is None else SearchSettings.parse(search)
         self._posterior: StructuredGaussian | None = None
         self.fit_info: dict[str, float] = {}
+        self.extra_metrics: dict[str, float] = {}  # metrics.json entries of the search (runner: finish_run)
+        self.search_rows: list[dict[str, Any]] = []
+        self._val: tuple[Tensor, Tensor] | None = None
+        self._run_dir: Path | None = None
 
     # ------------------------------------------------------------------ MAP part
     def setup(self, problem: Problem) -> None:
@@ -335,7 +403,12 @@ class Laplace(Method):
         on_epoch_end: EpochCallback | None = None,
         start_epoch: int = 0,
     ) -> None:
-        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)``."""
+        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)``.
+
+        Raises:
+            ValueError: if ``search`` is on and there is no validation set (before any training).
+        """
+        self._check_validation()
         if self.map_dir is not None:
             self.fit_posterior(x, y)
             if on_epoch_end is not None:
@@ -362,17 +435,12 @@ class Laplace(Method):
 
     # ------------------------------------------------------------------ Laplace part
     def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
-        """Compute the curvature at the current parameters and build the posterior."""
+        """Compute the curvature at the current parameters (one data pass) and build the posterior:
+        at ``dataset_scale`` and ``prior_precision``, or at the (N, τ) that ``search`` picks."""
         p = self.problem
-        self.fit_info = {}
+        self.fit_info, self.extra_metrics = {}, {}
+        self._check_validation()
         theta = self.theta.detach().double()
-        scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
-        tau = (
-            p.prior_precision.detach().double()
-            if self.prior_precision is None
-            else torch.full_like(theta, self.prior_precision)
-        )
-
         x, y = self._curvature_data(x, y)
         theta_c = theta.to(self.curvature_dtype or self.theta.dtype)
 
@@ -389,11 +457,20 @@ class Laplace(Method):
                 generator=p.generator,
             )
 
-        posterior = self._build(theta, scale, tau, batches)
+        started = time.perf_counter()
+        curvature = self._curvature(theta, batches)
         self.fit_info["n_curvature_examples"] = x.shape[0]
-        fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
-        dtype = self.theta.dtype
-        self._posterior = type(posterior)(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
+        if self.search is None:
+            scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
+            tau = (
+                p.prior_precision.detach().double()
+                if self.prior_precision is None
+                else torch.full_like(theta, self.prior_precision)
+            )
+            self._posterior = self._cast(self._assemble(theta, curvature, scale, tau))
+        else:
+            self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
+            self._posterior = self._search(theta, curvature)
         return self._posterior
 
     def _curvature_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -424,41 +501,24 @@ class Laplace(Method):
             out.append(float(values[0]))
         return out
 
-    def _build(self, theta: Tensor, scale: float, tau: Tensor, batches: Any) -> StructuredGaussian:
+    def _curvature(self, theta: Tensor, batches: Any) -> dict[str, Any]:
+        """The data pass: what ``structure`` needs of the curvature. Independent of N and τ, so one pass
+        serves every grid point of ``search`` (DEF's Alg. 1 and diagonal correction use only the
+        unscaled eigenvalues and the exact diagonal, so they are done here once too)."""
         s = self.structure
         if s is Structure.DIAG:
-            return DiagGaussian(theta, scale * diagonal(batches()) + tau)
+            return {"diag": diagonal(batches())}
         if s is Structure.FULL:
-            return FullGaussian(theta, scale * exact_matrix(batches()) + torch.diag(tau))
-        index, shapes = self._layer_index(theta.device)
+            return {"matrix": exact_matrix(batches())}
         if s is Structure.BLOCK:
-            blocks = [
-                scale * block + torch.diag(tau[block_index(slot, theta.device)])
-                for block, slot in zip(exact_blocks(batches()), self._layout.slots)
-            ]
-            return BlockDiagGaussian(theta, index, shapes, pack(blocks))
+            return {"blocks": tuple(exact_blocks(batches()))}
         factors = kron_factors(batches())
         if s is Structure.KFAC:
-            taus = self._layer_tau(tau)
-            outs, ins = [], []
-            for f, t in zip(factors, taus):
-                outs.append(math.sqrt(scale) * f.g_factor + math.sqrt(t) * torch.eye(f.g_factor.shape[0]).to(theta))
-                ins.append(math.sqrt(scale) * f.a_factor + math.sqrt(t) * torch.eye(f.a_factor.shape[0]).to(theta))
-            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+            return {"factors": factors}
         bases = eigenbasis(factors)
         eigs, exact_diag = efb_eigenvalues(batches(), bases)
         if s is Structure.EFB:
-            taus = self._layer_tau(tau)
-            values = [scale * e + t for e, t in zip(eigs, taus)]
-            return EigenKroneckerGaussian(
-                theta,
-                index,
-                shapes,
-                pack([b.eigvecs_out for b in bases]),
-                pack([b.eigvecs_in for b in bases]),
-                pack(values),
-            )
-        # DEF
+            return {"bases": bases, "eigs": eigs}
         lows, corrections = [], torch.zeros_like(theta)
         for basis, e in zip(bases, eigs):
             low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, e, self.rank)
@@ -472,10 +532,48 @@ class Laplace(Method):
                     f"whole rows and columns of the top K={self.rank}); its L x L sampler core is too large "
                     f"(limit {MAX_DEF_RANK}): lower method.rank"
                 )
-        prec_diag = scale * corrections + tau
+        self.fit_info["kept_rank"] = sum(low.rank for low in lows)
+        return {"lows": lows, "corrections": corrections}
+
+    def _assemble(self, theta: Tensor, curvature: dict[str, Any], scale: float, tau: Tensor) -> StructuredGaussian:
+        """The float64 posterior of precision N·I + τ from :meth:`_curvature`'s output (no data pass)."""
+        s = self.structure
+        if s is Structure.DIAG:
+            return DiagGaussian(theta, scale * curvature["diag"] + tau)
+        if s is Structure.FULL:
+            return FullGaussian(theta, scale * curvature["matrix"] + torch.diag(tau))
+        index, shapes = self._layer_index(theta.device)
+        if s is Structure.BLOCK:
+            blocks = [
+                scale * block + torch.diag(tau[block_index(slot, theta.device)])
+                for block, slot in zip(curvature["blocks"], self._layout.slots)
+            ]
+            return BlockDiagGaussian(theta, index, shapes, pack(blocks))
+        if s is Structure.KFAC:
+            taus = self._layer_tau(tau)
+            outs, ins = [], []
+            for f, t in zip(curvature["factors"], taus):
+                outs.append(math.sqrt(scale) * f.g_factor + math.sqrt(t) * torch.eye(f.g_factor.shape[0]).to(theta))
+                ins.append(math.sqrt(scale) * f.a_factor + math.sqrt(t) * torch.eye(f.a_factor.shape[0]).to(theta))
+            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+        if s is Structure.EFB:
+            taus = self._layer_tau(tau)
+            bases = curvature["bases"]
+            values = [scale * e + t for e, t in zip(curvature["eigs"], taus)]
+            return EigenKroneckerGaussian(
+                theta,
+                index,
+                shapes,
+                pack([b.eigvecs_out for b in bases]),
+                pack([b.eigvecs_in for b in bases]),
+                pack(values),
+            )
+        # DEF
+        lows = curvature["lows"]
+        prec_diag = scale * curvature["corrections"] + tau
         invalid = prec_diag <= 0
         n_clipped = int(invalid.sum())
-        self.fit_info.update({"n_clipped": n_clipped, "kept_rank": sum(low.rank for low in lows)})
+        self.fit_info["n_clipped"] = n_clipped
         if n_clipped:
             logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
         return KroneckerLowRankPlusDiagGaussian(
@@ -488,6 +586,125 @@ class Laplace(Method):
             pack([scale * low.eigenvalues for low in lows]),
             torch.where(invalid, tau, prec_diag),
         )
+
+    def _cast(self, posterior: StructuredGaussian) -> StructuredGaussian:
+        """``posterior`` with its floating tensors in the model's dtype."""
+        fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
+        dtype = self.theta.dtype
+        return type(posterior)(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
+
+    # ------------------------------------------------------------------ (N, τ) search (DEF App. E.3.1)
+    def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
+        """Give ``search`` its validation set (the runner passes the run's; never test data) and the run
+        folder that receives ``laplace_search.csv``."""
+        self._val = (x_val, y_val)
+        self._run_dir = None if run_dir is None else Path(run_dir)
+
+    def _check_validation(self) -> None:
+        if self.search is not None and (self._val is None or self._val[0].shape[0] == 0):
+            raise ValueError(
+                "laplace: method.search chooses (N, τ) on the validation set, but this run has none; give the data "
+                "one (data.n_val=10000 for vision/mnist, data.val_fraction=0.1 for UCI) or set method.search=null"
+            )
+
+    def _search(self, theta: Tensor, curvature: dict[str, Any]) -> StructuredGaussian:
+        """Lee et al. (2020), App. E.3.1: every (N, τ) of the grid on one curvature fit; keep the lowest
+        validation ``criterion`` among points whose validation accuracy is within ``accuracy_tolerance``
+        of the MAP's. For each N, τ goes from large to small and, once accuracy falls more than
+        ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``)."""
+        self._check_validation()
+        assert self._val is not None and self.search is not None
+        cfg, p = self.search, self.problem
+        x_val, y_val = self._val
+        if cfg.max_val_examples is not None:
+            x_val, y_val = x_val[: cfg.max_val_examples], y_val[: cfg.max_val_examples]
+        started = time.perf_counter()
+        reference = predictive_metrics(p.likelihood, self._val_outputs(None, x_val, 1, 0), y_val)
+        if cfg.criterion not in reference:
+            raise ValueError(
+                f"laplace: method.search.criterion={cfg.criterion!r} is not a validation metric of this likelihood "
+                f"(choices: {', '.join(sorted(reference))})"
+            )
+        map_accuracy = reference.get("accuracy")
+        seed = int(torch.randint(2**31 - 1, (1,), generator=p.generator, device=p.generator.device))
+        rows: list[dict[str, Any]] = []
+        for scale in cfg.dataset_scale:
+            pruned = False
+            for tau in sorted(cfg.prior_precision, reverse=True):
+                row: dict[str, Any] = {"dataset_scale": scale, "prior_precision": tau, "status": "pruned"}
+                rows.append(row)
+                if pruned:
+                    continue
+                tic = time.perf_counter()
+                posterior = self._cast(self._assemble(theta, curvature, scale, torch.full_like(theta, tau)))
+                f = self._val_outputs(posterior, x_val, cfg.n_samples, seed)
+                metrics = predictive_metrics(p.likelihood, f, y_val)
+                row.update({f"val_{k}": metrics[k] for k in _SEARCH_COLUMNS if k in metrics})
+                row.update(status="evaluated", time_s=time.perf_counter() - tic)
+                if map_accuracy is not None and cfg.prune_accuracy_drop is not None:
+                    pruned = metrics["accuracy"] < map_accuracy - cfg.prune_accuracy_drop
+        evaluated = [r for r in rows if r["status"] == "evaluated" and math.isfinite(r[f"val_{cfg.criterion}"])]
+        if not evaluated:
+            raise FloatingPointError("laplace: no grid point of method.search gave a finite validation criterion")
+        for r in evaluated:
+            r["eligible"] = (
+                map_accuracy is None
+                or cfg.accuracy_tolerance is None
+                or r["val_accuracy"] >= map_accuracy - cfg.accuracy_tolerance
+            )
+        eligible = [r for r in evaluated if r["eligible"]]
+        if not eligible:  # nothing keeps the MAP's accuracy: take the most accurate point
+            logger.warning("laplace search: no grid point within the accuracy tolerance; taking the most accurate")
+            best = max(evaluated, key=lambda r: r["val_accuracy"])
+        else:
+            best = min(eligible, key=lambda r: r[f"val_{cfg.criterion}"])
+        best["chosen"] = True
+        self.search_rows = rows
+        self._write_search_csv(rows)
+        chosen_scale, chosen_tau = best["dataset_scale"], best["prior_precision"]
+        logger.info(
+            "laplace search: N=%g, τ=%g (validation %s %.4g) of %d grid points in %.0f s",
+            chosen_scale,
+            chosen_tau,
+            cfg.criterion,
+            best[f"val_{cfg.criterion}"],
+            len(evaluated),
+            time.perf_counter() - started,
+        )
+        posterior = self._cast(self._assemble(theta, curvature, chosen_scale, torch.full_like(theta, chosen_tau)))
+        self.extra_metrics.update(
+            {
+                "chosen_dataset_scale": chosen_scale,
+                "chosen_prior_precision": chosen_tau,
+                f"search_val_{cfg.criterion}": best[f"val_{cfg.criterion}"],
+                "search_n_evaluated": len(evaluated),
+                "search_time_s": time.perf_counter() - started,
+                **({"search_map_val_accuracy": map_accuracy} if map_accuracy is not None else {}),
+                **({"search_val_accuracy": best["val_accuracy"]} if "val_accuracy" in best else {}),
+            }
+        )
+        return posterior
+
+    def _val_outputs(self, posterior: StructuredGaussian | None, x: Tensor, n_samples: int, seed: int) -> Tensor:
+        """Outputs at ``n_samples`` draws of ``posterior`` (``None``: the MAP), from a generator seeded
+        with ``seed``: every grid point sees the same noise (common random numbers)."""
+        saved_posterior, saved_problem = self._posterior, self.problem
+        generator = torch.Generator(device=saved_problem.generator.device).manual_seed(seed)
+        self._posterior, self.problem = posterior, dataclasses.replace(saved_problem, generator=generator)
+        try:
+            return self.predict_sets({"val": x}, n_samples)["val"]
+        finally:
+            self._posterior, self.problem = saved_posterior, saved_problem
+
+    def _write_search_csv(self, rows: list[dict[str, Any]]) -> None:
+        if self._run_dir is None:
+            return
+        columns = ["dataset_scale", "prior_precision", "status", *(f"val_{k}" for k in _SEARCH_COLUMNS)]
+        columns += ["eligible", "chosen", "time_s"]
+        with open(self._run_dir / SEARCH_FILE, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns, restval="", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows({**r, "chosen": r.get("chosen", False)} for r in rows)
 
     # ------------------------------------------------------------------ prediction
     def posterior(self) -> StructuredGaussian | None:
