@@ -291,6 +291,13 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
 
 
+def mm_into(x: Tensor, y: Tensor, out: Tensor | None, alpha: float = 1.0) -> Tensor:
+    """``alpha * x @ y``, written into ``out`` if given (a reused gradient buffer)."""
+    if out is None:
+        return torch.mm(x, y).mul_(alpha) if alpha != 1.0 else torch.mm(x, y)
+    return torch.addmm(out, x, y, beta=0.0, alpha=alpha, out=out)
+
+
 def reusable_grad_buffer(leaf: Tensor, buffer: Tensor) -> Tensor:
     """``buffer``, to receive ``leaf``'s gradient, unless ``leaf.grad`` already shares its memory (a second
     backward without zeroing, which accumulates into ``leaf.grad``): then a fresh tensor."""

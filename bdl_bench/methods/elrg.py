@@ -70,6 +70,7 @@ from bdl_bench.methods._layerwise_vi import (
     LayerwiseVI,
     check_positive_int,
     gather_part_grads,
+    mm_into,
     reusable_grad_buffer,
     sqrt_or_tiny,
 )
@@ -428,27 +429,20 @@ class _LowRankLocalLinear(torch.autograd.Function):
                 g_a.addcmul_(torch.mm(g_var, w_var), a2d)
             grads[0] = g_a.view(ctx.a_shape)
         if need_wm:
-            grads[1] = _mm_into(g2d.t(), a2d, into_wm)
+            grads[1] = mm_into(g2d.t(), a2d, into_wm)
         if need_bm:
             grads[2] = torch.sum(g2d, 0, out=into_bm) if into_bm is not None else g2d.sum(0)
         if need_vw:
             out = None if into_vw is None else into_vw.view(rank * n_out, n_in)
-            grads[3] = _mm_into(g_low.t(), a2d, out).view(v_weight.shape)
+            grads[3] = mm_into(g_low.t(), a2d, out).view(v_weight.shape)
         if need_vb:
             g_vb = torch.sum(g_low, 0, out=into_vb.view(-1)) if into_vb is not None else g_low.sum(0)
             grads[4] = g_vb.view(rank, n_out)
         if need_wv:
-            grads[5] = _mm_into(g_var.t(), a2, into_wv, alpha=0.5)
+            grads[5] = mm_into(g_var.t(), a2, into_wv, alpha=0.5)
         if need_bv:
             grads[6] = (torch.sum(g_var, 0, out=into_bv) if into_bv is not None else g_var.sum(0)).mul_(0.5)
         return tuple(grads)
-
-
-def _mm_into(x: Tensor, y: Tensor, out: Tensor | None, alpha: float = 1.0) -> Tensor:
-    """``alpha * x @ y``, written into ``out`` if given."""
-    if out is None:
-        return torch.mm(x, y).mul_(alpha) if alpha != 1.0 else torch.mm(x, y)
-    return torch.addmm(out, x, y, beta=0.0, alpha=alpha, out=out)
 
 
 @dataclass(frozen=True)

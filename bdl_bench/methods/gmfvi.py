@@ -49,6 +49,7 @@ from bdl_bench.methods._layerwise_vi import (
     LayerwiseVI,
     gather_part_grads,
     local_reparam_conv2d,
+    mm_into,
     reusable_grad_buffer,
     sqrt_or_tiny,
 )
@@ -293,21 +294,14 @@ class _LocalLinear(torch.autograd.Function):
         if need_a:
             grads[0] = torch.matmul(g, w_mean).addcmul_(torch.matmul(g_var.view_as(g), w_var), a)
         if need_wm:
-            grads[1] = _mm_into(g2.t(), a.reshape(-1, a.shape[-1]), into_wm)
+            grads[1] = mm_into(g2.t(), a.reshape(-1, a.shape[-1]), into_wm)
         if need_bm:
             grads[2] = torch.sum(g2, 0, out=into_bm) if into_bm is not None else g2.sum(0)
         if need_wv:
-            grads[3] = _mm_into(g_var.t(), a2.reshape(-1, a.shape[-1]), into_wv, alpha=0.5)
+            grads[3] = mm_into(g_var.t(), a2.reshape(-1, a.shape[-1]), into_wv, alpha=0.5)
         if need_bv:
             grads[4] = (torch.sum(g_var, 0, out=into_bv) if into_bv is not None else g_var.sum(0)).mul_(0.5)
         return tuple(grads)
-
-
-def _mm_into(x: Tensor, y: Tensor, out: Tensor | None, alpha: float = 1.0) -> Tensor:
-    """``alpha * x @ y``, written into ``out`` if given."""
-    if out is None:
-        return torch.mm(x, y).mul_(alpha) if alpha != 1.0 else torch.mm(x, y)
-    return torch.addmm(out, x, y, beta=0.0, alpha=alpha, out=out)
 
 
 def local_linear(
