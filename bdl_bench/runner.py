@@ -270,9 +270,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         )
     )
 
-    use_validation = getattr(method, "use_validation", None)  # Laplace's (N, τ) search: validation data only
-    if callable(use_validation):
-        use_validation(dataset.x_val, dataset.y_val, run_dir)
+    method.use_validation(dataset.x_val, dataset.y_val, run_dir)
 
     generators = {"method": method_generator, "data": data_generator, "eval": eval_generator}
     start_epoch, elapsed_before, rows = 0, 0.0, []
@@ -339,7 +337,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         config_hash_=chash,
         train_time=train_time,
         eval_generator=eval_generator,
-        extra_metrics=getattr(method, "extra_metrics", None),
+        extra_metrics=method.extra_metrics,
     )
 
 

@@ -21,6 +21,8 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -65,10 +67,17 @@ class Method(ABC):
     name: ClassVar[str]
     supports_replicas: ClassVar[bool] = False
     problem: Problem
+    extra_metrics: Mapping[str, float] = MappingProxyType({})
+    """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ)); none by default."""
 
     def setup(self, problem: Problem) -> None:
         """Create the fitting state for ``problem``; called once before ``fit``."""
         self.problem = problem
+
+    def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
+        """Receive the run's validation data (never test data) and run folder before fitting, for a method
+        that tunes itself on validation (Laplace's (N, τ) search); ignored by default."""
+        del x_val, y_val, run_dir
 
     @abstractmethod
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
