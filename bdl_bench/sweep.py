@@ -111,13 +111,18 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
         _start_attempt(run_dir, chash, overrides, force)
         result = run(cfg, run_dir, epoch_hook=epoch_hook)
     except Exception as error:
-        write_failure(run_dir, error, config, overrides)
-        update_run_record(run_dir, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+        _record_failure(run_dir, error, config, overrides)
         if os.environ.get("SUBMITIT_EXECUTOR"):
             _exit_with_failure_status()
         raise
     update_run_record(run_dir, status="finished", ended=time.time(), error=None)
     return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
+
+
+def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any], overrides: list[str]) -> None:
+    """The failure record (``failure.json``/``failure.txt``) and a ``failed`` status in ``run.json``."""
+    write_failure(run_dir, error, config, overrides)
+    update_run_record(run_dir, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
 
 
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
@@ -218,8 +223,7 @@ def run_stacked_job(
             if not _finished(d, hashes[k], force):
                 todo[k] = d
         except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
-            write_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), _with_split(overrides, k))  # type: ignore[arg-type]
-            update_run_record(d, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+            _record_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), _with_split(overrides, k))  # type: ignore[arg-type]
             conflicts.append(error)
     if conflicts:
         raise conflicts[0]
@@ -232,8 +236,7 @@ def run_stacked_job(
             run_stack(cfg, todo, run_dir, epoch_hook=epoch_hook)
         except Exception as error:
             for k, d in todo.items():
-                write_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), overrides)  # type: ignore[arg-type]
-                update_run_record(d, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+                _record_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), overrides)  # type: ignore[arg-type]
             if os.environ.get("SUBMITIT_EXECUTOR"):
                 _exit_with_failure_status()
             raise
