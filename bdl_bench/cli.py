@@ -9,7 +9,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
@@ -50,14 +50,6 @@ def check_group_overrides(overrides: list[str]) -> None:
         for item in value.split(","):
             if item not in choices:
                 raise SystemExit(f"bdl-bench: unknown {key} {item!r}; available: {', '.join(choices)}")
-
-
-def run_name(override_dirname: str) -> str:
-    """A run folder's name: its overrides, or ``default`` when it has none."""
-    return override_dirname or "default"
-
-
-OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -171,7 +171,7 @@ def member_dirs(run_dir: Path, overrides: list[str], splits: list[int]) -> dict[
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from bdl_bench.cli import run_name
+    from bdl_bench.resolvers import run_name
 
     if not HydraConfig.initialized():
         return {k: run_dir / f"split={k}" for k in splits}

@@ -81,3 +81,22 @@ def test_experiment_sweep_lists_existing_variants(path: Path) -> None:
     assert "glob(" not in variants
     for variant in str(variants).split(","):
         assert (CONF / "variant" / f"{variant}.yaml").exists(), variant
+
+
+@pytest.mark.parametrize("variant", ["mean_field", "1_tied", "2_tied", "3_tied"])
+def test_ktied_table3_anneals_the_kl_over_the_whole_run(variant: str) -> None:
+    """The paper's 300 epochs of 391 minibatches (50k images, batch 128) by default; a shorter run anneals over
+    its own length instead of never reaching the full KL."""
+    base = ["experiment=ktied_table3", f"variant=ktied_table3/{variant}"]
+    assert _compose(base).method.kl_annealing_steps == 300 * 391
+    assert _compose([*base, "trainer.n_epochs=60"]).method.kl_annealing_steps == 60 * 391
+    assert _compose([*base, "trainer.batch_size=100"]).method.kl_annealing_steps == 300 * 500
+
+
+def test_epochs_to_steps_refuses_bad_values() -> None:
+    from bdl_bench.resolvers import epochs_to_steps
+
+    assert epochs_to_steps(2, 10, 3) == 8
+    for args, name in (((-1, 10, 3), "n_epochs"), ((2, 0, 3), "n_train"), ((2, 10, 0), "batch_size")):
+        with pytest.raises(ValueError, match=name):
+            epochs_to_steps(*args)

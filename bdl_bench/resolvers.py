@@ -1,0 +1,36 @@
+"""OmegaConf resolvers the configs in ``conf/`` use (registered when ``bdl_bench`` is imported).
+
+- ``${run_name:${hydra.job.override_dirname}}``: a run folder's name, its overrides or ``default``.
+- ``${epochs_to_steps:<epochs>,<n_train>,<batch_size>}``: optimiser steps in that many epochs of
+  minibatches (the last one may be partial), e.g. a KL-annealing schedule over the whole run that follows
+  ``trainer.n_epochs`` instead of a step count fixed for one run length.
+"""
+
+from __future__ import annotations
+
+import math
+
+from omegaconf import OmegaConf
+
+
+def run_name(override_dirname: str) -> str:
+    """A run folder's name: its overrides, or ``default`` when it has none."""
+    return override_dirname or "default"
+
+
+def epochs_to_steps(n_epochs: int, n_train: int, batch_size: int) -> int:
+    """``n_epochs * ceil(n_train / batch_size)``.
+
+    Raises:
+        ValueError: on a negative epoch count or a non-positive ``n_train`` or ``batch_size``.
+    """
+    if int(n_epochs) != n_epochs or n_epochs < 0:
+        raise ValueError(f"epochs_to_steps: n_epochs must be a non-negative integer, got {n_epochs!r}")
+    for name, value in (("n_train", n_train), ("batch_size", batch_size)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"epochs_to_steps: {name} must be a positive integer, got {value!r}")
+    return int(n_epochs) * math.ceil(int(n_train) / int(batch_size))
+
+
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+OmegaConf.register_new_resolver("epochs_to_steps", epochs_to_steps, replace=True)
