@@ -30,7 +30,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the run folder)")
     parser.add_argument("--snr", type=Path, nargs="*", default=[], help="run folders whose gradient SNR to plot")
-    parser.add_argument("--snr-column", default="grad_snr", help="grad_snr (all layers) or grad_snr_l<i>")
+    parser.add_argument(
+        "--snr-column",
+        default="grad_snr",
+        help="grad_snr (all layers), grad_snr_l<i> (layer i), or grad_snr_median / grad_snr_median_l<i> (medians)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = args.out or args.run_dir

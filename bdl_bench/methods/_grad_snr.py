@@ -13,6 +13,14 @@ This is the paper's formula as written; it equals :math:`1 + \bar g^2 / \operato
 plus the more common squared-mean-over-variance ratio. Parameters whose gradient is exactly zero over
 the whole window (no signal, e.g. dead ReLU units) are left out of the mean.
 
+The mean of ratios is at the mercy of its largest terms: a parameter whose gradient barely varies over
+the window has an SNR of :math:`10^6` or more, and one whose gradient does not vary at all (in float32:
+a weight that only the deterministic KL term moves, e.g. one fed by MNIST's always-zero border pixels or
+by a dead ReLU unit, once its update no longer changes its gradient's float32 value) has an infinite
+SNR, which makes the layer's mean infinite. Each record therefore also holds the median over the
+parameters (``median`` for all layers, ``median_<group>`` per group), which such parameters cannot move
+while they are fewer than half.
+
 :class:`GradientSNR` accumulates running sums (float64) over non-overlapping windows of ``window`` steps
 (two passes over the tracked gradients per step, no stored history) and records one value per group at
 the end of each window, i.e. the SNR "over the last W batches" at steps W, 2W, 3W, ...
@@ -57,6 +65,13 @@ def mean_snr(snr: Tensor) -> float:
     return float(kept.mean()) if kept.numel() else float("nan")
 
 
+def median_snr(snr: Tensor) -> float:
+    """Median (the lower of the two middle values) of per-parameter SNRs, leaving out ``nan``; ``nan`` if
+    none is left. Infinite SNRs count as large values, so it is finite while fewer than half are."""
+    kept = snr[~torch.isnan(snr)]
+    return float(kept.median()) if kept.numel() else float("nan")
+
+
 @dataclass
 class _Window:
     total: list[Tensor]
@@ -71,7 +86,9 @@ class GradientSNR:
         window: steps per window W (>= 2).
 
     Attributes:
-        records: ``(step, {group: snr})`` for every completed window, in order.
+        records: ``(step, {key: snr})`` for every completed window, in order; the keys are each group's
+            name (its mean SNR), ``all`` (the mean over all groups' parameters), ``median_<group>`` and
+            ``median`` (the medians of the same sets).
     """
 
     window: int
@@ -104,10 +121,12 @@ class GradientSNR:
                     [_snr_from_sums(t, s, self._count).flatten() for t, s in zip(sums.total, sums.total_sq)]
                 )
                 values[name] = mean_snr(snr)
+                values[f"median_{name}"] = median_snr(snr)
                 every.append(snr)
                 torch._foreach_zero_(sums.total)
                 torch._foreach_zero_(sums.total_sq)
-            values["all"] = mean_snr(torch.cat(every))
+            every = torch.cat(every)
+            values["all"], values["median"] = mean_snr(every), median_snr(every)
             self.records.append((step, values))
             self._unread += 1
             self._count = 0

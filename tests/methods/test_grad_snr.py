@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from bdl_bench.methods._grad_snr import GradientSNR, gradient_snr, mean_snr
+from bdl_bench.methods._grad_snr import GradientSNR, gradient_snr, mean_snr, median_snr
 
 
 def test_snr_of_constructed_gradients() -> None:
@@ -52,6 +52,8 @@ def test_windows_record_the_snr_of_their_steps() -> None:
         assert values["a"] == pytest.approx(float(snr_a.mean()), rel=1e-5)
         assert values["b"] == pytest.approx(float(snr_b.mean()), rel=1e-5)
         assert values["all"] == pytest.approx(float(torch.cat([snr_a.flatten(), snr_b]).mean()), rel=1e-5)
+        assert values["median_a"] == pytest.approx(float(snr_a.flatten().median()), rel=1e-5)
+        assert values["median"] == pytest.approx(float(torch.cat([snr_a.flatten(), snr_b]).median()), rel=1e-5)
     means = tracker.pop_means()
     assert means["a"] == pytest.approx((tracker.records[0][1]["a"] + tracker.records[1][1]["a"]) / 2)
     assert tracker.pop_means() == {}  # nothing new since
@@ -66,6 +68,24 @@ def test_large_snr_survives_float32_gradients() -> None:
         tracker.update(t, {"w": [grad.float()]})
     expected = gradient_snr(torch.stack(grads).double()).mean()
     assert_close(torch.tensor(tracker.records[0][1]["w"]), expected.float(), rtol=1e-3, atol=0)
+
+
+def test_median_is_finite_while_fewer_than_half_do_not_vary() -> None:
+    """A parameter whose gradient is constant over the window (only the KL moves it) has an infinite SNR and
+    makes the paper's mean infinite; the median stays that of the noisy parameters."""
+    g = torch.Generator().manual_seed(0)
+    noisy = [torch.randn(7, generator=g) + 1.0 for _ in range(10)]
+    tracker = GradientSNR(window=10)
+    for t, grad in enumerate(noisy, start=1):
+        tracker.update(t, {"w": [torch.cat([grad, torch.tensor([0.5, 0.5, 0.0])])]})  # constant, constant, zero
+    values = tracker.records[0][1]
+    assert math.isinf(values["w"])
+    snr_noisy = gradient_snr(torch.stack(noisy).double())
+    # 9 kept values (the all-zero one is no signal): 7 noisy and two infinite; the median is the 5th smallest
+    assert values["median_w"] == pytest.approx(float(snr_noisy.sort().values[4]), rel=1e-5)
+    assert math.isfinite(values["median"])
+    assert median_snr(torch.tensor([1.0, float("inf"), float("nan"), 3.0, 2.0])) == pytest.approx(2.0)
+    assert math.isnan(median_snr(torch.tensor([float("nan")])))
 
 
 @pytest.mark.parametrize("window", [0, 1, 2.5])
