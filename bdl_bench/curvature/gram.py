@@ -36,7 +36,7 @@ from torch import Tensor
 
 from bdl_bench.curvature.per_example import LayerFactors, PerExampleFactors
 
-_BLOCK_ELEMENTS = 1 << 18  # columns of a (K, D) matrix handled at a time by blocked passes (~1 MB)
+_BLOCK_ELEMENTS = 1 << 17  # entries of a (K, D) matrix handled at a time by blocked passes (~512 KB, in L2)
 
 
 def columns_first(matrix: Tensor) -> Tensor:
@@ -47,6 +47,27 @@ def columns_first(matrix: Tensor) -> Tensor:
 def empty_columns_first(n_rows: int, n_cols: int, like: Tensor) -> Tensor:
     """An uninitialised (D, K) tensor stored column by column (its ``.mT`` is contiguous)."""
     return torch.empty(n_cols, n_rows, dtype=like.dtype, device=like.device).mT
+
+
+def workspace_buffer(workspace: dict[str, Tensor] | None, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor of ``shape`` for scratch use, taken from ``workspace[name]``.
+
+    A training loop that passes the same dict at every step reuses the buffers (grown when too small)
+    instead of allocating fresh ones: on CPU every new large tensor is fresh memory from the OS, whose
+    first touch costs a page fault per 4 KB (several microseconds each), comparable to the arithmetic
+    of a D-sized pass. With ``workspace=None`` a new tensor is returned.
+    """
+    if workspace is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    strides, numel = [], 1
+    for size in reversed(shape):
+        strides.append(numel)
+        numel *= size
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        workspace[name] = buffer
+    return buffer.as_strided(shape, strides[::-1])  # the first numel entries, contiguous
 
 
 def column_sqnorms(matrix: Tensor) -> Tensor:
@@ -71,29 +92,44 @@ def gram_matrix(factors: PerExampleFactors) -> Tensor:
     return out
 
 
-def _weight_block(rows: Tensor, k: int, layer: LayerFactors) -> Tensor:
-    """Row k of a (K, D) matrix restricted to ``layer``'s weight, as an ``(out, in)`` matrix."""
+def _layer_weights(rows: Tensor, layer: LayerFactors) -> Tensor:
+    """Rows of a (K, D) matrix restricted to ``layer``'s weight, as ``(K, out, in)`` (a view)."""
     slot = layer.slot
-    return rows[k, slot.weight_slice].view(slot.out_features, slot.in_features)
+    return rows[:, slot.weight_slice].unflatten(1, (slot.out_features, slot.in_features))
 
 
-def factor_cross(factors: PerExampleFactors, vectors: Tensor) -> Tensor:
+def factor_cross(factors: PerExampleFactors, vectors: Tensor, workspace: dict[str, Tensor] | None = None) -> Tensor:
     """:math:`G^\\top V`, shape ``(P, K)``, for ``vectors`` V of shape ``(D, K)``.
 
-    Per layer and vector, :math:`(G^\\top v)_p = \\delta_p^\\top V_l a_p`: one GEMM
-    :math:`V_l A^\\top` (out x in x P), then a column-wise dot product with :math:`\\Delta^\\top`.
+    Per layer and vector, :math:`(G^\\top v)_p = \\delta_p^\\top V_l a_p`: one batched GEMM
+    :math:`A V_l^\\top` (P x in x out per vector; or :math:`\\Delta V_l` when out > in) over the K
+    vectors, read in place from a column-major V, then a row-wise dot product with :math:`\\Delta`
+    (with A). ``workspace``: scratch buffers reused between calls (:func:`workspace_buffer`).
     """
     rows = columns_first(vectors)  # (K, D), free for a column-major V
-    n_vec = rows.shape[0]
-    out = torch.zeros(n_vec, factors.n_columns, dtype=factors.dtype, device=factors.device)
+    n_vec, n_cols = rows.shape[0], factors.n_columns
+    out = torch.zeros(n_vec, n_cols, dtype=factors.dtype, device=factors.device)
+    if n_vec == 0:
+        return out.mT
+    width = max(min(layer.slot.out_features, layer.slot.in_features) for layer in factors.layers)
+    group = n_vec  # vectors per batched GEMM: all at once on an accelerator, about 2 MB of output on CPU
+    if rows.device.type == "cpu":
+        group = max(1, min(n_vec, 4 * _BLOCK_ELEMENTS // max(n_cols * width, 1)))
+    buffer = workspace_buffer(workspace, "cross", (group * n_cols * width,), rows)
     for layer in factors.layers:
-        grads_t = layer.output_grads.mT  # (out, P)
-        buffer = torch.empty(grads_t.shape, dtype=factors.dtype, device=factors.device)
-        for k in range(n_vec):
-            torch.mm(_weight_block(rows, k, layer), layer.inputs.mT, out=buffer)
-            out[k] += buffer.mul_(grads_t).sum(0)
-        if layer.slot.bias_slice is not None:
-            out.addmm_(rows[:, layer.slot.bias_slice], grads_t)
+        slot = layer.slot
+        weights = _layer_weights(rows, layer)  # (K, out, in)
+        # (G^T v)_p = sum_o delta_po (A V^T)_po = sum_i a_pi (Delta V)_pi: contract the larger side first
+        by_outputs = slot.out_features <= slot.in_features
+        left, right = (layer.inputs, layer.output_grads) if by_outputs else (layer.output_grads, layer.inputs)
+        for start in range(0, n_vec, group):
+            block = weights[start : start + group]
+            block = block.mT if by_outputs else block  # (g, in, out) or (g, out, in)
+            prod = buffer[: block.shape[0] * n_cols * block.shape[2]].view(block.shape[0], n_cols, block.shape[2])
+            torch.bmm(left.expand(block.shape[0], *left.shape), block, out=prod)
+            out[start : start + group] += prod.mul_(right).sum(-1)
+        if slot.bias_slice is not None:
+            out.addmm_(rows[:, slot.bias_slice], layer.output_grads.mT)
     return out.mT
 
 
@@ -109,34 +145,85 @@ def add_matmul(factors: PerExampleFactors, coeffs: Tensor, out: Tensor, alpha: f
     rows = out.mT
     if not rows.is_contiguous():
         raise ValueError("add_matmul needs an output stored column by column: use empty_columns_first(D, K, like)")
-    _add_matmul_rows(factors, coeffs, rows, alpha)
+    combine_rows(factors, coeffs, rows, rows, alpha=alpha)
     return out
 
 
-def _add_matmul_rows(
-    factors: PerExampleFactors, coeffs: Tensor, rows: Tensor, alpha: float, sqnorms: Tensor | None = None
+def combine_rows(
+    factors: PerExampleFactors,
+    coeffs: Tensor,
+    src: Tensor,
+    dst: Tensor,
+    *,
+    alpha: float = 1.0,
+    mixing: Tensor | None = None,
+    sqnorms: Tensor | None = None,
+    workspace: dict[str, Tensor] | None = None,
 ) -> None:
-    """``rows += alpha * (G coeffs)^T`` for ``rows`` (K, D); with ``sqnorms`` (D,), also add the squared
-    entries of the updated weight blocks to it while they are in cache."""
-    n_vec = rows.shape[0]
-    for layer in factors.layers:
+    """``dst = mixing^T src + alpha (G coeffs)^T`` for rows ``src``, ``dst`` ``(K, D)`` and ``coeffs`` ``(P, K)``.
+
+    In column form, :math:`V_{dst} = V_{src} M + \\alpha G C`: with ``mixing`` M = ``None`` (the
+    identity) it adds :math:`\\alpha GC` to ``src``; with SLANG's rotation it forms the new factor
+    :math:`\\sqrt{w_0}UW_U + \\sqrt{w_1}GW_G` in one pass. Per layer and chunk of weight rows (about
+    512 KB for all K vectors on CPU), :math:`\\alpha C^\\top G^\\top` is one GEMM
+    (:math:`[c_k\\circ\\delta_{:,o}]_{k,o}` ((K·rows) x P) times A (P x in)) into a reused buffer,
+    the mixing another (K x K x chunk), and only then is the chunk written to ``dst``: so ``dst`` may
+    be ``src`` (updated in place, each chunk read before it is written). With ``sqnorms`` ``(D,)``,
+    it is set to the column sums of squares of ``dst`` (:math:`\\operatorname{diag}(V_{dst}V_{dst}^\\top)`)
+    while each chunk is in cache. ``workspace``: scratch buffers reused between calls
+    (:func:`workspace_buffer`).
+    """
+    n_vec = dst.shape[0]
+    coeffs_t = coeffs.mT.mul(alpha).contiguous()  # (K, P), alpha folded in
+    mixing_t = None if mixing is None else mixing.mT
+    n_cols = factors.n_columns
+    # weight rows per chunk: about 512 KB for all K vectors on CPU (in L2), whole layers on an accelerator
+    chunk_rows = [
+        max(1, min(layer.slot.out_features, _BLOCK_ELEMENTS // max(n_vec * layer.slot.in_features, 1)))
+        if dst.device.type == "cpu"
+        else layer.slot.out_features
+        for layer in factors.layers
+    ]
+    scaled_size = max(n_vec * r * n_cols for r in chunk_rows)
+    chunk_size = max(n_vec * r * layer.slot.in_features for r, layer in zip(chunk_rows, factors.layers))
+    scaled_buf = workspace_buffer(workspace, "combine_scaled", (scaled_size,), dst)
+    chunk_buf = workspace_buffer(workspace, "combine_chunk", (chunk_size,), dst)
+    square_buf = None if sqnorms is None else workspace_buffer(workspace, "combine_squares", (chunk_size,), dst)
+    for layer, rows_per_chunk in zip(factors.layers, chunk_rows):
         slot = layer.slot
-        buffer = torch.empty(layer.output_grads.shape, dtype=factors.dtype, device=factors.device)
-        for k in range(n_vec):
-            block = _weight_block(rows, k, layer)
-            torch.mul(layer.output_grads, coeffs[:, k : k + 1], out=buffer)
-            block.addmm_(buffer.mT, layer.inputs, alpha=alpha)
-            if sqnorms is not None:
-                sqnorms[slot.weight_slice].view_as(block).addcmul_(block, block)
+        n_in = slot.in_features
+        grads_t = layer.output_grads.mT.contiguous()  # (out, P)
+        for first in range(0, slot.out_features, rows_per_chunk):
+            n_rows = min(rows_per_chunk, slot.out_features - first)
+            scaled = scaled_buf[: n_vec * n_rows * n_cols].view(n_vec, n_rows, n_cols)
+            torch.mul(coeffs_t[:, None, :], grads_t[None, first : first + n_rows], out=scaled)  # c_kp delta_po
+            chunk = chunk_buf[: n_vec * n_rows * n_in].view(n_vec * n_rows, n_in)
+            torch.mm(scaled.view(n_vec * n_rows, n_cols), layer.inputs, out=chunk)
+            chunk = chunk.view(n_vec, n_rows * n_in)
+            cols = slice(slot.weight_offset + first * n_in, slot.weight_offset + (first + n_rows) * n_in)
+            if mixing_t is None:
+                chunk.add_(src[:, cols])
+            else:
+                chunk.addmm_(mixing_t, src[:, cols])
+            dst[:, cols].copy_(chunk)
+            if sqnorms is not None and square_buf is not None:
+                squares = torch.mul(chunk, chunk, out=square_buf[: chunk.numel()].view_as(chunk))
+                torch.sum(squares, 0, out=sqnorms[cols])
         if slot.bias_slice is not None:
-            rows[:, slot.bias_slice].addmm_(coeffs.mT, layer.output_grads, alpha=alpha)
+            bias = torch.mm(coeffs_t, layer.output_grads)  # (K, out)
+            if mixing_t is None:
+                bias.add_(src[:, slot.bias_slice])
+            else:
+                bias.addmm_(mixing_t, src[:, slot.bias_slice])
+            dst[:, slot.bias_slice].copy_(bias)
             if sqnorms is not None:
-                sqnorms[slot.bias_slice] += rows[:, slot.bias_slice].square().sum(0)
+                torch.sum(bias.square(), 0, out=sqnorms[slot.bias_slice])
 
 
-def sq_diag(factors: PerExampleFactors) -> Tensor:
-    """:math:`\\operatorname{diag}(GG^\\top) = \\sum_p g_p \\circ g_p`, shape ``(D,)``."""
-    out = torch.empty(factors.n_params, dtype=factors.dtype, device=factors.device)  # every entry is written
+def sq_diag(factors: PerExampleFactors, out: Tensor | None = None) -> Tensor:
+    """:math:`\\operatorname{diag}(GG^\\top) = \\sum_p g_p \\circ g_p`, shape ``(D,)`` (into ``out`` if given)."""
+    if out is None:
+        out = torch.empty(factors.n_params, dtype=factors.dtype, device=factors.device)  # every entry is written
     for layer in factors.layers:
         slot = layer.slot
         sq_grads = layer.output_grads.square()
@@ -211,6 +298,8 @@ def low_rank_update(
     factor_sqnorms: Tensor | None = None,
     path: str = "auto",
     out: Tensor | None = None,
+    sqnorms_out: Tensor | None = None,
+    workspace: dict[str, Tensor] | None = None,
 ) -> LowRankUpdate:
     """Top-L eigenpairs of :math:`w_0 UU^\\top + w_1 GG^\\top` by the Gram trick (module docstring).
 
@@ -226,8 +315,14 @@ def low_rank_update(
             ``"dense"`` (materialise G and decompose the D x D matrix :math:`BB^\\top`: cheaper when
             D <= L + P, e.g. logistic regression) or ``"auto"`` (the smaller of the two).
         out: a ``(D, L)`` tensor to write :math:`U_{new}` into (column-major on the gram path), or
-            ``None`` for a new one. It may be ``prec_factor`` itself: U is then overwritten (rotated in
-            place, block by block, before G's part is added), so no second D x L buffer is needed.
+            ``None`` for a new one. It may be ``prec_factor`` itself: U is then overwritten in place,
+            chunk by chunk (each chunk of U is read before it is written), so no second D x L buffer
+            is needed.
+        sqnorms_out: a ``(D,)`` tensor for :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, or
+            ``None`` for a new one; it may be ``factor_sqnorms`` itself (read before it is written).
+        workspace: scratch buffers kept by the caller between calls (a training loop's dict;
+            :func:`workspace_buffer`). The returned ``diag_residual`` then lives in it: valid until
+            the next call with the same workspace.
 
     Returns:
         The :class:`LowRankUpdate`.
@@ -246,6 +341,8 @@ def low_rank_update(
         if out is not None:
             out.copy_(update.prec_factor)
             update = replace(update, prec_factor=out)
+        if sqnorms_out is not None:
+            update = replace(update, factor_sqnorms=sqnorms_out.copy_(update.factor_sqnorms))
         return update
     if not prec_factor.mT.is_contiguous():
         prec_factor = columns_first(prec_factor).mT
@@ -257,9 +354,9 @@ def low_rank_update(
     if factor_sqnorms is None:
         factor_sqnorms = column_sqnorms(prec_factor)
     n_cols = factors.n_columns
-    btb = torch.empty(rank + n_cols, rank + n_cols, dtype=factors.dtype, device=factors.device)
+    btb = workspace_buffer(workspace, "gram_btb", (rank + n_cols, rank + n_cols), prec_factor)
     btb[:rank, :rank] = factor_gram * old_weight
-    cross = factor_cross(factors, prec_factor).mul_((old_weight * new_weight) ** 0.5)  # (P, L)
+    cross = factor_cross(factors, prec_factor, workspace).mul_((old_weight * new_weight) ** 0.5)  # (P, L)
     btb[rank:, :rank] = cross
     btb[:rank, rank:] = cross.mT
     btb[rank:, rank:] = gram_matrix(factors).mul_(new_weight)
@@ -268,11 +365,23 @@ def low_rank_update(
     evals, evecs = torch.linalg.eigh(btb)  # ascending
     eigenvalues = evals[-rank:].flip(0).clamp_min(0.0)
     top = canonical_signs(evecs[:, -rank:].flip(1))  # (L+P, L)
-    new_factor = rotate_columns(prec_factor, top[:rank] * old_weight**0.5, target)  # sqrt(w0) U W_U
-    new_sqnorms = torch.zeros_like(factor_sqnorms)
-    # + sqrt(w1) G W_G, squaring each finished block while it is in cache
-    _add_matmul_rows(factors, top[rank:], new_factor.mT, new_weight**0.5, sqnorms=new_sqnorms)
-    residual = sq_diag(factors).mul_(new_weight).add_(factor_sqnorms, alpha=old_weight).sub_(new_sqnorms)
+    # diag(w0 U U^T + w1 G G^T) now: factor_sqnorms may be overwritten by the new squared norms below
+    residual = sq_diag(factors, out=workspace_buffer(workspace, "residual", (factors.n_params,), prec_factor))
+    residual.mul_(new_weight).add_(factor_sqnorms, alpha=old_weight)
+    new_sqnorms = torch.empty_like(factor_sqnorms) if sqnorms_out is None else sqnorms_out
+    # sqrt(w0) U W_U + sqrt(w1) G W_G in one pass over U (target may be U), squaring each finished chunk
+    new_factor = target
+    combine_rows(
+        factors,
+        top[rank:],
+        prec_factor.mT,
+        new_factor.mT,
+        alpha=new_weight**0.5,
+        mixing=top[:rank] * old_weight**0.5,
+        sqnorms=new_sqnorms,
+        workspace=workspace,
+    )
+    residual.sub_(new_sqnorms)
     if out is not None and new_factor is not out:
         new_factor = out.copy_(new_factor)
     return LowRankUpdate(

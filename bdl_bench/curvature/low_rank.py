@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.gram import column_sqnorms
+from bdl_bench.curvature.gram import column_sqnorms, workspace_buffer
 
 
 @dataclass(frozen=True)
@@ -43,24 +43,30 @@ class PrecisionCache:
     capacitance_chol: Tensor  # (L, L)
 
 
-_GRAM_BLOCK_ELEMENTS = 1 << 18  # entries of U per block of the weighted Gram matrix on CPU (about 1 MB)
+# multiply-adds (L² x columns) per block of the weighted Gram matrix on CPU: 64k columns (2 MB) at L = 8,
+# 4k (512 KB) at L = 32; MKL's L x n x L products run fastest at about these sizes
+_GRAM_BLOCK_WORK = 1 << 22
 
 
-def weighted_gram(factor: Tensor, weights: Tensor, rhs: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def weighted_gram(
+    factor: Tensor, weights: Tensor, rhs: Tensor | None = None, workspace: dict[str, Tensor] | None = None
+) -> tuple[Tensor, Tensor | None]:
     """:math:`U^\\top\\operatorname{diag}(w)U` ``(L, L)`` and, if given, :math:`U^\\top(w \\circ v)` ``(L,)``.
 
-    U is read column-major (as SLANG stores it), on CPU in blocks of about 1 MB of rows of D, so
-    that no D x L temporary is allocated.
+    U is read column-major (as SLANG stores it), on CPU in blocks of rows of D (:data:`_GRAM_BLOCK_WORK`),
+    so that no D x L temporary is allocated (the block buffer is taken from ``workspace`` if given:
+    :func:`bdl_bench.curvature.gram.workspace_buffer`).
     """
     rows = factor.mT if factor.mT.is_contiguous() else factor.mT.contiguous()  # (L, D)
     rank, n_params = rows.shape
-    cols = n_params if factor.device.type != "cpu" else max(1, _GRAM_BLOCK_ELEMENTS // max(rank, 1))
+    cols = n_params if factor.device.type != "cpu" else max(1, _GRAM_BLOCK_WORK // max(rank, 1) ** 2)
     gram = torch.zeros(rank, rank, dtype=factor.dtype, device=factor.device)
     proj = None if rhs is None else torch.zeros(rank, dtype=factor.dtype, device=factor.device)
-    buffer = torch.empty(rank, min(cols, n_params), dtype=factor.dtype, device=factor.device)
+    buffer = workspace_buffer(workspace, "weighted_gram", (rank * min(cols, n_params),), factor)
     for start in range(0, n_params, cols):
         block = rows[:, start : start + cols]
-        scaled = torch.mul(block, weights[start : start + cols], out=buffer[:, : block.shape[1]])
+        scaled = buffer[: block.numel()].view(block.shape)
+        torch.mul(block, weights[start : start + cols], out=scaled)
         gram.addmm_(scaled, block.mT)
         if proj is not None and rhs is not None:
             proj.addmv_(scaled, rhs[start : start + cols])
@@ -90,7 +96,12 @@ def _chol_solve_rows(rows: Tensor, chol: Tensor) -> Tensor:
 
 
 def sample_noise(
-    prec_factor: Tensor, prec_diag: Tensor, cache: PrecisionCache, n_samples: int, generator: torch.Generator
+    prec_factor: Tensor,
+    prec_diag: Tensor,
+    cache: PrecisionCache,
+    n_samples: int,
+    generator: torch.Generator,
+    workspace: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """Draws of :math:`\\mathcal N(0, P^{-1})`, :math:`P = UU^\\top + \\operatorname{diag}(d)`: ``(n, D)``.
 
@@ -104,9 +115,25 @@ def sample_noise(
     For R stacked precisions (U ``(R, D, L)``, d ``(R, D)``, cache entries with a leading R; the stacked
     splits of :mod:`bdl_bench.stacked`) the draws are ``(R, n, D)``: one ``(n, D + L)`` draw of normals,
     shared by the copies, as a single run draws it.
+
+    With ``workspace`` (:func:`bdl_bench.curvature.gram.workspace_buffer`) the draws and temporaries
+    reuse its buffers, and the result lives in it (valid until the next call with the same workspace);
+    it is ignored for stacked precisions and for a generator on another device than ``prec_diag``.
     """
     n_params, rank = prec_factor.shape[-2:]
-    eps = torch.randn((n_samples, n_params + rank), generator=generator, device=generator.device, dtype=prec_diag.dtype)
+    shape = (n_samples, n_params + rank)
+    if workspace is not None and prec_factor.ndim == 2 and generator.device == prec_diag.device:
+        eps = torch.randn(shape, generator=generator, out=workspace_buffer(workspace, "noise_eps", shape, prec_diag))
+        # d^{-1/2} in the buffer of U coeffs below (dead by then)
+        inv_sqrt = torch.rsqrt(prec_diag, out=workspace_buffer(workspace, "noise_back", (n_params,), prec_diag))
+        white = workspace_buffer(workspace, "noise", (n_samples, n_params), prec_diag)
+        torch.mul(eps[:, :n_params], inv_sqrt, out=white)  # d^{-1/2} e1
+        low = eps[:, n_params:]  # (n, L) e2
+        proj = (white @ prec_factor).add_(low @ cache.capacitance)  # (n, L) rows of U^T D^{-1} z
+        coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (n, L)
+        back = torch.mm(coeffs, prec_factor.mT, out=workspace_buffer(workspace, "noise_back", white.shape, white))
+        return white.addcdiv_(back, prec_diag)
+    eps = torch.randn(shape, generator=generator, device=generator.device, dtype=prec_diag.dtype)
     eps = eps.to(prec_diag.device)
     diag = prec_diag.unsqueeze(-2)  # (1, D) or (R, 1, D)
     white = eps[:, :n_params] * diag.rsqrt()  # (..., n, D) d^{-1/2} e1

@@ -162,9 +162,11 @@ class PerExampleFactors:
     def device(self) -> torch.device:
         return self.losses.device
 
-    def grad_sum(self) -> Tensor:
-        """:math:`\\sum_p g_p = G\\mathbf 1`, shape ``(D,)`` (one GEMM per layer: :math:`\\Delta^\\top A`)."""
-        out = torch.empty(self.n_params, dtype=self.dtype, device=self.device)  # the layers cover every entry
+    def grad_sum(self, out: Tensor | None = None) -> Tensor:
+        """:math:`\\sum_p g_p = G\\mathbf 1`, shape ``(D,)`` (one GEMM per layer: :math:`\\Delta^\\top A`),
+        into ``out`` if given."""
+        if out is None:
+            out = torch.empty(self.n_params, dtype=self.dtype, device=self.device)  # the layers cover every entry
         for layer in self.layers:
             slot = layer.slot
             weight = out[slot.weight_slice].view(slot.out_features, slot.in_features)

@@ -35,12 +35,16 @@ in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay;
 
 Implementation: U is stored column-major (``torch.zeros(L, D).mT``: each column contiguous), so that
 every product with the per-example gradients is a GEMM of a training step's shape
-(:mod:`bdl_bench.curvature.gram`); the state's tensors are updated in place by ``train_step`` (U is
-rotated block by block, no second D x L buffer), so ``posterior()`` and ``state_dict()`` return
+(:mod:`bdl_bench.curvature.gram`); the state's tensors are updated in place by ``train_step`` (the
+new U, :math:`\sqrt{1-\beta}\,UW_U + \sqrt{\beta c}\,GW_G`, is formed in one pass, chunk by chunk in
+cache, over the old one: no second D x L buffer), so ``posterior()`` and ``state_dict()`` return
 copies. :math:`U^\top U` (the last eigenvalues), :math:`\operatorname{diag}(UU^\top)` and the Cholesky
 factor of :math:`I + U^\top D^{-1}U` are carried from one step to the next
-(:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of being recomputed. Samples of q (for
-training and ``predict``) are exact: :math:`\mu + P^{-1}(d^{1/2}\circ\epsilon_1 + U\epsilon_2)`.
+(:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of being recomputed, and every D-sized
+temporary of a step lives in a workspace kept between steps
+(:func:`bdl_bench.curvature.gram.workspace_buffer`: fresh memory would cost a page fault per 4 KB at
+every step). Samples of q (for training and ``predict``) are exact:
+:math:`\mu + P^{-1}(d^{1/2}\circ\epsilon_1 + U\epsilon_2)`.
 
 ``train_step`` reports ``nll`` (the minibatch mean of :math:`-\log p(y_i\mid\theta_s)`) and ``loss`` =
 ``nll`` + KL/N, the per-example negative ELBO estimate, where KL(:math:`q_t\,\|\,p`) is exact except
@@ -60,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bdl_bench.curvature.gram import low_rank_update
+from bdl_bench.curvature.gram import low_rank_update, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitance_cholesky, sample_noise, weighted_gram
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
@@ -120,6 +124,7 @@ def slang_update(
     momentum: float,
     cache: PrecisionCache | None = None,
     inplace: bool = False,
+    workspace: dict[str, Tensor] | None = None,
 ) -> tuple[SlangState, PrecisionCache]:
     """One SLANG update (module docstring, items 3-6) from factors evaluated at samples of q.
 
@@ -132,8 +137,12 @@ def slang_update(
         beta: :math:`\\beta_t` (already scheduled).
         momentum: :math:`\\rho`.
         cache: ``build_cache(state.prec_factor, state.prec_diag)`` if at hand (computed when ``None``).
-        inplace: overwrite the tensors of ``state`` (which then holds the new values) instead of
-            allocating new ones; saves a D x L buffer and its first-touch cost per step.
+        inplace: overwrite the tensors of ``state`` (which then holds the new values) and the
+            ``factor_sqnorms`` of ``cache`` (the new cache's) instead of allocating new ones; saves a
+            D x L buffer and its first-touch cost per step.
+        workspace: scratch buffers kept by the caller from one step to the next
+            (:func:`bdl_bench.curvature.gram.workspace_buffer`), so that no D-sized temporary is
+            fresh memory (a page fault per 4 KB on first touch) at every step.
 
     Returns:
         The new state and its cache.
@@ -145,7 +154,8 @@ def slang_update(
     if cache is None:
         cache = build_cache(state.prec_factor, state.prec_diag)
     scale = n_data / factors.n_columns  # N / (M S)
-    grad = factors.grad_sum().mul_(scale)  # g_hat (D,)
+    like = state.mean
+    grad = factors.grad_sum(out=workspace_buffer(workspace, "slang_grad", like.shape, like)).mul_(scale)  # g_hat
     if not bool(torch.isfinite(grad.sum())):  # a NaN or an infinity anywhere makes the sum non-finite
         raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step}")
     try:
@@ -157,6 +167,8 @@ def slang_update(
             factor_gram=cache.factor_gram,
             factor_sqnorms=cache.factor_sqnorms,
             out=state.prec_factor if inplace else None,
+            sqnorms_out=cache.factor_sqnorms if inplace else None,
+            workspace=workspace,
         )
     except FloatingPointError as err:
         raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step} ({err})") from err
@@ -165,14 +177,17 @@ def slang_update(
     prec_diag.add_(prior_precision, alpha=beta).add_(update.diag_residual.clamp_min_(0.0))
     new_momentum = state.momentum.mul_(momentum) if inplace else state.momentum * momentum
     new_momentum.add_(grad, alpha=1.0 - momentum)
-    direction = torch.addcmul(new_momentum / (1.0 - momentum**step), prior_precision, state.mean)
+    direction = torch.div(
+        new_momentum, 1.0 - momentum**step, out=workspace_buffer(workspace, "slang_dir", like.shape, like)
+    )
+    direction.addcmul_(prior_precision, state.mean)  # bias-corrected momentum + lambda mu
     # eq. (11) by Woodbury, with U^T D^{-1} U and U^T D^{-1} direction in one blocked pass over U
-    inv_diag = prec_diag.reciprocal()
-    capacitance, proj = weighted_gram(update.prec_factor, inv_diag, direction)
-    chol = capacitance_cholesky(capacitance)
+    inv_diag = torch.reciprocal(prec_diag, out=workspace_buffer(workspace, "slang_inv_diag", like.shape, like))
+    capacitance, proj = weighted_gram(update.prec_factor, inv_diag, direction, workspace=workspace)
     assert proj is not None
+    chol = capacitance_cholesky(capacitance)
     inner = torch.cholesky_solve(proj[:, None], chol)[:, 0]
-    residual = torch.addmv(direction, update.prec_factor, inner, alpha=-1.0)  # direction - U inner
+    residual = direction.addmv_(update.prec_factor, inner, alpha=-1.0)  # direction - U inner
     mean = state.mean if inplace else state.mean.clone()
     mean.addcmul_(residual, inv_diag, value=-lr)  # mu - lr D^{-1}(direction - U inner)
     new_state = SlangState(
@@ -270,6 +285,7 @@ class Slang(Method):
             step=0,
         )
         self._cached: tuple[SlangState, PrecisionCache] | None = None
+        self._workspace: dict[str, Tensor] = {}  # scratch buffers reused by every train_step
 
     def _cache(self) -> PrecisionCache:
         """The cache of ``self.state`` (kept from the last update, or rebuilt after a load)."""
@@ -294,14 +310,19 @@ class Slang(Method):
         state = self.state
         step = state.step + 1
         cache = self._cache()
-        noise = self._noise(self.n_train_mc_samples)  # (S, D)
-        factors = linear_factors(problem.model, state.mean + noise, x, y, problem.likelihood, self.layout)
+        work, like = self._workspace, state.mean
+        noise = sample_noise(  # (S, D), in the workspace
+            state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator, work
+        )
+        thetas = torch.add(state.mean, noise, out=workspace_buffer(work, "slang_thetas", noise.shape, like))
+        factors = linear_factors(problem.model, thetas, x, y, problem.likelihood, self.layout)
         # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
-        logdet = state.prec_diag.log().sum() + 2.0 * cache.capacitance_chol.diagonal().log().sum()
+        scratch = workspace_buffer(work, "slang_dir", like.shape, like)  # free until slang_update
+        logdet = torch.log(state.prec_diag, out=scratch).sum() + 2.0 * cache.capacitance_chol.diagonal().log().sum()
         trace = (noise.square_() @ self.prior_precision).mean()  # noise is not needed any more
         kl_est = 0.5 * (
             trace
-            + torch.dot(self.prior_precision * state.mean, state.mean)
+            + torch.dot(torch.mul(self.prior_precision, state.mean, out=scratch), state.mean)
             - state.mean.numel()
             + logdet
             - self._log_prior_det
@@ -318,6 +339,7 @@ class Slang(Method):
             momentum=self.momentum,
             cache=cache,
             inplace=True,
+            workspace=work,
         )
         self.state = new_state
         self._cached = (new_state, new_cache)
@@ -451,7 +473,8 @@ class Slang(Method):
         self._cached = None
         if "cache" in state:
             like = current.prec_diag
-            cache = {k: torch.as_tensor(v).to(like.device, like.dtype) for k, v in state["cache"].items()}
+            # copies: the cache's factor_sqnorms is overwritten in place by the next step
+            cache = {k: torch.as_tensor(v).to(like.device, like.dtype, copy=True) for k, v in state["cache"].items()}
             self._cached = (self.state, PrecisionCache(**cache))
 
 

@@ -151,3 +151,48 @@ def test_rotate_columns_in_place(chunking: bool, generator: torch.Generator) -> 
     torch.testing.assert_close(u, expected)
     with pytest.raises(ValueError, match="column-major"):
         gram.rotate_columns(torch.randn(50, 3, dtype=F64), rotation, u)
+
+
+@pytest.mark.parametrize("with_mixing", [False, True], ids=["add", "mix"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_dst", "in_place"])
+def test_combine_rows_equals_dense(
+    with_mixing: bool, in_place: bool, chunking: bool, generator: torch.Generator
+) -> None:
+    """``dst = mixing^T src + alpha (G C)^T`` and its squared column norms, chunk by chunk, against dense G."""
+    factors, dense = _factors(generator, n_samples=2)
+    rank = 3
+    coeffs = torch.randn(factors.n_columns, rank, generator=generator, dtype=F64)
+    mixing = torch.randn(rank, rank, generator=generator, dtype=F64) if with_mixing else None
+    src = torch.randn(rank, 32, generator=generator, dtype=F64)  # rows (K, D)
+    expected = (src.mT if mixing is None else src.mT @ mixing) + 0.7 * dense @ coeffs  # (D, K)
+    workspace: dict[str, torch.Tensor] = {}
+    for _ in range(2):  # the second call reuses the workspace's buffers
+        source = src.clone()
+        dst = source if in_place else torch.full_like(src, float("nan"))
+        sqnorms = torch.full((32,), float("nan"), dtype=F64)
+        gram.combine_rows(factors, coeffs, source, dst, alpha=0.7, mixing=mixing, sqnorms=sqnorms, workspace=workspace)
+        torch.testing.assert_close(dst.mT, expected)
+        torch.testing.assert_close(sqnorms, expected.square().sum(1))
+    assert workspace  # buffers were kept
+
+
+def test_workspace_buffer_reuses_and_grows() -> None:
+    like = torch.zeros(1, dtype=F64)
+    assert gram.workspace_buffer(None, "a", (2, 3), like).shape == (2, 3)
+    workspace: dict[str, torch.Tensor] = {}
+    first = gram.workspace_buffer(workspace, "a", (2, 3), like)
+    again = gram.workspace_buffer(workspace, "a", (3, 2), like)
+    assert again.shape == (3, 2) and again.data_ptr() == first.data_ptr()  # the same memory
+    bigger = gram.workspace_buffer(workspace, "a", (4, 4), like)
+    assert bigger.shape == (4, 4) and workspace["a"].numel() == 16
+    single = gram.workspace_buffer(workspace, "a", (2,), torch.zeros(1, dtype=torch.float32))
+    assert single.dtype == torch.float32 and workspace["a"].dtype == torch.float32
+
+
+def test_outputs_into_given_buffers(generator: torch.Generator) -> None:
+    factors, dense = _factors(generator)
+    out = torch.full((32,), float("nan"), dtype=F64)
+    assert sq_diag(factors, out=out) is out
+    torch.testing.assert_close(out, dense.square().sum(1))
+    assert factors.grad_sum(out=out) is out
+    torch.testing.assert_close(out, dense.sum(1))

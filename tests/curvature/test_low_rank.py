@@ -16,12 +16,12 @@ def _factor_and_diag(generator: torch.Generator, n_params: int = 9, rank: int = 
     return factor, torch.rand(n_params, generator=generator, dtype=F64) + 0.5
 
 
-@pytest.mark.parametrize("block", [None, 4])
+@pytest.mark.parametrize("block", [None, 36])  # 36 = L² x 4 columns: blocks of 4, 4 and 1
 def test_weighted_gram_and_cache(
     block: int | None, generator: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if block is not None:
-        monkeypatch.setattr(low_rank, "_GRAM_BLOCK_ELEMENTS", block)  # several blocks of rows
+        monkeypatch.setattr(low_rank, "_GRAM_BLOCK_WORK", block)  # several blocks of rows
     factor, diag = _factor_and_diag(generator)
     rhs = torch.randn(9, generator=generator, dtype=F64)
     weights = diag.reciprocal()
@@ -54,3 +54,16 @@ def test_sample_noise_with_a_zero_factor(generator: torch.Generator) -> None:
     noise = low_rank.sample_noise(factor, diag, low_rank.build_cache(factor, diag), 3, torch.Generator().manual_seed(1))
     eps = torch.randn((3, 8), generator=torch.Generator().manual_seed(1), dtype=F64)[:, :6]
     torch.testing.assert_close(noise, eps * diag.rsqrt())
+
+
+def test_sample_noise_with_a_workspace_draws_the_same(generator: torch.Generator) -> None:
+    """The workspace path (the training loop's) gives the plain path's draws, call after call."""
+    factor, diag = _factor_and_diag(generator, n_params=7, rank=2)
+    cache = low_rank.build_cache(factor, diag)
+    plain, reused = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    workspace: dict[str, torch.Tensor] = {}
+    for n_samples in (2, 2, 3):
+        expected = low_rank.sample_noise(factor, diag, cache, n_samples, plain)
+        drawn = low_rank.sample_noise(factor, diag, cache, n_samples, reused, workspace)
+        torch.testing.assert_close(drawn, expected, rtol=1e-12, atol=1e-12)
+    assert "noise" in workspace

@@ -180,6 +180,32 @@ def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
         torch.testing.assert_close(state.prec_factor @ state.prec_factor.mT, ref.prec_factor @ ref.prec_factor.mT)
 
 
+def test_workspace_steps_equal_fresh_ones(generator: torch.Generator) -> None:
+    """Two in-place steps reusing one workspace equal two functional steps without one."""
+    model, likelihood, x, y = _mlp_problem(generator, n=5)
+    base = _random_state(generator, 32, 2, step=1)
+    state = SlangState(
+        mean=base.mean.clone(),
+        prec_factor=base.prec_factor.mT.contiguous().mT,
+        prec_diag=base.prec_diag.clone(),
+        momentum=base.momentum.clone(),
+        step=base.step,
+    )
+    kwargs = dict(n_data=40, prior_precision=torch.full((32,), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
+    functional, functional_cache, workspace = base, None, {}
+    cache = build_cache(state.prec_factor, state.prec_diag)
+    for shift in (0.2, -0.1):
+        factors = linear_factors(model, functional.mean + shift, x, y, likelihood)
+        functional, functional_cache = slang_update(functional, factors, cache=functional_cache, **kwargs)
+        factors = linear_factors(model, state.mean + shift, x, y, likelihood)
+        state, cache = slang_update(state, factors, cache=cache, inplace=True, workspace=workspace, **kwargs)
+    for name in ("mean", "prec_factor", "prec_diag", "momentum"):
+        torch.testing.assert_close(getattr(state, name), getattr(functional, name))
+    for name in ("factor_gram", "factor_sqnorms", "capacitance", "capacitance_chol"):
+        torch.testing.assert_close(getattr(cache, name), getattr(functional_cache, name))
+    assert workspace
+
+
 def test_decayed_rate() -> None:
     assert decayed_rate(0.05, 0.0, 7) == 0.05
     assert decayed_rate(0.05, 0.51, 1) == pytest.approx(0.025)
@@ -258,12 +284,15 @@ def test_checkpoint_resumes_identically(generator: torch.Generator) -> None:
     other_generator = torch.Generator().manual_seed(0)
     resumed = _setup(model, likelihood, 50, other_generator)
     resumed.load_state_dict(saved)
+    kept = {name: value.clone() for name, value in saved["cache"].items()}
     other_generator.set_state(rng)
     for _ in range(2):
         resumed.train_step(x, y)
     for name in ("mean", "prec_factor", "prec_diag", "momentum"):
         torch.testing.assert_close(getattr(resumed.state, name), getattr(method.state, name))
     assert resumed.state.step == 5
+    for name, value in kept.items():  # the checkpoint itself is left alone (the cache is updated in place)
+        assert torch.equal(saved["cache"][name], value)
 
 
 def test_non_finite_gradient_stops_the_run_naming_the_step(generator: torch.Generator) -> None:
