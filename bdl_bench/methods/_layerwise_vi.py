@@ -479,13 +479,20 @@ class LayerwiseVI(Method):
         Dense networks carry the S samples as a leading dimension; networks with convolutions (whose
         modules take ``(N, C, H, W)``) fold them into the batch, ``(S·N, ...)``.
         """
+        h = self._local_forward(terms, x, n_samples)
+        if n_samples == 1:
+            return h.unsqueeze(0)
+        return h if self.dense else h.unflatten(0, (n_samples, x.shape[0]))
+
+    def _local_forward(self, terms: Any, x: Tensor, n_samples: int) -> Tensor:
+        """:meth:`_outputs_local` without its sample dimension for S = 1: ``(N, out)`` (one sample),
+        ``(S, N, out)`` (dense networks) or ``(S·N, ...)`` (networks with convolutions)."""
         parts = getattr(terms, "mean_parts", None)  # a family may pass the mean through its fused KL
         if parts is None:
             parts = self.mean_parts()
-        fold = n_samples > 1 and not self.dense
         if n_samples == 1:
             h = x
-        elif fold:
+        elif not self.dense:
             h = x.repeat(n_samples, *([1] * (x.dim() - 1)))
         else:
             h = x.unsqueeze(0).expand(n_samples, *x.shape)
@@ -497,9 +504,7 @@ class LayerwiseVI(Method):
                 h = self._sampled_conv(terms, layer, h, *self._layer_means(layer, parts), n_samples)
             else:
                 h = self._local_preactivation(terms, layer, h, *self._layer_means(layer, parts))
-        if n_samples == 1:
-            return h.unsqueeze(0)
-        return h.unflatten(0, (n_samples, x.shape[0])) if fold else h
+        return h
 
     def _sampled_conv(
         self, terms: Any, layer: Layer, h: Tensor, weight_mean: Tensor, bias_mean: Tensor | None, n_samples: int
@@ -529,20 +534,24 @@ class LayerwiseVI(Method):
         p = self.problem
         self.n_steps += 1
         beta = self.kl_weight(self.n_steps)
-        self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:  # optimizer.zero_grad(set_to_none=True), without its overhead
+            for leaf in group["params"]:
+                leaf.grad = None
         terms = self._step_terms(with_kl=True)
-        if self.local:
-            f = self._outputs_local(terms, x, self.n_train_mc_samples)
-        else:  # one weight draw per MC sample, shared by the minibatch
-            f = self.forward_params(self._draw_params(terms, self.n_train_mc_samples), x)
-        nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
-        kl = terms.kl / p.n_data
-        loss = nll + beta * kl
+        if self.local and self.n_train_mc_samples == 1:  # (N, out): the one sample's outputs
+            nll = p.likelihood.nll(self._local_forward(terms, x, 1), y).mean()
+        else:
+            if self.local:
+                f = self._outputs_local(terms, x, self.n_train_mc_samples)
+            else:  # one weight draw per MC sample, shared by the minibatch
+                f = self.forward_params(self._draw_params(terms, self.n_train_mc_samples), x)
+            nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
+        loss = torch.add(nll, terms.kl, alpha=beta / p.n_data)  # nll + beta KL / N
         loss.backward()
         if self.snr is not None:
             self.snr.update(self.n_steps, {f"l{layer.index}": self._snr_grads(layer) for layer in self.layers})
         self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item(), "kl": kl.item(), "kl_weight": beta}
+        return {"loss": loss.item(), "nll": nll.item(), "kl": terms.kl.item() / p.n_data, "kl_weight": beta}
 
     def fit(
         self,

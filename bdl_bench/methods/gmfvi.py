@@ -19,24 +19,32 @@ reparameterisation does not apply through the recurrence; ``_layerwise_vi``). Th
 :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is the closed form of
 :func:`bdl_bench.methods.bbb.kl_diag_to_prior`.
 
-**Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, and
-fresh ``(D,)`` or weight-sized tensors cost more than passes over them (each is mapped anew by the
-allocator, so every page is faulted in). Hence: :func:`mean_field_terms` evaluates :math:`\sigma^2` and the
-KL together and writes their gradient by hand (:math:`\partial/\partial\mu = \lambda\mu`,
-:math:`\partial/\partial\sigma = \lambda\sigma - 1/\sigma`, chained through
-:math:`\operatorname{softplus}' = \operatorname{sigmoid}`), in reused buffers (:class:`MeanFieldScratch`)
-that become ``mean.grad`` and ``rho.grad``; a dense layer's locally reparameterised output
-(:func:`local_linear`) has a hand-written backward that writes its weight gradients straight into those
-buffers (``mm(out=...)``), so no per-layer gradient is allocated or concatenated; the KL's
-:math:`\sum\log\sigma` takes a quarter of the logarithms (:func:`_sum_log`); a prior precision shared by
-all parameters is one number. What remains beyond the 2× products is one softplus, one sigmoid, the
-noise of the local reparameterisation and Adam (``scripts/bench_step.py``).
+**Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, the
+noise of the local reparameterisation (one normal per output element and example), Adam, and a few
+microseconds of Python and autograd bookkeeping per operation. Fresh ``(D,)`` tensors cost more than
+passes over them (each is mapped anew by the allocator, so every page is faulted in). Hence:
+:func:`mean_field_terms` evaluates :math:`\sigma^2` and the KL together and writes their gradient by
+hand, in four reused buffers (:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``):
+:math:`\sigma` and :math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``exp`` and one ``log1p``
+(:func:`softplus_and_ratio`; ``F.softplus`` alone costs more than both, ``torch.sigmoid`` a quarter of
+that again), :math:`\partial/\partial\rho` is then three passes (:class:`_MeanFieldTerms`), and the KL's
+:math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`_sum_log2`, safe by
+the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training step
+the layers' hand-written backward (:func:`local_linear`) writes the gradients of their parameters
+straight into those buffers (``mm(out=...)``), and the parts they run on are plain views kept from step
+to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping per part; where every
+:math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer with a bias skips
+the clamp of its output variance and its mask. A prior precision shared by all parameters is one number.
+What remains beyond the 2× products is one ``exp`` and one ``log1p`` over D, about a dozen cheap passes
+over D, the noise and (fused) Adam: on the MNIST MLP (784-400-400-10, batch 200, one thread) some
+2.7–2.85× an SGD step (``scripts/bench_step.py``; the noise, ``exp``/``log1p`` and Adam alone take about
+half of the 0.5× above the products' 2×).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,20 +70,23 @@ class MeanFieldScratch:
     r"""The ``(D,)`` buffers of :func:`mean_field_terms`, reused from step to step (fresh ``(D,)`` tensors
     are mapped anew by the allocator each time: their page faults cost more than the passes over them).
 
-    ``std`` and ``var`` hold :math:`\sigma` and :math:`\sigma^2` from a forward to its backward, ``work``
-    is scratch of either; ``grad_mean`` and ``grad_rho`` receive the gradients, which the leaves then hold
-    as their ``.grad`` (until the next backward overwrites them; ``optimizer.zero_grad`` lets go of them).
+    ``var`` and ``ratio`` hold :math:`\sigma^2` and :math:`\operatorname{sigmoid}(\rho)/\sigma` from a forward
+    to its backward; ``grad_mean`` and ``grad_rho`` are the forward's scratch (:math:`\sigma` among it),
+    then receive the gradients, which the leaves then hold as their ``.grad`` (a leaf that still holds
+    one when the next forward starts gets fresh buffers, :func:`reusable_grad_buffer`; once
+    ``optimizer.zero_grad`` lets go of them, the next forward overwrites them). Four buffers, not more:
+    the fewer the step touches, the more of them stay in cache.
     """
 
-    std: Tensor
     var: Tensor
-    work: Tensor
+    ratio: Tensor
     grad_mean: Tensor
     grad_rho: Tensor
+    _parts: dict = field(default_factory=dict, repr=False, compare=False)  # _split_cached's
 
     @classmethod
     def like(cls, t: Tensor) -> MeanFieldScratch:
-        return cls(*(torch.empty_like(t) for _ in range(5)))
+        return cls(*(torch.empty_like(t) for _ in range(4)))
 
 
 def uniform_value(t: Tensor) -> Tensor | float:
@@ -85,42 +96,95 @@ def uniform_value(t: Tensor) -> Tensor | float:
     return float(first) if bool((t == first).all()) else t
 
 
-def _sum_log(x: Tensor, out: Tensor) -> Tensor:
-    r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch.
+_SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x, at or below it log1p(exp(x))
+_EXP_THRESHOLD = math.exp(_SOFTPLUS_THRESHOLD)
 
-    A logarithm costs some ten times a multiplication, so the sum is taken as :math:`\ln 2 \sum_i \log_2
-    (x_i x_{i+q} x_{i+2q} x_{i+3q})` over quarters of ``x`` (``log2`` is also the faster kernel): a quarter
-    of the logarithms, and about 3 ulp of rounding per product. If some product leaves the normal range
-    (an :math:`x_d` below about :math:`10^{-9.5}` or above :math:`10^{9.5}` in float32), the plain sum.
+
+def softplus_and_ratio(rho: Tensor, std: Tensor, ratio: Tensor, work: Tensor) -> tuple[Tensor, Tensor, float, float]:
+    r""":math:`\sigma = \operatorname{softplus}(\rho)` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`,
+    written into ``std`` and ``ratio`` (``work``: scratch), and bounds on :math:`\sigma`, ``(low, high)``.
+
+    From one exponential :math:`e = \exp\rho` where :math:`\max e < \exp(20)` (``F.softplus``'s threshold:
+    below it, its formula is this one): :math:`\sigma = \operatorname{log1p}(e)` (the two differ by an ulp
+    or two of rounding) and :math:`r = e / (\sigma (1 + e))` (:math:`\operatorname{sigmoid}(\rho) = e/(1+e)`,
+    exact to a few ulp, where ``torch.sigmoid`` underflows to 0 for :math:`\rho < -88` in float32 and this
+    keeps the subnormal :math:`e`). Two transcendental passes where ``F.softplus`` and ``torch.sigmoid``
+    take three times as long; the bounds come from the range of :math:`e` (softplus is increasing), read
+    while it is still in cache. Else ``F.softplus`` and ``torch.sigmoid`` (above the threshold softplus is
+    :math:`\rho` itself, and :math:`e` may overflow).
     """
-    q = x.numel() // 4
-    if q == 0:
+    e = torch.exp(rho, out=ratio)
+    low, high = (float(v) for v in torch.aminmax(e))
+    bounds = math.log1p(low), math.log1p(high)  # NaN for NaN, inf for inf: no bound then
+    if high < _EXP_THRESHOLD:  # False for NaN too
+        torch.log1p(e, out=std)
+        return std, torch.div(e, torch.addcmul(std, std, e, out=work), out=e), *bounds  # e / (sigma (1 + e))
+    torch.ops.aten.softplus.out(rho, 1.0, _SOFTPLUS_THRESHOLD, out=std)  # F.softplus, into the buffer
+    return std, torch.sigmoid(rho, out=ratio).div_(std), *bounds
+
+
+def _sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
+    r""":math:`\sum_d \log_2 x_d` of a positive flat ``x`` whose entries lie in ``[low, high]``, with ``out``
+    (``x``'s size) as scratch.
+
+    A logarithm costs some ten times a multiplication, so the entries are multiplied in groups of k (one
+    ``prod`` over a ``(k, D/k)`` view; the last ``D mod k`` entries join the first groups) and the
+    logarithms taken of the D/k products: k = 16, 8, 4 or 2, the largest for which every partial product
+    of up to k + 1 entries stays in the normal range by the bounds (with a factor 2 to spare for
+    rounding), else one logarithm per entry. Each product carries about k/2 ulp of rounding.
+    """
+    n, info = x.numel(), torch.finfo(x.dtype)
+    if low > 0.0 and high < math.inf and out.numel() >= n // 2:  # False for NaN bounds too
+        small, large = math.log(min(low, 1.0)), math.log(max(high, 1.0))
+        floor, ceiling = math.log(2.0 * info.tiny), math.log(0.5 * info.max)
+        for k in (16, 8, 4, 2):
+            q = n // k
+            if q < k or (k + 1) * small < floor or (k + 1) * large > ceiling:
+                continue
+            prod = torch.prod(x[: k * q].view(k, q), 0, out=out[:q])
+            if n > k * q:
+                prod[: n - k * q].mul_(x[k * q :])
+            return torch.log2(prod, out=out[q : 2 * q]).sum()
+    return torch.log2(x, out=out if out.numel() == n else None).sum()
+
+
+_FEW = 4096  # below this many entries, _sum_log takes one logarithm each (fewer operations)
+
+
+def _sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
+    r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch, or none:
+    the logarithms of products of entries (:func:`_sum_log2`, bounded by ``x``'s smallest and largest
+    entry); of a few entries (fewer than 4096), one logarithm each."""
+    if x.numel() < _FEW:
         return torch.log(x).sum()
-    quarters = x[: 4 * q].view(4, q)
-    prod = torch.mul(quarters[0], quarters[1], out=out[:q]).mul_(quarters[2]).mul_(quarters[3])
-    info = torch.finfo(x.dtype)
-    low, high = torch.aminmax(prod)
-    if not (float(low) >= info.tiny and float(high) <= info.max):
-        return torch.log2(x, out=out).sum() * math.log(2.0)
-    total = torch.log2(prod, out=out[q : 2 * q]).sum() + torch.log2(x[4 * q :]).sum()
-    return total * math.log(2.0)
+    low, high = torch.aminmax(x)
+    if out is None:  # room for the products and their logarithms (x.numel() // 2 >= 2 x.numel() // k)
+        out = x.new_empty(x.numel() // 2)
+    return _sum_log2(x, out, float(low), float(high)) * math.log(2.0)
 
 
 class _MeanFieldTerms(torch.autograd.Function):
     r"""``(KL, *mean parts, *variance parts)`` of :math:`q = \mathcal N(\mu, \operatorname{softplus}(\rho)^2)`
     against :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`, with a hand-written backward.
 
-    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``. Backward, for a loss
-    :math:`L = \ell(\mu, \sigma^2) + g\,\mathrm{KL}`, in a handful of passes over D into ``scratch``:
+    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``; with a ``sink`` the outputs are
+    ``(KL, token)`` instead, and the backward takes the parts' gradients from the buffers, where the layers
+    wrote them (:class:`GradientSink`; the parts the sink does not list are zeroed). Forward, where no
+    :math:`\rho` exceeds ``F.softplus``'s threshold (20), with :math:`e = \exp\rho`:
+    :math:`\sigma = \operatorname{log1p}(e)` (``F.softplus``'s formula there) and
+    :math:`r = \operatorname{sigmoid}(\rho)/\sigma = e / (\sigma (1 + e))`, two transcendental passes for
+    both (else ``F.softplus`` and ``torch.sigmoid``). Backward, for a loss
+    :math:`L = \ell(\mu, \sigma^2) + g\,\mathrm{KL}`, in a few passes over D into ``scratch``:
 
     .. math::
 
         \partial_\mu L = \partial_\mu \ell + g\lambda\mu, \qquad
         \partial_\rho L = \operatorname{sigmoid}(\rho)\bigl(2\sigma\,\partial_{\sigma^2}\ell
             + g(\lambda\sigma - 1/\sigma)\bigr)
+            = \bigl((2\,\partial_{\sigma^2}\ell + g\lambda)\sigma^2 - g\bigr)\, r
 
     (:math:`\operatorname{softplus}' = \operatorname{sigmoid}`). The KL's value needs :math:`\sum\log\sigma`
-    only; its gradient has no logarithm.
+    only (:func:`_sum_log2`, bounded by the range of :math:`e`); its gradient has no logarithm.
     """
 
     @staticmethod
@@ -128,66 +192,94 @@ class _MeanFieldTerms(torch.autograd.Function):
         ctx: Any,
         mean: Tensor,
         rho: Tensor,
+        info: dict,
         lam: Tensor | float,
         log_lam_sum: float,
         shapes: list[torch.Size],
         scratch: MeanFieldScratch,
         grad_mean: Tensor,
         grad_rho: Tensor,
+        sink: GradientSink | None,
     ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        std = torch.ops.aten.softplus.out(rho, 1.0, 20.0, out=scratch.std)  # F.softplus, into the buffer
+        # sigma and the scratch live in the gradients' buffers until the backward writes them
+        std, ratio, low, high = softplus_and_ratio(rho, grad_rho, scratch.ratio, grad_mean)
+        info["var_floor"] = low * low >= 2.0 * torch.finfo(std.dtype).tiny  # False for NaN
         var = torch.mul(std, std, out=scratch.var)
-        log_std_sum = _sum_log(std, scratch.work)
+        log2_std_sum = _sum_log2(std, grad_mean, low, high)
         if isinstance(lam, Tensor):
-            quad = torch.dot(lam, var) + torch.dot(torch.mul(lam, mean, out=scratch.work), mean)
+            quad = torch.dot(lam, var).add_(torch.dot(torch.mul(lam, mean, out=grad_mean), mean)).mul_(0.5)
         else:
-            quad = lam * (var.sum() + torch.dot(mean, mean))
-        kl = 0.5 * (quad - mean.numel() - log_lam_sum - 2.0 * log_std_sum)
-        ctx.save_for_backward(mean, rho, std)  # a later forward into the same scratch fails the backward
-        ctx.lam, ctx.scratch, ctx.grad_buffers = lam, scratch, (grad_mean, grad_rho)
+            quad = var.sum().add_(torch.dot(mean, mean)).mul_(0.5 * lam)
+        # KL = (quad - D - sum log lam) / 2 - sum log sigma
+        kl = quad.sub_(log2_std_sum, alpha=math.log(2.0)).sub_(0.5 * (mean.numel() + log_lam_sum))
+        ctx.save_for_backward(mean, var, ratio)  # a later forward into the same scratch fails the backward
+        ctx.lam, ctx.grad_buffers, ctx.sink = lam, (grad_mean, grad_rho), sink
         ctx.sizes = [math.prod(s) for s in shapes]
+        if sink is not None:  # the layers write the parts' gradients; the token orders their backward first
+            return kl, mean.new_zeros(())
         split = torch.split(mean, ctx.sizes), torch.split(var, ctx.sizes)
         return (kl, *(part.view(s) for parts in split for part, s in zip(parts, shapes)))
 
     @staticmethod
     def backward(ctx: Any, g_kl: Tensor | None, *g_parts: Tensor | None) -> tuple[Tensor | None, ...]:
-        mean, rho, std = ctx.saved_tensors
-        lam, scratch, sizes, (grad_mean, grad_rho) = ctx.lam, ctx.scratch, ctx.sizes, ctx.grad_buffers
+        mean, var, ratio = ctx.saved_tensors
+        lam, sizes, (grad_mean, grad_rho), sink = ctx.lam, ctx.sizes, ctx.grad_buffers, ctx.sink
         gk = 0.0 if g_kl is None else float(g_kl)
+        if sink is not None:  # the parts' gradients are in the buffers already, where a layer wrote them
+            for i, (g_mean_part, g_var_part) in enumerate(zip(sink.grad_mean_parts, sink.grad_var_parts)):
+                if i not in sink.written:
+                    g_mean_part.zero_()
+                    g_var_part.zero_()
         g_mean_parts, g_var_parts = g_parts[: len(sizes)], g_parts[len(sizes) :]
         g_mean = g_rho = None
         if ctx.needs_input_grad[0]:
-            g_mean = gather_part_grads(g_mean_parts, sizes, grad_mean)
+            g_mean = grad_mean if sink is not None else gather_part_grads(g_mean_parts, sizes, grad_mean)
             if gk and isinstance(lam, Tensor):
                 g_mean.addcmul_(lam, mean, value=gk)  # + g lam mu
             elif gk:
                 g_mean.add_(mean, alpha=gk * lam)
         if ctx.needs_input_grad[1]:
-            g_rho = gather_part_grads(g_var_parts, sizes, grad_rho)  # d/dvar
-            torch.addcmul(std.new_zeros(()), g_rho, std, value=2.0, out=g_rho)  # * dvar/dsigma, one pass
+            g_rho = grad_rho if sink is not None else gather_part_grads(g_var_parts, sizes, grad_rho)  # d/dvar
             if gk and isinstance(lam, Tensor):
-                g_rho.addcmul_(lam, std, value=gk)  # + g lam sigma
+                g_rho.add_(lam, alpha=0.5 * gk)  # d/dvar + g lam / 2
             elif gk:
-                g_rho.add_(std, alpha=gk * lam)
-            if gk:
-                g_rho.addcdiv_(std.new_ones(()), std, value=-gk)  # - g / sigma
-            g_rho.mul_(torch.sigmoid(rho, out=scratch.work))  # d sigma / d rho
+                g_rho.add_(0.5 * gk * lam)
+            # ((2 d/dvar + g lam) var - g) * sigmoid / sigma, one pass each
+            torch.addcmul(var.new_full((), -gk), g_rho, var, value=2.0, out=g_rho).mul_(ratio)
         # fresh views of the buffers: AccumulateGrad then keeps them as .grad instead of copying
         g_mean, g_rho = (None if g is None else g.view_as(g) for g in (g_mean, g_rho))
-        return g_mean, g_rho, None, None, None, None, None, None
+        return g_mean, g_rho, None, None, None, None, None, None, None, None
+
+
+@dataclass(eq=False)
+class GradientSink:
+    """Where the dense layers of one step write the gradients of the mean's and the variance's parts
+    (:func:`mean_field_terms` with ``layers_write_grads``): views of the gradient buffers, and the
+    positions of the parts written (the backward zeroes the others)."""
+
+    grad_mean_parts: list[Tensor]
+    grad_var_parts: list[Tensor]
+    written: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
 class MeanFieldParts:
     """What :func:`mean_field_terms` returns; the ``grad_*_parts`` are the parts of the buffers that the
-    backward gathers the gradients of ``mean`` and of ``var`` in (:func:`local_linear` writes into them)."""
+    backward gathers the gradients of ``mean`` and of ``var`` in (:func:`local_linear` writes into them).
+    ``var_floor``: every variance is at least twice the dtype's ``tiny``, so a layer's output variance
+    that adds a bias variance needs no clamp (:func:`local_linear`'s ``unclamped``). ``token`` and
+    ``sink``: with ``layers_write_grads`` (else ``None``), what :func:`local_linear` takes instead of
+    differentiable parts."""
 
     kl: Tensor
     mean_parts: list[Tensor]
     var_parts: list[Tensor]
     grad_mean_parts: list[Tensor]
     grad_var_parts: list[Tensor]
+    var_floor: bool = False
+    token: Tensor | None = None
+    sink: GradientSink | None = None
 
 
 def mean_field_terms(
@@ -197,6 +289,7 @@ def mean_field_terms(
     log_prior_precision_sum: float,
     shapes: list[torch.Size],
     scratch: MeanFieldScratch,
+    layers_write_grads: bool = False,
 ) -> MeanFieldParts:
     r"""The closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
     \mathcal N(0, \operatorname{diag}\lambda^{-1}))`, :math:`\sigma = \operatorname{softplus}(\rho)`, with
@@ -210,19 +303,41 @@ def mean_field_terms(
         shapes: the parts' shapes (sizes summing to D), e.g. the model's parameter shapes.
         scratch: buffers to compute in (:class:`MeanFieldScratch`); the variance parts are views of
             ``scratch.var``, valid until the next call with the same scratch.
+        layers_write_grads: the parts are plain (not differentiable) views, kept from call to call, and
+            only :func:`local_linear` given ``token`` and ``sink`` may use them: it writes their gradients
+            into the buffers itself (a dense network's training step; no autograd bookkeeping per part).
     """
     # the gradients' buffers, unless a leaf's .grad is one of them (a backward that accumulates)
     grad_mean = reusable_grad_buffer(mean, scratch.grad_mean)
     grad_rho = reusable_grad_buffer(rho, scratch.grad_rho)
-    kl, *parts = _MeanFieldTerms.apply(
-        mean, rho, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho
-    )
+    grad_parts = _split_cached(scratch, "grad", grad_mean, grad_rho, shapes)
+    info: dict = {}  # the forward's var_floor
+    args = (mean, rho, info, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho)
+    if layers_write_grads:
+        sink = GradientSink(*grad_parts)
+        kl, token = _MeanFieldTerms.apply(*args, sink)
+        mean_parts, var_parts = _split_cached(scratch, "value", mean, scratch.var, shapes)
+        return MeanFieldParts(kl, mean_parts, var_parts, *grad_parts, info["var_floor"], token, sink)
+    kl, *parts = _MeanFieldTerms.apply(*args, None)
+    return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], *grad_parts, var_floor=info["var_floor"])
+
+
+def _split_cached(
+    scratch: MeanFieldScratch, kind: str, first: Tensor, second: Tensor, shapes: list[torch.Size]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """``first`` and ``second`` split into parts of ``shapes`` (plain views: ``first`` detached), kept on
+    ``scratch`` under ``kind`` while the tensors and shapes stay the same (the usual step)."""
+    cache, key = scratch._parts.setdefault(kind, {}), tuple(shapes)
+    if cache and cache["first"] is first and cache["second"] is second and cache["shapes"] == key:
+        return cache["parts"]
     sizes = [math.prod(s) for s in shapes]
 
     def split(flat: Tensor) -> list[Tensor]:
-        return [part.view(shape) for part, shape in zip(torch.split(flat, sizes), shapes)]
+        return [part.view(shape) for part, shape in zip(torch.split(flat.detach(), sizes), shapes)]
 
-    return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], split(grad_mean), split(grad_rho))
+    parts = split(first), split(second)
+    cache.update(first=first, second=second, shapes=key, parts=parts)
+    return parts
 
 
 def mean_field_variance_and_kl(
@@ -260,7 +375,9 @@ class _LocalLinear(torch.autograd.Function):
         \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
 
     (biases: the column sums). The weight gradients are written into ``into`` (parts of
-    :class:`_MeanFieldTerms`' gradient buffers), so they allocate nothing and need no gathering.
+    :class:`_MeanFieldTerms`' gradient buffers), so they allocate nothing and need no gathering. With
+    ``unclamped`` the caller vouches that no variance is below ``tiny`` (a bias variance at least that
+    large: the clamp would do nothing), and the clamp and its mask are skipped.
     """
 
     @staticmethod
@@ -273,14 +390,20 @@ class _LocalLinear(torch.autograd.Function):
         b_var: Tensor | None,
         eps: Tensor,
         into: tuple[Tensor | None, ...],
+        unclamped: bool,
+        token: Tensor | None,
+        sink: tuple[GradientSink, tuple[int | None, int | None]] | None,
     ) -> Tensor:
         a2 = a * a
         var = F.linear(a2, w_var, b_var)
-        tiny = torch.finfo(var.dtype).tiny
-        clamped = var < tiny  # where the clamp stops the gradient
-        std = var.clamp_min_(tiny).sqrt_()
+        clamped = None
+        if not unclamped:
+            tiny = torch.finfo(var.dtype).tiny
+            clamped = var < tiny  # where the clamp stops the gradient
+            var.clamp_min_(tiny)
+        std = var.sqrt_()
         ctx.save_for_backward(a, a2, w_mean, w_var, std, eps, clamped)
-        ctx.into = into
+        ctx.into, ctx.sink = into, sink
         return F.linear(a, w_mean, b_mean).addcmul_(std, eps)
 
     @staticmethod
@@ -288,19 +411,31 @@ class _LocalLinear(torch.autograd.Function):
         a, a2, w_mean, w_var, std, eps, clamped = ctx.saved_tensors
         need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
         into_wm, into_bm, into_wv, into_bv = ctx.into
-        g2 = g.reshape(-1, g.shape[-1])
-        g_var = torch.mul(g, eps).div_(std).masked_fill_(clamped, 0.0).reshape(g2.shape)  # g' = 2 dL/d(s^2)
-        grads: list[Tensor | None] = [None] * 7
+        if ctx.sink is not None:  # the parameters' gradients go to the sink's buffers only
+            sink, positions = ctx.sink
+            need_wm, need_bm, need_wv, need_bv = (t is not None for t in ctx.into)
+            sink.written.update(i for i in positions if i is not None)
+        g_var = torch.mul(g, eps).div_(std)  # g' = 2 dL/d(s^2)
+        if clamped is not None:
+            g_var.masked_fill_(clamped, 0.0)
+        if g.dim() != 2:  # a leading sample dimension: the weight gradients sum over it too
+            g2, g_var2 = g.reshape(-1, g.shape[-1]), g_var.reshape(-1, g.shape[-1])
+            a_2d, a2_2d = a.reshape(-1, a.shape[-1]), a2.reshape(-1, a.shape[-1])
+        else:
+            g2, g_var2, a_2d, a2_2d = g, g_var, a, a2
+        grads: list[Tensor | None] = [None] * 10
         if need_a:
-            grads[0] = torch.matmul(g, w_mean).addcmul_(torch.matmul(g_var.view_as(g), w_var), a)
+            grads[0] = torch.matmul(g, w_mean).addcmul_(torch.matmul(g_var, w_var), a)
         if need_wm:
-            grads[1] = mm_into(g2.t(), a.reshape(-1, a.shape[-1]), into_wm)
+            grads[1] = mm_into(g2.t(), a_2d, into_wm)
         if need_bm:
             grads[2] = torch.sum(g2, 0, out=into_bm) if into_bm is not None else g2.sum(0)
         if need_wv:
-            grads[3] = mm_into(g_var.t(), a2.reshape(-1, a.shape[-1]), into_wv, alpha=0.5)
+            grads[3] = mm_into(g_var2.t(), a2_2d, into_wv, alpha=0.5)
         if need_bv:
-            grads[4] = (torch.sum(g_var, 0, out=into_bv) if into_bv is not None else g_var.sum(0)).mul_(0.5)
+            grads[4] = (torch.sum(g_var2, 0, out=into_bv) if into_bv is not None else g_var2.sum(0)).mul_(0.5)
+        if ctx.sink is not None:
+            grads[1:5] = [None] * 4
         return tuple(grads)
 
 
@@ -312,11 +447,20 @@ def local_linear(
     bias_var: Tensor | None,
     eps: Tensor,
     into: tuple[Tensor | None, ...] = (None, None, None, None),
+    unclamped: bool = False,
+    token: Tensor | None = None,
+    sink: tuple[GradientSink, tuple[int | None, int | None]] | None = None,
 ) -> Tensor:
     r"""``bbb.local_reparam_linear`` with the noise ``eps`` (``(..., out)``) given and a fused backward
     (:class:`_LocalLinear`) that writes the gradients of ``weight_mean``, ``bias_mean``, ``weight_var``
-    and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape)."""
-    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into)
+    and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape).
+    ``unclamped``: every output variance is known to be at least the dtype's ``tiny`` (e.g.
+    ``bias_var >= tiny``), so the clamp of :func:`sqrt_or_tiny` is skipped (it would change nothing).
+    ``token`` and ``sink`` (``(GradientSink, (weight position, bias position))``): the parameters are the
+    plain parts of :func:`mean_field_terms` with ``layers_write_grads``; their gradients go to ``into``
+    (all four given) and the sink records the positions, none to autograd; ``token`` (that call's)
+    makes the terms' backward run after this one."""
+    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped, token, sink)
 
 
 class _DiagKL(torch.autograd.Function):
@@ -330,11 +474,12 @@ class _DiagKL(torch.autograd.Function):
             quad = torch.dot(lam_std.flatten(), std.flatten()) + torch.dot(lam_mean.flatten(), mean.flatten())
             ctx.save_for_backward(std, lam_std, lam_mean)
         else:
-            quad = lam * (torch.dot(std.flatten(), std.flatten()) + torch.dot(mean.flatten(), mean.flatten()))
+            s, m = std.reshape(-1), mean.reshape(-1)
+            quad = torch.dot(s, s).add_(torch.dot(m, m)).mul_(lam)
             ctx.save_for_backward(std, mean)
         ctx.lam = lam
-        log_std_sum = _sum_log(std.reshape(-1), torch.empty_like(std).view(-1))
-        return 0.5 * (quad - mean.numel() - log_lam_sum - 2.0 * log_std_sum)
+        # (quad - D - sum log lam) / 2 - sum log sigma
+        return quad.mul_(0.5).sub_(_sum_log(std.reshape(-1))).sub_(0.5 * (mean.numel() + log_lam_sum))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -379,6 +524,9 @@ class _Terms:
     kl: Tensor | None
     mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (KL's gradient fused)
     grad_parts: tuple[list[Tensor], list[Tensor]] | None = None  # where the parts' gradients go (mean, var)
+    var_floor: bool = False  # every variance >= 2 tiny (MeanFieldParts.var_floor)
+    token: Tensor | None = None  # with sink: the layers write the parts' gradients (a dense network)
+    sink: GradientSink | None = None
 
 
 @register_method("gmfvi")
@@ -414,9 +562,20 @@ class GaussianMeanFieldVI(LayerwiseVI):
         scratch = self._scratch if torch.is_grad_enabled() else MeanFieldScratch.like(self.mean)
         lam, log_lam_sum = self._prior, self.log_prior_precision_sum
         if self.local:  # the network runs on the parts: their gradients join the KL's in one backward
-            t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, self.param_shapes, scratch)
+            # a dense network's layers (local_linear) write the parts' gradients themselves
+            fused = self.dense and torch.is_grad_enabled()
+            t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, self.param_shapes, scratch, fused)
             grad_parts = (t.grad_mean_parts, t.grad_var_parts)
-            return _Terms(var=None, var_parts=t.var_parts, kl=t.kl, mean_parts=t.mean_parts, grad_parts=grad_parts)
+            return _Terms(
+                var=None,
+                var_parts=t.var_parts,
+                kl=t.kl,
+                mean_parts=t.mean_parts,
+                grad_parts=grad_parts,
+                var_floor=t.var_floor,
+                token=t.token,
+                sink=t.sink,
+            )
         # whole parameter vectors are drawn from the flat variance (the mean's gradients add up in autograd)
         t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, [self.mean.shape], scratch)
         return _Terms(var=t.var_parts[0], var_parts=self.split_params(t.var_parts[0]), kl=t.kl)
@@ -430,7 +589,11 @@ class GaussianMeanFieldVI(LayerwiseVI):
             eps = standard_normal((*a.shape[:-1], weight_mean.shape[0]), g, a)
             positions = (layer.weight_param, layer.bias_param)
             into = tuple(None if i is None else parts[i] for parts in terms.grad_parts for i in positions)
-            return local_linear(a, weight_mean, bias_mean, weight_var, bias_var, eps, into)
+            unclamped = terms.var_floor and bias_var is not None  # the output variance is >= the bias's
+            sink = None if terms.sink is None else (terms.sink, positions)
+            return local_linear(
+                a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped, terms.token, sink
+            )
         if isinstance(layer.module, nn.Linear):
             return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g)
         return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)

@@ -94,18 +94,25 @@ def khatri_rao_square(factor: Tensor) -> Tensor:
     return (factor.unsqueeze(1) * factor.unsqueeze(0)).flatten(0, 1)
 
 
-def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor) -> Tensor:
-    r""":math:`a^2 (\sigma^2)^\top` for :math:`\sigma = V U^\top` (``(out, in)``) without forming :math:`\sigma`.
+def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor, bias_var: Tensor | None = None) -> Tensor:
+    r""":math:`a^2 (\sigma^2)^\top` (plus ``bias_var``) for :math:`\sigma = V U^\top` (``(out, in)``) without
+    forming :math:`\sigma`.
 
     Args:
         a: layer inputs ``(..., in)``.
         in_factor: :math:`U^\top \geq 0`, ``(k, in)``.
         out_factor: :math:`V^\top \geq 0`, ``(k, out)``.
+        bias_var: ``(out,)``, added (in the last product's ``addmm`` for a 2-d ``a``), or ``None``.
 
     Returns:
-        ``(..., out)``, equal to ``F.linear(a**2, (out_factor.T @ in_factor)**2)``.
+        ``(..., out)``, equal to ``F.linear(a**2, (out_factor.T @ in_factor)**2, bias_var)``.
     """
-    return (a * a) @ khatri_rao_square(in_factor).T @ khatri_rao_square(out_factor)
+    low = (a * a) @ khatri_rao_square(in_factor).T
+    if bias_var is None:
+        return low @ khatri_rao_square(out_factor)
+    if a.dim() == 2:
+        return torch.addmm(bias_var, low, khatri_rao_square(out_factor))
+    return low @ khatri_rao_square(out_factor) + bias_var
 
 
 @dataclass(frozen=True)
@@ -261,11 +268,12 @@ class KTiedNormalVI(LayerwiseVI):
         bias_var = None if layer.bias_param is None else terms.stds[layer.bias_param] ** 2
         if isinstance(layer.module, nn.Linear):
             mean = F.linear(a, weight_mean, bias_mean)
-            var = ktied_variance(a, *terms.factors[pos])
-            if bias_var is not None:
-                var = var + bias_var
+            var = ktied_variance(a, *terms.factors[pos], bias_var)
+            # a bias variance of at least tiny keeps the sum there: sqrt_or_tiny's clamp would do nothing
+            tiny = torch.finfo(var.dtype).tiny
+            unclamped = bias_var is not None and float(bias_var.detach().min()) >= tiny
             eps = standard_normal(tuple(mean.shape), g, mean)
-            return mean + sqrt_or_tiny(var) * eps
+            return torch.addcmul(mean, var.sqrt() if unclamped else sqrt_or_tiny(var), eps)
         # nn.Conv2d: one more convolution, with the materialised variances (tied or not)
         weight_var = self._param_std(terms, pos).square()
         return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,10 +16,13 @@ from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
 from bdl_bench.methods.bbb import kl_diag_to_prior, local_reparam_linear, softplus_inverse
 from bdl_bench.methods.gmfvi import (
     MeanFieldScratch,
+    _sum_log,
+    _sum_log2,
     diag_kl,
     local_linear,
     mean_field_terms,
     mean_field_variance_and_kl,
+    softplus_and_ratio,
     uniform_value,
 )
 
@@ -143,11 +148,14 @@ def test_mean_field_terms_match_autograd_and_reuse_their_buffers(uniform_prior: 
     assert_close(r.grad, 2 * r0.grad)
 
 
-def test_train_step_gradients_match_plain_autograd() -> None:
-    """A GMFVI step (fused KL, hand-written dense layers, gradients gathered in buffers) has the gradients
-    of the plain objective: softplus, the closed-form KL and ``bbb.local_reparam_linear``, with the same noise."""
+@pytest.mark.parametrize("n_samples", [1, 2])
+@pytest.mark.parametrize("init_std", [0.1, 1e-160])
+def test_train_step_gradients_match_plain_autograd(n_samples: int, init_std: float) -> None:
+    """A GMFVI step (fused KL, hand-written dense layers writing the gradients into the buffers) has the
+    gradients of the plain objective: softplus, the closed-form KL and ``bbb.local_reparam_linear``, with
+    the same noise; also with variances below ``tiny`` (init_std 1e-160: the clamp of ``sqrt_or_tiny``)."""
     problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=torch.float64, n_data=40)
-    method = make_method("gmfvi", init_std=0.1, n_train_mc_samples=2, kl_annealing_steps=3)
+    method = make_method("gmfvi", init_std=init_std, n_train_mc_samples=n_samples, kl_annealing_steps=3)
     method.setup(problem)
     g = torch.Generator().manual_seed(9)
     x, y = torch.randn(7, 3, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
@@ -158,7 +166,7 @@ def test_train_step_gradients_match_plain_autograd() -> None:
     problem.generator.manual_seed(11)
     std = F.softplus(rho)
     means, variances = method.split_params(mean), method.split_params(std**2)
-    h = x.unsqueeze(0).expand(2, *x.shape)
+    h = x.unsqueeze(0).expand(n_samples, *x.shape)
     for module in problem.model.children():
         layer = method._layer_of.get(module)
         if layer is None:
@@ -167,7 +175,8 @@ def test_train_step_gradients_match_plain_autograd() -> None:
         w, b = layer.weight_param, layer.bias_param
         h = local_reparam_linear(h, means[w], variances[w], means[b], variances[b], problem.generator)
     nll = torch.stack([problem.likelihood.nll(f, y) for f in h]).mean()
-    kl = kl_diag_to_prior(mean, std, problem.prior_precision) / problem.n_data
+    lam = problem.prior_precision  # the closed form with log(sigma), finite where sigma^2 underflows
+    kl = (0.5 * (lam * (std**2 + mean**2) - 1 - torch.log(lam)).sum() - torch.log(std).sum()) / problem.n_data
     (nll + out["kl_weight"] * kl).backward()
     nll, kl = nll.detach(), kl.detach()
     assert out["kl_weight"] == pytest.approx(1 / 3)
@@ -182,3 +191,105 @@ def test_diag_kl_with_one_prior_precision_matches_autograd() -> None:
     m, s = mean.view(2, 3).requires_grad_(True), std.view(2, 3).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: diag_kl(a, b, 1.7), (m, s))
     assert_close(diag_kl(m, s, 1.7), kl_diag_to_prior(mean, std, torch.full_like(mean, 1.7)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("top", [20.0, 30.0])
+def test_softplus_and_sigmoid_from_one_exponential_match_torch(dtype: torch.dtype, top: float) -> None:
+    """sigma = log1p(exp(rho)) and sigmoid = e / (1 + e) (rho <= 20: the fast path; above, F.softplus) agree
+    with F.softplus and torch.sigmoid to a few ulp over rho in [-90, top]; below float32's normal range
+    (rho < -87) to the subnormal spacing."""
+    rho = torch.linspace(-90.0, top, 200_001, dtype=dtype)
+    work = [torch.empty_like(rho) for _ in range(3)]
+    std, ratio, low, high = softplus_and_ratio(rho, *work)
+    assert low <= float(std.min()) * (1 + 1e-6) and float(std.max()) <= high * (1 + 1e-6)
+    info = torch.finfo(dtype)
+    assert_close(std, F.softplus(rho), rtol=4 * info.eps, atol=info.tiny)
+    assert_close(ratio * std, torch.sigmoid(rho), rtol=8 * info.eps, atol=info.tiny)
+    assert bool((std > 0).all())  # no underflow to 0 where F.softplus keeps a subnormal sigma
+    if top > 20.0:  # the fallback is F.softplus itself
+        assert torch.equal(std, F.softplus(rho))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_field_gradients_over_a_wide_range_of_rho(dtype: torch.dtype) -> None:
+    """The fused backward ((2 dL/dvar + g lam) var - g) * sigmoid / sigma against autograd of the plain
+    softplus and the KL with log(sigma), for rho from -60 to 15 (sigma from 1e-26 to 15)."""
+    g = torch.Generator().manual_seed(12)
+    rho = torch.linspace(-60.0, 15.0, 301, dtype=dtype)
+    mean = torch.randn(301, generator=g, dtype=dtype)
+    weights = torch.randn(301, generator=g, dtype=dtype)
+    shapes = [torch.Size([301])]
+
+    def grads(fused: bool) -> tuple[torch.Tensor, ...]:
+        m, r = mean.clone().requires_grad_(True), rho.clone().requires_grad_(True)
+        if fused:
+            t = mean_field_terms(m, r, 1.5, 301 * math.log(1.5), shapes, MeanFieldScratch.like(m))
+            var, kl = t.var_parts[0], t.kl
+        else:
+            std = F.softplus(r)
+            var = std**2
+            kl = 0.5 * (1.5 * (var + m**2) - 1 - math.log(1.5)).sum() - torch.log(std).sum()
+        (0.3 * kl + (weights * var).sum()).backward()
+        return kl.detach(), m.grad, r.grad
+
+    info = torch.finfo(dtype)
+    for fused, plain in zip(grads(True), grads(False)):
+        assert_close(fused, plain, rtol=64 * info.eps, atol=info.tiny)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [3, 37, 1000, 4099])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e-12, 1e12])
+def test_sum_of_logarithms_of_products(dtype: torch.dtype, n: int, scale: float) -> None:
+    """_sum_log2 (logarithms of products of up to 17 entries, as the bounds allow) against the plain sum;
+    entries spread over two decades around ``scale`` (1e±12 leave the products of float32 no room)."""
+    x = (torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 2 - 1).exp2().mul(
+        10 ** torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ) * scale
+    x = x.to(dtype)
+    expected = torch.log2(x.double()).sum()
+    got = _sum_log2(x, torch.empty_like(x), float(x.min()), float(x.max()))
+    assert got.dtype == dtype
+    assert_close(got.double(), expected, rtol=0, atol=float(n * 8 * torch.finfo(dtype).eps * 40))
+    assert_close(_sum_log(x, torch.empty_like(x)).double(), expected * math.log(2.0), rtol=0, atol=n * 3e-5)
+
+
+def test_terms_for_layers_that_write_their_gradients() -> None:
+    """With ``layers_write_grads`` the parts are plain views and a backward of the KL alone (no layer
+    wrote anything) gives the KL's gradients, the unwritten parts of the buffers zeroed."""
+    mean, rho, lam = _random(7, n=10)
+    lam = torch.full_like(lam, 2.0)
+    shapes = [torch.Size([2, 3]), torch.Size([4])]
+    scratch = MeanFieldScratch.like(mean)
+    scratch.grad_mean.fill_(123.0)  # stale values from an earlier step
+    scratch.grad_rho.fill_(-7.0)
+    m, r = mean.clone().requires_grad_(True), rho.clone().requires_grad_(True)
+    terms = mean_field_terms(m, r, 2.0, 10 * math.log(2.0), shapes, scratch, layers_write_grads=True)
+    assert not any(p.requires_grad for p in [*terms.mean_parts, *terms.var_parts])
+    assert terms.token is not None and terms.token.requires_grad
+    (0.3 * terms.kl).backward()
+    m0, r0 = mean.clone().requires_grad_(True), rho.clone().requires_grad_(True)
+    (0.3 * kl_diag_to_prior(m0, F.softplus(r0), lam)).backward()
+    assert_close(m.grad, m0.grad)
+    assert_close(r.grad, r0.grad)
+    assert_close(torch.cat([p.flatten() for p in terms.var_parts]), F.softplus(rho) ** 2)
+
+
+def test_local_linear_without_the_clamp_is_the_same() -> None:
+    """``unclamped`` (a bias variance >= tiny: nothing to clamp) gives the clamped path's values and gradients."""
+    g = torch.Generator().manual_seed(13)
+    dt = torch.float64
+    a = torch.randn(5, 4, generator=g, dtype=dt)
+    w_mean, b_mean = torch.randn(3, 4, generator=g, dtype=dt), torch.randn(3, generator=g, dtype=dt)
+    w_var, b_var = torch.rand(3, 4, generator=g, dtype=dt), torch.rand(3, generator=g, dtype=dt) + 0.01
+    eps, upstream = torch.randn(5, 3, generator=g, dtype=dt), torch.randn(5, 3, generator=g, dtype=dt)
+
+    def run(unclamped: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_(True) for t in (a, w_mean, b_mean, w_var, b_var)]
+        out = local_linear(*leaves[:4], leaves[4], eps, unclamped=unclamped)
+        (out * upstream).sum().backward()
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    for x, y in zip(run(True), run(False)):
+        assert torch.equal(x, y)

@@ -23,6 +23,9 @@ def test_khatri_rao_variance_equals_the_dense_product() -> None:
     u, v = torch.rand(3, 7, generator=g, dtype=dt), torch.rand(3, 4, generator=g, dtype=dt)  # U^T, V^T
     assert khatri_rao_square(u).shape == (9, 7)
     assert_close(ktied_variance(a, u, v), F.linear(a**2, (v.T @ u) ** 2))
+    bias_var = torch.rand(4, generator=g, dtype=dt)
+    for x in (a, a[0]):  # with a bias variance: in the addmm for 2-d inputs, added for batched ones
+        assert_close(ktied_variance(x, u, v, bias_var), F.linear(x**2, (v.T @ u) ** 2, bias_var))
 
 
 def test_std_matrix_is_the_product_of_positive_factors() -> None:

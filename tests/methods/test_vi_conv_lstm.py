@@ -328,7 +328,8 @@ def test_cnn_train_steps_and_predict(variant: str, conv_estimator: str) -> None:
     samples = method.predict(x, 3)
     assert samples.shape == (3, 6, 4) and bool(torch.isfinite(samples).all())
     assert torch.equal(torch.get_rng_state(), state)  # all noise from the problem's generator
-    assert set(method.snr.records[0][1]) == {"all", "l1", "l2", "l3", "l4"}
+    layers = {"l1", "l2", "l3", "l4"}
+    assert set(method.snr.records[0][1]) == {"all", "median"} | layers | {f"median_{k}" for k in layers}
 
 
 @pytest.mark.parametrize("variant", ["gmfvi", "ktied"])
@@ -340,7 +341,8 @@ def test_lstm_train_steps_and_predict(variant: str) -> None:
     assert all(math.isfinite(o["loss"]) for o in outs)
     assert method.predict(x, 3).shape == (3, 8, 1)
     assert torch.equal(torch.get_rng_state(), state)
-    assert set(method.snr.records[0][1]) == {"all", "l1", "l2", "l3"}
+    layers = {"l1", "l2", "l3"}
+    assert set(method.snr.records[0][1]) == {"all", "median"} | layers | {f"median_{k}" for k in layers}
 
 
 # ---------------------------------------------------------------- through the runner, on tiny archives
