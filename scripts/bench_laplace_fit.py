@@ -20,8 +20,12 @@ the fit, which also has a part that does not grow with the data (eigendecomposit
 ``a + b * 50000`` from a second fit on the first n/2 images (``fit_fixed_s`` = a, ``fit_per_example_ms``
 = 1000 b; when the two fits give a ≤ 0, plain linear scaling). ``ratio_at_n_data`` (both times as
 measured on the same n images) is an upper bound on the ratio at 50,000 when the fixed part is
-non-negative. The issue's target: ``ratio_to_epoch <= 2``. One
-JSON line per structure:
+non-negative. The issue's target: ``ratio_to_epoch <= 2``. The same ratio from this process's CPU time
+(``time.process_time``, same extrapolation) is ``cpu_ratio_to_epoch``: on a machine shared with other
+jobs it varies less than the wall-clock one. EFB/DEF keep pass 1's tensors for their second pass
+(``method.curvature_cache_mib``, ``--curvature-cache-mib``; 0 recomputes it): ``curvature_cache_mib`` is
+what they kept here, ``curvature_cache_mib_scaled`` that scaled to 50,000 images (it must fit the budget
+for the extrapolation to hold). One JSON line per structure:
 
     {"structure": "kfac", "curvature_subset": null, "fit_s": ..., "epoch_s": ..., "ratio_to_epoch": ...,
      "n_data": 5000, "threads": 1, "scaled_to": 50000, "scaling": "...", "measured_fit_s": ..., ...}
@@ -77,6 +81,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--curvature-dtype", default="model", help="method.curvature_dtype: model (float32 here), float32 or float64"
     )
     parser.add_argument(
+        "--curvature-cache-mib",
+        type=int,
+        default=None,
+        help="method.curvature_cache_mib: MiB of pass-1 tensors EFB/DEF keep for their second pass (default: the method's)",
+    )
+    parser.add_argument(
         "--curvature-subset",
         type=int,
         default=None,
@@ -105,12 +115,23 @@ def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem
     )
 
 
-def _time_fit(laplace: Laplace, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> float:
+def _time_fit(laplace: Laplace, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one ``fit_posterior``."""
     _sync(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     laplace.fit_posterior(x, y)
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def _extrapolate(full: float, half: float, n_curv: int, half_curv: int, target: int) -> tuple[float, float, float]:
+    """``(fit_s, fixed, per_example)``: ``fixed + per_example * target`` from fits on ``n_curv`` and ``half_curv``
+    curvature examples taking ``full`` and ``half`` seconds (module docstring)."""
+    per_example = max(full - half, 0.0) / max(n_curv - half_curv, 1)
+    fixed = full - per_example * n_curv
+    if fixed < 0:  # the half fit took more than half the time (noise): scale the fit linearly
+        fixed, per_example = 0.0, full / n_curv
+    return fixed + per_example * target, fixed, per_example
 
 
 def _laplace(ns: argparse.Namespace, structure: str, subset: int | None) -> Laplace:
@@ -128,6 +149,7 @@ def _laplace(ns: argparse.Namespace, structure: str, subset: int | None) -> Lapl
             "curvature_batch_size": ns.curvature_batch_size,
             "curvature_dtype": ns.curvature_dtype,
             "curvature_subset": subset,
+            **({} if ns.curvature_cache_mib is None else {"curvature_cache_mib": ns.curvature_cache_mib}),
         }
     )
     assert isinstance(laplace, Laplace)
@@ -143,7 +165,7 @@ def _time_structure(
     device: torch.device,
     structure: str,
     subset: int | None,
-    measured_epoch: float,
+    epoch_times: tuple[float, float],
 ) -> dict[str, Any]:
     """Time one structure's fit on all n images and on the first n/2 and scale it to 50,000 (module docstring).
 
@@ -155,31 +177,33 @@ def _time_structure(
     half_curv = half if subset is None else subset * half // FULL_N
     target = FULL_N if subset is None else subset
 
-    def fit(n_rows: int, n_curvature: int) -> tuple[float, dict[str, int]]:
+    def fit(n_rows: int, n_curvature: int) -> tuple[tuple[float, float], dict[str, float]]:
         laplace = _laplace(ns, structure, None if subset is None else n_curvature)
         laplace.setup(_problem(model, device, ns.seed + 3))
         with torch.no_grad():
             laplace.theta.copy_(theta)
         seconds = _time_fit(laplace, x[:n_rows], y[:n_rows], device)
-        return seconds, {k: int(v) for k, v in laplace.fit_info.items()}
+        return seconds, dict(laplace.fit_info)
 
-    measured_fit, info = fit(ns.n_data, n_curv)
+    (measured_fit, measured_cpu), info = fit(ns.n_data, n_curv)
     scale = FULL_N / ns.n_data
+    measured_epoch, measured_epoch_cpu = epoch_times
     if ns.n_data >= FULL_N:
         fit_s, epoch_s, fixed, per_example, half_fit = measured_fit, measured_epoch, None, None, None
+        cpu_fit_s, half_cpu = measured_cpu, None
         scaling = "none: measured on the full-size data"
     else:
-        half_fit, _ = fit(half, half_curv)
-        per_example = max(measured_fit - half_fit, 0.0) / max(n_curv - half_curv, 1)
-        fixed = measured_fit - per_example * n_curv
-        if fixed < 0:  # the half fit took more than half the time (noise): scale the fit linearly
-            fixed, per_example = 0.0, measured_fit / n_curv
-        fit_s, epoch_s = fixed + per_example * target, measured_epoch * scale
+        (half_fit, half_cpu), _ = fit(half, half_curv)
+        fit_s, fixed, per_example = _extrapolate(measured_fit, half_fit, n_curv, half_curv, target)
+        cpu_fit_s = _extrapolate(measured_cpu, half_cpu, n_curv, half_curv, target)[0]
+        epoch_s = measured_epoch * scale
         scaling = (
             f"extrapolated from n_data={ns.n_data} to {FULL_N} images: epoch_s = measured_epoch_s x {scale:g} "
             f"(linear); fit_s = fit_fixed_s + {target} x per-example time, from fits on {n_curv} and "
             f"{half_curv} curvature examples"
         )
+    cpu_epoch_s = measured_epoch_cpu * scale
+    cache_mib = info.get("curvature_cache_mib")
     return {
         "structure": structure,
         "curvature_subset": subset,
@@ -196,8 +220,18 @@ def _time_structure(
         "measured_half_fit_s": None if half_fit is None else round(half_fit, 6),
         "fit_fixed_s": None if fixed is None else round(fixed, 6),
         "fit_per_example_ms": None if per_example is None else round(1000 * per_example, 4),
-        "fit_info": info if structure == "def" else {},
+        "fit_info": {k: int(v) for k, v in info.items()} if structure == "def" else {},
         "curvature_dtype": ns.curvature_dtype,
+        # the same ratio from this process's CPU time (less sensitive to other processes on a busy machine)
+        "cpu_fit_s": round(cpu_fit_s, 3),
+        "cpu_epoch_s": round(cpu_epoch_s, 3),
+        "cpu_ratio_to_epoch": round(cpu_fit_s / cpu_epoch_s, 3),
+        "measured_cpu_fit_s": round(measured_cpu, 6),
+        "measured_cpu_half_fit_s": None if half_cpu is None else round(half_cpu, 6),
+        "measured_cpu_epoch_s": round(measured_epoch_cpu, 6),
+        # MiB of pass-1 tensors kept for the EFB pass (method.curvature_cache_mib), here and scaled to the target
+        "curvature_cache_mib": None if cache_mib is None else round(cache_mib, 1),
+        "curvature_cache_mib_scaled": None if cache_mib is None else round(cache_mib * target / n_curv, 1),
     }
 
 
@@ -225,10 +259,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     map_method = build_method({"name": "map", "lr": LR})
     map_method.setup(_problem(model, device, ns.seed))
     _sync(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     map_method.fit(x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2))
     _sync(device)
-    measured_epoch = time.perf_counter() - start
+    epoch_times = (time.perf_counter() - start, time.process_time() - cpu_start)
     theta = map_method.point_estimate()
 
     records = []
@@ -236,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if ns.curvature_subset is not None and ns.curvature_subset < FULL_N:
         runs += [(structure, ns.curvature_subset) for structure in ns.structures.split(",")]
     for structure, subset in runs:
-        record = _time_structure(ns, model, theta, x, y, device, structure, subset, measured_epoch)
+        record = _time_structure(ns, model, theta, x, y, device, structure, subset, epoch_times)
         record.update(
             {
                 "model": {k: v for k, v in model_cfg.items() if k != "name"},

@@ -23,4 +23,11 @@ def test_prints_one_json_line_per_structure_scaled_to_full_size() -> None:
         assert abs(r["epoch_s"] - 500 * r["measured_epoch_s"]) <= 1e-3 * r["epoch_s"] + 1e-2
         assert abs(r["ratio_to_epoch"] - r["fit_s"] / r["epoch_s"]) < 1e-2 * r["ratio_to_epoch"] + 1e-3
         assert "extrapolated from n_data=100 to 50000" in r["scaling"]
+        assert r["cpu_fit_s"] > 0 and r["cpu_epoch_s"] > 0
+        assert abs(r["cpu_ratio_to_epoch"] - r["cpu_fit_s"] / r["cpu_epoch_s"]) < 1e-2 * r["cpu_ratio_to_epoch"] + 1e-3
     assert records[1]["fit_info"]["kept_rank"] >= 4
+    # DEF kept every chunk of pass 1 for its second pass; the cache scales with the data
+    assert records[0]["curvature_cache_mib"] is None
+    assert records[1]["fit_info"]["cached_chunks"] == records[1]["fit_info"]["curvature_chunks"] == 2
+    cache_mib, scaled = records[1]["curvature_cache_mib"], records[1]["curvature_cache_mib_scaled"]
+    assert 0 < scaled and abs(scaled - 500 * cache_mib) <= 500 * 0.05 + 0.1  # 500 x, up to rounding to 0.1 MiB

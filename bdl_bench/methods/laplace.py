@@ -36,11 +36,14 @@ its own ``StructuredGaussian``:
 
 Curvature is computed from the whole training set (or a random ``curvature_subset`` of it: the mean
 :math:`\mathbf I` is then estimated from that many examples, still scaled by N) in chunks of
-``curvature_batch_size``. The per-chunk work (forward, backward, the GEMMs of the factors, EFB's
-rotations) runs in ``curvature_dtype`` (``model``: the model's dtype, float32 for the image nets);
-sums across chunks, eigendecompositions and the posterior's construction are float64, and the
-posterior is then cast to the model's dtype. ``predict`` either samples networks
-(``predictive: sample``, Lee et al. eq. 7) or the linearised model
+``curvature_batch_size``. EFB and DEF take a second pass in the Kronecker eigenbasis of the first; it
+runs over the first pass's layer inputs and output gradients, kept up to ``curvature_cache_mib`` MiB, and
+recomputes only the chunks beyond that, on the first pass's sampled labels: KFAC factors, EFB
+eigenvalues and the diagonal all come from the same Fisher sample. The per-chunk work (forward,
+backward, the GEMMs of the factors, EFB's rotations) runs in ``curvature_dtype`` (``model``: the
+model's dtype, float32 for the image nets); sums across chunks, eigendecompositions and the
+posterior's construction are float64, and the posterior is then cast to the model's dtype.
+``predict`` either samples networks (``predictive: sample``, Lee et al. eq. 7) or the linearised model
 :math:`f(x;\theta_{MAP}) + J(x)(\theta_s - \theta_{MAP})` (``predictive: linearised``).
 
 The MAP: by default ``fit`` runs the MAP loop of ``methods/map.py`` (Adam, learning rate ``lr``,
@@ -71,7 +74,7 @@ from torch.func import jvp, vmap
 from bdl_bench.checkpoint import load_params
 from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix
-from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
+from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
 from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, block_index, iter_pseudo_grads, kron_layout
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
@@ -299,6 +302,11 @@ class Laplace(Method):
             per-chunk curvature work (sums across chunks are float64 either way).
         curvature_subset: estimate the curvature on this many training examples, drawn without
             replacement (``None``: all of them).
+        curvature_cache_mib: ``efb`` and ``def``: MiB of pass 1's per-chunk tensors (layer inputs and output
+            gradients) kept for the second pass over the data (EFB eigenvalues and the exact diagonal), which
+            then skips the network's forward and backward passes; chunks beyond it are recomputed, on the same
+            sampled labels. 0: recompute them all. DEF's MNIST LeNet (Fisher, float32) needs about 4.7 GiB
+            for 50,000 images (:class:`~bdl_bench.curvature.kron.ChunkCache`).
         search: a :class:`SearchSettings` mapping: choose N and τ on the validation set given by
             :meth:`use_validation` (overrides ``dataset_scale`` and ``prior_precision``), or ``None``.
 
@@ -322,6 +330,7 @@ class Laplace(Method):
         curvature_batch_size: int,
         curvature_dtype: str = "model",
         curvature_subset: int | None = None,
+        curvature_cache_mib: int = 6144,
         search: Mapping[str, Any] | None = None,
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
@@ -349,6 +358,13 @@ class Laplace(Method):
             )
         if curvature_subset is not None and (int(curvature_subset) != curvature_subset or curvature_subset < 1):
             raise ValueError(f"laplace: curvature_subset must be an integer >= 1 or null (all), got {curvature_subset}")
+        if isinstance(curvature_cache_mib, bool) or not isinstance(curvature_cache_mib, int | float):
+            raise ValueError(f"laplace: curvature_cache_mib must be an integer >= 0 (MiB), got {curvature_cache_mib!r}")
+        if int(curvature_cache_mib) != curvature_cache_mib or curvature_cache_mib < 0:
+            raise ValueError(
+                f"laplace: curvature_cache_mib must be an integer >= 0 (MiB; 0 recomputes the second curvature "
+                f"pass), got {curvature_cache_mib}"
+            )
         if rank is not None and (int(rank) != rank or rank < 1):
             raise ValueError(f"laplace: rank must be an integer >= 1 or null (all eigenvalues), got {rank}")
         self.prior_precision = None if prior_precision is None else float(prior_precision)
@@ -358,6 +374,7 @@ class Laplace(Method):
         self.curvature_batch_size = int(curvature_batch_size)
         self.curvature_dtype = _CURVATURE_DTYPES[curvature_dtype]
         self.curvature_subset = None if curvature_subset is None else int(curvature_subset)
+        self.curvature_cache_mib = int(curvature_cache_mib)
         self.lr = lr
         self.map_dir = map_dir
         self.search = None if search is None else SearchSettings.parse(search)
@@ -435,7 +452,8 @@ class Laplace(Method):
 
     # ------------------------------------------------------------------ Laplace part
     def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
-        """Compute the curvature at the current parameters (one data pass) and build the posterior:
+        """Compute the curvature at the current parameters (one data pass; EFB/DEF: a second one over the kept
+        chunks, :meth:`_curvature`) and build the posterior:
         at ``dataset_scale`` and ``prior_precision``, or at the (N, τ) that ``search`` picks."""
         p = self.problem
         self.fit_info, self.extra_metrics = {}, {}
@@ -444,17 +462,19 @@ class Laplace(Method):
         x, y = self._curvature_data(x, y)
         theta_c = theta.to(self.curvature_dtype or self.theta.dtype)
 
-        def batches():
+        def batches(start: int = 0, labels: list[Tensor | None] | None = None):
+            """Pseudo-gradients of the chunks of rows ``start:``, on ``labels`` (one entry per chunk) or new draws."""
             return iter_pseudo_grads(
                 p.model,
                 theta_c,
-                x,
-                y,
+                x[start:],
+                y[start:],
                 p.likelihood,
                 batch_size=self.curvature_batch_size,
                 kind=self.curvature,
                 n_samples=self.n_curvature_samples,
                 generator=p.generator,
+                labels=None if self.curvature is CurvatureKind.GGN else labels,
             )
 
         started = time.perf_counter()
@@ -512,11 +532,19 @@ class Laplace(Method):
             return {"matrix": exact_matrix(batches())}
         if s is Structure.BLOCK:
             return {"blocks": tuple(exact_blocks(batches()))}
-        factors = kron_factors(batches())
         if s is Structure.KFAC:
-            return {"factors": factors}
+            return {"factors": kron_factors(batches())}
+        # EFB and DEF: a second pass in the fixed eigenbasis, over pass 1's chunks as far as the cache holds them
+        cache = ChunkCache(self.curvature_cache_mib * 2**20)
+        factors = kron_factors(cache.record(batches()))
         bases = eigenbasis(factors)
-        eigs, exact_diag = efb_eigenvalues(batches(), bases)
+        n_chunks = len(cache.labels)
+        rest = () if cache.n_cached == n_chunks else batches(cache.n_cached_rows, cache.labels[cache.n_cached :])
+        eigs, exact_diag = efb_eigenvalues(rest, bases, cache=cache)
+        self.fit_info["cached_chunks"] = cache.n_cached
+        self.fit_info["curvature_chunks"] = n_chunks
+        self.fit_info["curvature_cache_mib"] = cache.nbytes / 2**20
+        del cache
         if s is Structure.EFB:
             return {"bases": bases, "eigs": eigs}
         lows, corrections = [], torch.zeros_like(theta)

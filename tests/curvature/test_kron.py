@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from bdl_bench.curvature.def_lowrank import diagonal_correction, kron_diag, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix, ggn_by_autograd
-from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
+from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
 from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads, kron_layout, pseudo_grads, sample_labels
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.models.params import forward_with
@@ -25,6 +25,10 @@ N_DATA = 9
 def _model(arch: str, n_out: int) -> nn.Module:
     if arch == "mlp":
         return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, n_out)).double()
+    if arch == "cnn-t1":  # a convolution with one output position (T = 1), then a linear layer
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 5, 5)), nn.Conv2d(1, 3, 5), nn.Tanh(), nn.Flatten(), nn.Linear(3, n_out)
+        ).double()
     # 1 x 5 x 5 images: a padded 3x3 conv, a strided 2x2 conv without bias, then a linear layer.
     return nn.Sequential(
         nn.Unflatten(1, (1, 5, 5)),
@@ -157,21 +161,36 @@ def test_sampled_label_fisher_converges_to_the_ggn(name: str, generator: torch.G
     assert torch.linalg.norm(mc - exact) / torch.linalg.norm(exact) < 0.05
 
 
-def _layers(name: str, generator: torch.Generator, arch: str = "mlp"):
+def _layers(name: str, generator: torch.Generator, arch: str = "mlp", cached: str | None = None):
+    """Factors, eigenbases, EFB eigenvalues, the diagonal and the exact blocks; with ``cached`` (``all``,
+    ``half``) the EFB pass runs over pass 1's chunks kept by a :class:`ChunkCache` (with ``half``, of half the
+    bytes of all of them: the first chunk only, the rest recomputed)."""
     model, theta, x, y, likelihood = _setup(name, generator, arch=arch)
-    factors = kron_factors(_batches(model, theta, x, y, likelihood))
-    bases = eigenbasis(factors)
-    eigs, diag = efb_eigenvalues(_batches(model, theta, x, y, likelihood), bases)
+    if cached is None:
+        factors = kron_factors(_batches(model, theta, x, y, likelihood))
+        bases = eigenbasis(factors)
+        eigs, diag = efb_eigenvalues(_batches(model, theta, x, y, likelihood), bases)
+    else:
+        probe = ChunkCache(2**30)
+        for _ in probe.record(_batches(model, theta, x, y, likelihood)):
+            pass
+        cache = ChunkCache(probe.nbytes if cached == "all" else probe.nbytes // 2)
+        factors = kron_factors(cache.record(_batches(model, theta, x, y, likelihood)))
+        bases = eigenbasis(factors)
+        rows = cache.n_cached_rows
+        assert rows == (N_DATA if cached == "all" else 4)  # chunks of 4, 4, 1 rows
+        eigs, diag = efb_eigenvalues(_batches(model, theta, x[rows:], y[rows:], likelihood), bases, cache=cache)
     blocks = exact_blocks(_batches(model, theta, x, y, likelihood))
     return factors, bases, eigs, diag, blocks
 
 
-@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+@pytest.mark.parametrize("cached", [None, "half", "all"])
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "cnn-t1"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
 def test_efb_eigenvalues_minimise_frobenius_error_in_the_fixed_basis(
-    name: str, arch: str, generator: torch.Generator
+    name: str, arch: str, cached: str | None, generator: torch.Generator
 ) -> None:
-    factors, bases, eigs, _, blocks = _layers(name, generator, arch)
+    factors, bases, eigs, _, blocks = _layers(name, generator, arch, cached)
     for f, basis, lam, exact in zip(factors, bases, eigs, blocks):
         v = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
         assert_close(lam.reshape(-1), (v.mT @ exact @ v).diagonal())  # the least-squares optimum
@@ -193,10 +212,11 @@ def test_efb_eigenvalues_minimise_frobenius_error_in_the_fixed_basis(
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
 @pytest.mark.parametrize("name", LIKELIHOODS)
 @pytest.mark.parametrize("rank", [1, 2, 5, None])
+@pytest.mark.parametrize("cached", [None, "all"])
 def test_def_diagonal_is_exact_and_beats_efb(
-    name: str, arch: str, rank: int | None, generator: torch.Generator
+    name: str, arch: str, rank: int | None, cached: str | None, generator: torch.Generator
 ) -> None:
-    _, bases, eigs, diag, blocks = _layers(name, generator, arch)
+    _, bases, eigs, diag, blocks = _layers(name, generator, arch, cached)
     for basis, lam, exact in zip(bases, eigs, blocks):
         low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, lam, rank)
         correction = diagonal_correction(flat_to_grid(diag, basis.slot), low)

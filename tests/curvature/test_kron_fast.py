@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 import bdl_bench.curvature.pseudo_grads as pseudo_grads_module
 from bdl_bench.curvature import kron
-from bdl_bench.curvature.kron import diagonal, efb_eigenvalues, eigenbasis, kron_factors
+from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import LayerPseudoGrads, iter_pseudo_grads, kron_layout
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.models import build_model
@@ -30,7 +30,7 @@ def test_shifted_products_give_the_patch_gram(
     x = torch.randn(5, channels, 6, 7, generator=generator, dtype=torch.float64)
     (kh, kw), (ph, pw) = kernel, padding
     padded = (6 + 2 * ph, 7 + 2 * pw)
-    products = torch.zeros(2 * kh - 1, *padded, channels, (2 * kw - 1) * channels, dtype=torch.float64)
+    products = torch.zeros(kh, *padded, channels, (2 * kw - 1) * channels, dtype=torch.float64)
     sums = torch.zeros(*padded, channels, dtype=torch.float64)
     for part in x.split(2):  # accumulated over minibatches
         kron.add_shifted_products_(products, sums, part, slot.conv)
@@ -118,7 +118,7 @@ def test_kfac_factors_form_no_per_example_gradients(generator: torch.Generator, 
 
 @pytest.mark.parametrize(("kernel", "padding", "bias"), [((3, 2), (1, 0), True), ((5, 5), (2, 2), False)])
 def test_conv_per_example_gradients_without_patches_match_the_patch_formula(
-    kernel: tuple[int, int], padding: tuple[int, int], bias: bool, generator: torch.Generator
+    kernel: tuple[int, int], padding: tuple[int, int], bias: bool, generator: torch.Generator, monkeypatch
 ) -> None:
     conv = nn.Conv2d(3, 4, kernel, padding=padding, bias=bias).double()
     slot = kron_layout(nn.Sequential(conv)).slots[0]
@@ -126,4 +126,85 @@ def test_conv_per_example_gradients_without_patches_match_the_patch_formula(
     out_hw = conv(x).shape[2:]
     deltas = torch.randn(2, 5, out_hw[0] * out_hw[1], 4, generator=generator, dtype=torch.float64)
     layer = LayerPseudoGrads(slot, x, deltas)
-    assert_close(layer.per_example(), deltas.transpose(2, 3) @ layer.inputs)
+    patch_formula = deltas.transpose(2, 3) @ layer.inputs
+    assert_close(layer.per_example(), patch_formula)  # 3 input channels: the patch GEMM
+    padded = layer.per_example(slot.shape[1] + 5)
+    assert_close(padded[..., : slot.shape[1]], patch_formula)
+    assert not padded[..., slot.shape[1] :].any()
+    # the tap GEMMs on the input map (no patches), as for channels >= _MIN_TAP_CHANNELS
+    monkeypatch.setattr(pseudo_grads_module, "_MIN_TAP_CHANNELS", 1)
+    fresh = LayerPseudoGrads(slot, x, deltas)
+    assert_close(fresh.per_example(), patch_formula)
+    padded = fresh.per_example(slot.shape[1] + 5)
+    assert_close(padded[..., : slot.shape[1]], patch_formula)
+    assert not padded[..., slot.shape[1] :].any()
+    with pytest.raises(ValueError, match="width"):
+        fresh.per_example(slot.shape[1] - 1)
+
+
+@pytest.mark.parametrize("tap_channels", [8, 1])
+@pytest.mark.parametrize("kind", ["fisher", "ggn"])
+def test_cached_efb_pass_equals_recomputation_on_pass_1s_labels(
+    kind: str, tap_channels: int, generator: torch.Generator, monkeypatch
+) -> None:
+    """The EFB pass over a ChunkCache (all chunks, a prefix, none) gives the eigenvalues and diagonal of pass 1's
+    own pseudo-gradients: the same sampled labels, whether kept or recomputed from ``cache.labels``."""
+    monkeypatch.setattr(pseudo_grads_module, "_MIN_TAP_CHANNELS", tap_channels)  # both conv per-example routes
+    model = build_model(
+        {"name": "lenet", "image_size": 8, "channels": [1, 9], "hidden": 16, "dropout": 0.0},
+        in_features=1,
+        out_features=3,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    theta = 0.3 * torch.randn(n_params, generator=generator, dtype=torch.float64)
+    x = torch.rand(40, 1, 8, 8, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (40,), generator=generator)
+
+    def batches(rows: slice = slice(None), labels=None, seed: int = 5):
+        return iter_pseudo_grads(
+            model,
+            theta,
+            x[rows],
+            y[rows],
+            Categorical(),
+            batch_size=16,
+            kind=kind,
+            generator=torch.Generator().manual_seed(seed),
+            labels=labels,
+        )
+
+    first = list(batches())  # pass 1, kept whole: the reference
+    factors = kron_factors(first)
+    bases = eigenbasis(factors)
+    eigs, diag = efb_eigenvalues(first, bases)
+    assert (first[0].labels is not None) == (kind == "fisher")
+    probe = ChunkCache(2**30)
+    for _ in probe.record(batches()):
+        pass
+    # layer 0 (1 input channel, 8x8 output map) is kept as per-example gradients, the others as maps
+    kept = next(probe.chunks())[1]
+    assert kept[0].grads is not None and all(entry.layer is not None for entry in kept[1:])
+    for budget, n_cached in ((probe.nbytes, 3), (probe.nbytes // 2, 1), (0, 0)):
+        cache = ChunkCache(budget)
+        cached_factors = kron_factors(cache.record(batches()))
+        assert cache.n_cached == n_cached and len(cache.labels) == 3
+        for a, b in zip(cached_factors, factors):
+            assert_close(a.a_factor, b.a_factor, rtol=0, atol=0)
+            assert_close(a.g_factor, b.g_factor, rtol=0, atol=0)
+        rows = cache.n_cached_rows
+        # recompute the rest from a generator in another state: only cache.labels may matter
+        rest = batches(slice(rows, None), cache.labels[n_cached:] if kind == "fisher" else None, seed=99)
+        got_eigs, got_diag = efb_eigenvalues(rest, bases, cache=cache)
+        for a, b in zip(got_eigs, eigs):
+            assert_close(a, b)
+        assert_close(got_diag, diag)
+
+
+def test_cache_and_labels_refuse_bad_arguments(generator: torch.Generator) -> None:
+    with pytest.raises(ValueError, match="budget_bytes"):
+        ChunkCache(-1)
+    model = nn.Sequential(nn.Linear(2, 3)).double()
+    theta = torch.randn(9, generator=generator, dtype=torch.float64)
+    x, y = torch.randn(5, 2, generator=generator, dtype=torch.float64), torch.zeros(5)
+    with pytest.raises(ValueError, match="one entry per minibatch"):  # 3 minibatches of 2, 2, 1 rows
+        next(iter_pseudo_grads(model, theta, x, y, Categorical(), batch_size=2, kind="fisher", labels=[None, None]))

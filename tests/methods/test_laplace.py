@@ -458,6 +458,32 @@ def test_bad_curvature_options_are_refused(key: str, value: object) -> None:
         make_laplace(**{key: value})
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, "big", True, None])
+def test_bad_curvature_cache_sizes_are_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="curvature_cache_mib must be an integer >= 0"):
+        make_laplace(curvature_cache_mib=value)
+
+
+@pytest.mark.parametrize("structure", ["efb", "def"])
+def test_cached_second_pass_gives_the_recomputed_posterior(structure: str) -> None:
+    """method.curvature_cache_mib=0 (the second pass recomputed, on pass 1's sampled labels) and the default
+    (pass 1's chunks kept) give the same EFB/DEF posterior from the same generator state."""
+    posteriors, infos = [], []
+    for cache_mib in (0, 64):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            problem, x, y = _tiny_lenet_problem()
+        method = make_laplace(structure=structure, curvature="fisher", rank=4, curvature_cache_mib=cache_mib)
+        method.curvature_batch_size = 7
+        method.setup(problem)
+        method.fit_posterior(x, y)
+        posteriors.append(method.posterior())
+        infos.append(method.fit_info)
+    assert infos[0]["cached_chunks"] == 0 and infos[1]["cached_chunks"] == infos[1]["curvature_chunks"] == 5
+    recomputed, cached = (q.to_dense().precision for q in posteriors)
+    assert_close(cached, recomputed)
+
+
 @pytest.mark.parametrize("structure", ["kfac", "def"])
 def test_float32_curvature_gives_the_float64_posterior(structure: str) -> None:
     """curvature_dtype=float32 (float64 sums and eigendecompositions) agrees with float64 to ~1e-5."""
@@ -489,11 +515,18 @@ def test_curvature_subset_uses_exactly_that_many_examples(monkeypatch: pytest.Mo
     method = make_laplace(structure="def", rank=2, curvature_subset=12)
     method.setup(problem)
     method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
-    assert [len(rows) for rows in seen] == [12, 12]  # KFAC factors and EFB eigenvalues: the same 12 rows
-    assert_close(seen[0], seen[1], rtol=0, atol=0)
+    assert [len(rows) for rows in seen] == [12]  # one pass: EFB eigenvalues from the cached chunks
     rows = {tuple(row.tolist()) for row in x}
     assert all(tuple(row.tolist()) in rows for row in seen[0]) and len({tuple(r.tolist()) for r in seen[0]}) == 12
     assert method.fit_info["n_curvature_examples"] == 12
+    subset = seen[0]
+    seen.clear()
+    method = make_laplace(structure="def", rank=2, curvature_subset=12, curvature_cache_mib=0)  # two passes
+    method.setup(_tiny_lenet_problem()[0])
+    method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    assert [len(rows) for rows in seen] == [12, 12]  # KFAC factors and EFB eigenvalues: the same 12 rows
+    assert_close(seen[0], seen[1], rtol=0, atol=0)
+    assert_close(seen[0], subset, rtol=0, atol=0)
     seen.clear()
     method = make_laplace(structure="diag", curvature_subset=1000)  # more than there are: all of them
     method.setup(problem)
