@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import vmap
 
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
@@ -79,8 +78,10 @@ class DeepEnsemble(Method):
         self.optimizer = torch.optim.Adam([self.thetas], lr=self.lr)
 
     def _outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
+        """``(M, N, out)``: the members' outputs, one forward pass each. (``torch.func.vmap`` over the members
+        took twice as long on DEF's LeNet: 5.2 s per step of 15 members against 15 x 0.175 s, 1 thread.)"""
         model = self.problem.model
-        return vmap(lambda th: forward_with(model, th, x))(thetas)  # (M, N, out)
+        return torch.stack([forward_with(model, theta, x) for theta in thetas])
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         """One Adam step of every member; reports the members' mean loss and nll."""

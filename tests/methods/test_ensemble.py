@@ -92,3 +92,23 @@ def test_checkpoint_round_trip() -> None:
     for m in (a, b):
         m.train_step(x[:20], y[:20])
     assert_close(b.state_dict()["thetas"], a.state_dict()["thetas"], rtol=0, atol=0)
+
+
+def test_members_are_independent_adam_fits() -> None:
+    """Training M members together (summed losses, one Adam over the (M, D) tensor) moves each member exactly
+    as a one-member ensemble started from its parameters would move."""
+    x, y, _, _ = data()
+    together = make(n_members=3)
+    together.setup(problem())
+    start = together.thetas.detach().clone()
+    for _ in range(3):
+        together.train_step(x[:20], y[:20])
+    for m in range(3):
+        alone = make(n_members=1)
+        alone.setup(problem())
+        with torch.no_grad():
+            alone.thetas.copy_(start[m : m + 1])
+        for _ in range(3):
+            alone.train_step(x[:20], y[:20])
+        assert_close(together.thetas[m], alone.thetas[0], rtol=1e-6, atol=1e-7)
+        assert not torch.equal(together.thetas[m], start[m])
