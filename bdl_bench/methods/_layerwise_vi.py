@@ -52,7 +52,8 @@ include the closed-form KL), the sampled output of one layer (:meth:`_local_prea
 flat parameter samples (:meth:`_sample_params`) and the tensors whose gradient SNR is tracked.
 With ``snr_window`` W > 0 the gradient SNR of those tensors (``bdl_bench.methods._grad_snr``) is
 measured over windows of W steps and added to the per-epoch history as ``train/grad_snr`` (all layers)
-and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1).
+and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1), the paper's mean over parameters, and as
+``train/grad_snr_median`` and ``train/grad_snr_median_l<i>``, the medians.
 """
 
 from __future__ import annotations
