@@ -17,7 +17,6 @@ from bdl_bench.curvature.gram import (
     factor_cross,
     gram_matrix,
     low_rank_update,
-    rotate_columns,
     sq_diag,
 )
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, sample_noise, weighted_gram
@@ -46,7 +45,6 @@ __all__ = [
     "linear_factors",
     "linear_layout",
     "low_rank_update",
-    "rotate_columns",
     "sample_noise",
     "sq_diag",
     "weighted_gram",

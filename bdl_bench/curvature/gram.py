@@ -234,27 +234,6 @@ def sq_diag(factors: PerExampleFactors, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def rotate_columns(factor: Tensor, rotation: Tensor, out: Tensor) -> Tensor:
-    """``out = factor @ rotation`` for column-major ``factor``, ``out`` (D, L) and ``rotation`` (L, L).
-
-    Done in blocks of rows of D (about 1 MB each), so ``out`` may be ``factor`` itself (in place).
-    """
-    src, dst = factor.mT, out.mT  # (L, D)
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("rotate_columns needs column-major factor and out: use empty_columns_first")
-    n_vec, n_params = src.shape
-    if factor.device.type != "cpu":
-        return out.copy_(factor @ rotation)
-    cols = max(1, _BLOCK_ELEMENTS // max(n_vec, 1))
-    buffer = torch.empty(n_vec, min(cols, n_params), dtype=factor.dtype, device=factor.device)
-    rotation_t = rotation.mT
-    for start in range(0, n_params, cols):
-        block = src[:, start : start + cols]
-        rotated = torch.mm(rotation_t, block, out=buffer[:, : block.shape[1]])
-        dst[:, start : start + cols].copy_(rotated)
-    return out
-
-
 @dataclass(frozen=True)
 class LowRankUpdate:
     """The top-L eigen-update of :math:`w_0 UU^\\top + w_1 GG^\\top` (Mishkin et al. 2018, eqs. 6-7, 10).

@@ -141,18 +141,6 @@ def test_column_sqnorms(generator: torch.Generator) -> None:
     torch.testing.assert_close(gram.column_sqnorms(gram.empty_columns_first(11, 4, like=m).copy_(m)), m.square().sum(1))
 
 
-def test_rotate_columns_in_place(chunking: bool, generator: torch.Generator) -> None:
-    u = gram.empty_columns_first(50, 3, like=torch.zeros(1, dtype=F64)).copy_(
-        torch.randn(50, 3, generator=generator, dtype=F64)
-    )
-    rotation = torch.randn(3, 3, generator=generator, dtype=F64)
-    expected = u @ rotation
-    assert gram.rotate_columns(u, rotation, u) is u
-    torch.testing.assert_close(u, expected)
-    with pytest.raises(ValueError, match="column-major"):
-        gram.rotate_columns(torch.randn(50, 3, dtype=F64), rotation, u)
-
-
 @pytest.mark.parametrize("with_mixing", [False, True], ids=["add", "mix"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["new_dst", "in_place"])
 def test_combine_rows_equals_dense(

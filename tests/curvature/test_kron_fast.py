@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.testing import assert_close
 
 import bdl_bench.curvature.pseudo_grads as pseudo_grads_module
@@ -40,15 +40,21 @@ def test_shifted_products_give_the_patch_gram(
     assert_close(kron.shifted_gram(products, sums, 5, (6, 7), slot), patches.mT @ patches)
 
 
-def _lenet_batches(dtype: torch.dtype, generator: torch.Generator, kind: str = "ggn"):
-    """A shrunk LeNet (two padded 5x5 convs, pooling, two linear layers) on 40 images, chunks of 16."""
+def _tiny_lenet(channels: list[int], generator: torch.Generator) -> tuple[nn.Module, Tensor]:
+    """A LeNet on 8x8 images with the given conv widths, 16 hidden units and 3 classes, and random float64
+    parameters for it (drawn from ``generator``)."""
     model = build_model(
-        {"name": "lenet", "image_size": 8, "channels": [3, 4], "hidden": 16, "dropout": 0.0},
+        {"name": "lenet", "image_size": 8, "channels": channels, "hidden": 16, "dropout": 0.0},
         in_features=1,
         out_features=3,
     )
     n_params = sum(p.numel() for p in model.parameters())
-    theta = 0.3 * torch.randn(n_params, generator=generator, dtype=torch.float64)
+    return model, 0.3 * torch.randn(n_params, generator=generator, dtype=torch.float64)
+
+
+def _lenet_batches(dtype: torch.dtype, generator: torch.Generator, kind: str = "ggn"):
+    """A shrunk LeNet (two padded 5x5 convs, pooling, two linear layers) on 40 images, chunks of 16."""
+    model, theta = _tiny_lenet([3, 4], generator)
     data = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
     x = torch.rand(40, 1, 8, 8, generator=data, dtype=torch.float64)
     y = torch.randint(0, 3, (40,), generator=data)
@@ -150,13 +156,7 @@ def test_cached_efb_pass_equals_recomputation_on_pass_1s_labels(
     """The EFB pass over a ChunkCache (all chunks, a prefix, none) gives the eigenvalues and diagonal of pass 1's
     own pseudo-gradients: the same sampled labels, whether kept or recomputed from ``cache.labels``."""
     monkeypatch.setattr(pseudo_grads_module, "_MIN_TAP_CHANNELS", tap_channels)  # both conv per-example routes
-    model = build_model(
-        {"name": "lenet", "image_size": 8, "channels": [1, 9], "hidden": 16, "dropout": 0.0},
-        in_features=1,
-        out_features=3,
-    )
-    n_params = sum(p.numel() for p in model.parameters())
-    theta = 0.3 * torch.randn(n_params, generator=generator, dtype=torch.float64)
+    model, theta = _tiny_lenet([1, 9], generator)
     x = torch.rand(40, 1, 8, 8, generator=generator, dtype=torch.float64)
     y = torch.randint(0, 3, (40,), generator=generator)
 
