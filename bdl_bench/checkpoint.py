@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,9 @@ class Checkpoint:
     generators: dict[str, Tensor]  # name -> torch.Generator.get_state() (CPU byte tensors)
     torch_rng: Tensor  # torch.get_rng_state()
     cuda_rng: Tensor | None  # torch.cuda.get_rng_state() of the run's device, when it is a GPU
-    history: list[dict[str, Any]]
     elapsed_s: float
+    history_rows: int | list[int] | None = None  # rows of history.csv (one count per split for a stack)
+    history: list[Any] = field(default_factory=list)  # the rows themselves: only in checkpoints before history_rows
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:

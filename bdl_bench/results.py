@@ -84,12 +84,44 @@ def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:
     atomic_write_text(run_dir / CONFIG_FILE, yaml.safe_dump(dict(config), sort_keys=False))
 
 
+def _parse_csv_value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_history(path: Path, n_rows: int) -> list[dict[str, Any]]:
+    """The first ``n_rows`` rows of a ``history.csv`` as written by :class:`HistoryWriter` (numbers parsed
+    back exactly — ``csv`` writes floats with ``repr`` — and a row's empty cells left out, as it was appended).
+
+    Raises:
+        ValueError: when the file holds fewer rows (naming the file and the fix).
+    """
+    rows: list[dict[str, Any]] = []
+    if n_rows > 0:
+        with Path(path).open(newline="") as f:
+            for raw in csv.DictReader(f):
+                if len(rows) == n_rows:
+                    break
+                rows.append({k: _parse_csv_value(v) for k, v in raw.items() if v not in ("", None)})
+    if len(rows) < n_rows:
+        raise ValueError(
+            f"{path} holds {len(rows)} rows but the run's checkpoint needs {n_rows}; "
+            "the history was edited — delete checkpoint.pt (or re-run with force=true) to start over"
+        )
+    return rows
+
+
 class HistoryWriter:
     """Appends one CSV row per epoch; columns are fixed by the first row and grow if needed.
 
     A row with the known columns is appended to the file (O(1) per epoch); a row that brings a new
     column rewrites the file atomically with the wider header, so the file is always valid CSV.
-    ``rows`` restores the rows of a resumed run (from its checkpoint); later rows are appended to them.
+    ``rows`` restores the rows of a resumed run (:func:`read_history`); the file is rewritten with them at the
+    first append, which drops any rows written after the checkpoint.
     """
 
     def __init__(self, path: Path, rows: Iterable[Mapping[str, Any]] = ()) -> None:

@@ -43,9 +43,11 @@ from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.reference import reference_posterior
 from bdl_bench.results import (
     CHECKPOINT_FILE,
+    HISTORY_FILE,
     PARAMS_FILE,
     HistoryWriter,
     config_hash,
+    read_history,
     write_config,
     write_metrics,
 )
@@ -276,7 +278,8 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     start_epoch, elapsed_before, rows = 0, 0.0, []
     if checkpoint is not None:
         restore_checkpoint(checkpoint, method, generators, device)
-        start_epoch, elapsed_before, rows = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
+        start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
+        rows = checkpoint_history(checkpoint, run_dir / HISTORY_FILE)
 
     history = HistoryWriter(run_dir / "history.csv", rows)
     n_epochs = int(trainer.n_epochs)
@@ -292,7 +295,9 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     start = time.perf_counter() - elapsed_before
 
     def save(epoch: int) -> None:
-        state = make_checkpoint(epoch, chash, method, generators, device, history.rows, time.perf_counter() - start)
+        state = make_checkpoint(
+            epoch, chash, method, generators, device, len(history.rows), time.perf_counter() - start
+        )
         save_checkpoint(checkpoint_path, state)
 
     def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
@@ -347,11 +352,12 @@ def make_checkpoint(
     method: Method,
     generators: Mapping[str, torch.Generator],
     device: torch.device,
-    history: Any,
+    history_rows: int | list[int],
     elapsed_s: float,
 ) -> Checkpoint:
     """What a killed run needs to continue after ``epoch``: the method's state, every generator's and
-    torch's global (and CUDA) RNG state, the history so far and the time spent."""
+    torch's global (and CUDA) RNG state, the number of history rows so far (per split for a stack) and the
+    time spent."""
     return Checkpoint(
         epoch=epoch,
         config_hash=chash,
@@ -359,9 +365,17 @@ def make_checkpoint(
         generators={name: gen.get_state() for name, gen in generators.items()},
         torch_rng=torch.get_rng_state(),
         cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        history=history,
+        history_rows=history_rows,
         elapsed_s=elapsed_s,
     )
+
+
+def checkpoint_history(checkpoint: Checkpoint, path: Path) -> list[dict[str, Any]]:
+    """The history rows of a single run's checkpoint: read back from ``path`` (``history.csv``), or the
+    rows stored in a checkpoint written before checkpoints kept only the row count."""
+    if checkpoint.history_rows is None:
+        return list(checkpoint.history)
+    return read_history(path, int(checkpoint.history_rows))  # type: ignore[arg-type]
 
 
 def restore_checkpoint(

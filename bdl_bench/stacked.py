@@ -43,7 +43,7 @@ from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.results import CHECKPOINT_FILE, HistoryWriter, config_hash, write_config
+from bdl_bench.results import CHECKPOINT_FILE, HISTORY_FILE, HistoryWriter, config_hash, read_history, write_config
 from bdl_bench.runner import (
     EpochHook,
     RunResult,
@@ -164,7 +164,14 @@ def run_stack(
     start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in splits]
     if checkpoint is not None:
         restore_checkpoint(checkpoint, method, generators, device)
-        start_epoch, elapsed_before, histories = checkpoint.epoch, checkpoint.elapsed_s, checkpoint.history
+        start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
+        if checkpoint.history_rows is None:  # a checkpoint that stored the rows themselves
+            histories = checkpoint.history
+        else:
+            histories = [
+                read_history(Path(member_dirs[k]) / HISTORY_FILE, int(n))
+                for k, n in zip(splits, checkpoint.history_rows)  # type: ignore[arg-type]
+            ]
     writers = {k: HistoryWriter(Path(member_dirs[k]) / "history.csv", rows) for k, rows in zip(splits, histories)}
     n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
     checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
@@ -194,7 +201,7 @@ def run_stack(
             )
             writers[k].append(row)
         if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
-            histories_now = [writers[k].rows for k in splits]
+            histories_now = [len(writers[k].rows) for k in splits]
             state = make_checkpoint(
                 epoch, stack_hash, method, generators, device, histories_now, time.perf_counter() - start
             )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
-from bdl_bench.results import HistoryWriter
+import pytest
+
+from bdl_bench.results import HistoryWriter, read_history
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -33,3 +36,22 @@ def test_history_resumed_rows_are_rewritten_first(tmp_path: Path) -> None:
     writer = HistoryWriter(path, rows=[{"epoch": 1, "train/loss": 0.5}])
     writer.append({"epoch": 2, "train/loss": 0.4})
     assert [r["epoch"] for r in _read(path)] == ["1", "2"]
+
+
+def test_read_history_gives_back_the_appended_rows_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "history.csv"
+    rows = [
+        {"epoch": 1, "train/loss": 0.1 + 0.2},  # a float whose repr needs all 17 digits
+        {"epoch": 2, "train/loss": float("nan"), "test/nll": 1e-310},
+        {"epoch": 3, "train/loss": float("inf")},
+    ]
+    writer = HistoryWriter(path)
+    for row in rows:
+        writer.append(row)
+    back = read_history(path, 3)
+    assert [r["epoch"] for r in back] == [1, 2, 3] and all(type(r["epoch"]) is int for r in back)
+    assert back[0] == rows[0] and back[2] == rows[2]  # row 1's missing test/nll cell is left out again
+    assert math.isnan(back[1]["train/loss"]) and back[1]["test/nll"] == 1e-310
+    assert read_history(path, 1) == back[:1] and len(read_history(path, 2)) == 2 and read_history(path, 0) == []
+    with pytest.raises(ValueError, match="holds 3 rows but the run's checkpoint needs 4"):
+        read_history(path, 4)

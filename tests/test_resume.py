@@ -17,7 +17,7 @@ import torch
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.results import read_run_record
-from bdl_bench.runner import run
+from bdl_bench.runner import checkpoint_history, run
 from bdl_bench.sweep import run_job
 
 
@@ -54,7 +54,9 @@ def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path
         run_job(cfg, killed, epoch_hook=_crash_after(3))
     assert not (killed / "metrics.json").exists()
     checkpoint = load_checkpoint(killed / "checkpoint.pt")
-    assert checkpoint is not None and checkpoint.epoch == 2 and len(checkpoint.history) == 2
+    assert checkpoint is not None and checkpoint.epoch == 2 and checkpoint.history_rows == 2
+    assert checkpoint.history == []  # the rows stay in history.csv, which already has epoch 3's row too
+    assert len((killed / "history.csv").read_text().splitlines()) == 1 + 3
     resumed = run_job(cfg, killed)
     assert not resumed.skipped and read_run_record(killed)["attempts"] == 2
     _same_metrics(json.loads((killed / "metrics.json").read_text()), unbroken)
@@ -97,3 +99,21 @@ def test_sigkilled_cli_run_resumes_to_the_unbroken_metrics(tmp_path: Path, compo
     assert not run_job(compose_cfg(overrides), run_dir).skipped
     unbroken = run(compose_cfg(overrides), tmp_path / "unbroken").metrics
     _same_metrics(json.loads((run_dir / "metrics.json").read_text()), unbroken)
+
+
+def test_checkpoint_written_before_row_counts_still_resumes_its_rows(tmp_path: Path) -> None:
+    """A checkpoint from before ``history_rows`` stored the rows themselves (key ``history``); it still loads."""
+    legacy = {
+        "epoch": 1,
+        "config_hash": "abc",
+        "method": {},
+        "generators": {},
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": None,
+        "history": [{"epoch": 1, "train/loss": 0.5}],
+        "elapsed_s": 1.0,
+    }
+    torch.save(legacy, tmp_path / "checkpoint.pt")
+    checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert checkpoint is not None and checkpoint.history_rows is None
+    assert checkpoint_history(checkpoint, tmp_path / "history.csv") == [{"epoch": 1, "train/loss": 0.5}]
