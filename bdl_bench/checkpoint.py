@@ -5,8 +5,11 @@ temporary file in the same folder, then ``os.replace`` — and read with ``torch
 so it holds only tensors, numbers, strings and plain containers. It stores the method's
 ``state_dict()``, the state of every ``torch.Generator`` the runner made, torch's global RNG state (the
 runner seeds it once, for ``nn.init``; anything drawing from it later continues the same stream), the
-epoch reached, the history rows so far and the training time spent, plus the config hash so that a
-checkpoint is never applied to another config.
+epoch reached, how many rows of ``history.csv`` belong to it and the training time spent, plus the config
+hash so that a checkpoint is never applied to another config. The rows themselves stay in
+``history.csv``, which holds them before the checkpoint is written (storing them in every checkpoint made a
+long run's checkpoints cost O(epochs²)); a resumed run reads them back
+(:func:`bdl_bench.results.read_history`) and drops any rows written after the checkpoint.
 
 A finished run removes its checkpoint; what it keeps of the fit is ``params.pt``
 (:func:`save_params`): the final flat parameter vector of methods with a point estimate or a posterior
