@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bdl_bench.curvature.pseudo_grads import ConvSpec, KronLayout, KronSlot, LayerPseudoGrads, PseudoGrads
+from bdl_bench.curvature.pseudo_grads import ConvSpec, KronLayout, KronSlot, LayerPseudoGrads, PseudoGrads, conv_taps
 
 
 @dataclass(frozen=True)
@@ -356,6 +356,8 @@ class _EfbSums:
         self.u_in[:n, :n] = basis.eigvecs_in
         self.eig = RunningSum((m, self.width), like)
         self.diag = RunningSum((m, self.width), like)
+        self._u_in_taps: Tensor | None = None  # U_A's rows in conv_taps' column order (kh, kw·C, w), made once
+        self._buffers: dict[str, Tensor] = {}  # flat scratch tensors reused across minibatches
 
     def add(self, layer: LayerPseudoGrads) -> None:
         """Add one minibatch of the layer.
@@ -376,9 +378,58 @@ class _EfbSums:
                 inputs = F.pad(layer.inputs[:, 0], (0, self.width - self.n))
             self.eig.partial.addmm_((deltas @ self.u_out).square().sum(0).mT, (inputs @ self.u_in).square())
             self.diag.partial.addmm_(deltas.square().sum(0).mT, inputs.square())
+        elif layer.uses_conv_taps:
+            self._add_conv_taps(layer)
         else:
             self.add_grads(layer.per_example(self.width))
         self.step()
+
+    def _buffer(self, name: str, numel: int) -> Tensor:
+        """A flat scratch tensor of ``numel`` elements, reused (and grown when needed) across minibatches, so
+        that the large per-minibatch temporaries do not fault in fresh pages every time."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name] = self.eig.partial.new_empty(numel)
+        return buffer[:numel]
+
+    def _add_conv_taps(self, layer: LayerPseudoGrads) -> None:
+        """A stride-1 convolution (:attr:`LayerPseudoGrads.uses_conv_taps`) from its kernel-row taps
+        (:func:`conv_taps`), never permuted into pseudo-gradient matrices.
+
+        :math:`g_{ik}U_A = \\sum_a T_{aik}U_A^{(a)}` over the kernel rows a, with :math:`U_A^{(a)}` the rows of
+        :math:`U_A` in the taps' (b, c) column order (permuted once). The kh GEMMs write it transposed,
+        ``(w, K·M·m)``, so that :math:`U_G^\\top` applies to all examples as one GEMM rather than a batch of
+        m x m products; the taps are squared in place for the diagonal. Same multiply-adds as :meth:`add_grads`
+        on :meth:`LayerPseudoGrads.per_example`, without its permuting copy and fresh temporaries.
+        """
+        slot, x, deltas = layer.slot, layer.layer_input, layer.output_grads
+        spec = slot.conv
+        assert spec is not None
+        kh, kw = spec.kernel_size
+        n_draws, n_rows, _, m = deltas.shape
+        channels, n_in, width = x.shape[1], slot.in_features, self.width
+        rows, cols = n_draws * n_rows * m, kw * channels
+        if self._u_in_taps is None:  # rows (c, a, b) of the unfold order -> (a, (b, c))
+            self._u_in_taps = (
+                self.u_in[:n_in].view(channels, kh, kw, width).permute(1, 2, 0, 3).reshape(kh, cols, width)
+            )
+        taps = conv_taps(x, deltas, slot, out=self._buffer("taps", kh * rows * cols).view(kh, n_draws, n_rows, m, cols))
+        taps = taps.view(kh, rows, cols)
+        rotated = self._buffer("rotated", width * rows).view(width, rows)  # (g U_A)^T, columns (k, i, alpha)
+        torch.mm(self._u_in_taps[0].mT, taps[0].mT, out=rotated)
+        for a in range(1, kh):
+            rotated.addmm_(self._u_in_taps[a].mT, taps[a].mT)
+        bias_sums = None
+        if slot.bias_slice is not None:  # the bias column of g is sum_t delta_t; its row of U_A is row n_in
+            bias_sums = deltas.sum(2).reshape(rows)
+            rotated.addr_(self.u_in[n_in], bias_sums)
+        projected = self._buffer("projected", width * rows).view(width * n_draws * n_rows, m)
+        torch.mm(rotated.view(width * n_draws * n_rows, m), self.u_out, out=projected)  # (U_G^T g U_A)^T
+        self.eig.partial += projected.square_().view(width, n_draws * n_rows, m).sum(1).mT
+        squares = taps.square_().view(kh, n_draws * n_rows, m, kw, channels).sum(1)  # (a, alpha, b, c)
+        self.diag.partial[:, :n_in].unflatten(-1, (channels, kh, kw)).add_(squares.permute(1, 3, 0, 2))
+        if bias_sums is not None:
+            self.diag.partial[:, n_in] += bias_sums.view(-1, m).square().sum(0)
 
     def add_grads(self, grads: Tensor) -> None:
         """Add a stack of pseudo-gradients ``(K, M, m, w)`` (zero after column n): :math:`U_G^\\top(g\\,U_A)`,

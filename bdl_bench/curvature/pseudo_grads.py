@@ -184,6 +184,18 @@ class LayerPseudoGrads:
         """T, the spatial positions (1 for a linear layer)."""
         return self.output_grads.shape[2]
 
+    @property
+    def uses_conv_taps(self) -> bool:
+        """Whether this is a stride-1, dilation-1 convolution with at least ``_MIN_TAP_CHANNELS`` input channels,
+        whose pseudo-gradients are formed from the input map by :func:`conv_taps` rather than from patches."""
+        spec = self.slot.conv
+        return (
+            spec is not None
+            and spec.stride == (1, 1)
+            and spec.dilation == (1, 1)
+            and self.layer_input.shape[1] >= _MIN_TAP_CHANNELS
+        )
+
     def per_example(self, width: int | None = None) -> Tensor:
         """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``.
 
@@ -199,9 +211,7 @@ class LayerPseudoGrads:
             raise ValueError(f"width must be >= n = {n}, got {width}")
         if self.n_positions == 1:
             return self.output_grads[:, :, 0, :, None] * _pad_columns(self.inputs[:, 0], width)[None, :, None, :]
-        spec = self.slot.conv
-        channels = self.layer_input.shape[1]
-        if spec is not None and spec.stride == (1, 1) and spec.dilation == (1, 1) and channels >= _MIN_TAP_CHANNELS:
+        if self.uses_conv_taps:
             return _conv_per_example(self.layer_input, self.output_grads, self.slot, width)
         # one batched GEMM (m x T x n per example)
         return self.output_grads.transpose(2, 3) @ _pad_columns(self.inputs, width)
@@ -217,14 +227,20 @@ def _pad_columns(rows: Tensor, width: int) -> Tensor:
     return F.pad(rows, (0, width - rows.shape[-1]))
 
 
-def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot, n_cols: int | None = None) -> Tensor:
-    """A stride-1 convolution's :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top`, ``(K, M, m, n)``, without unfolding patches.
+def conv_taps(x: Tensor, deltas: Tensor, slot: KronSlot, out: Tensor | None = None) -> Tensor:
+    r"""A stride-1 convolution's pseudo-gradients by kernel row, without unfolding patches: ``(kh, K, M, m, kw·C)``,
+    entry ``[a, k, i, :, (b, c)]`` = :math:`\sum_t\delta_{ikt}x^p_{i,t+(a,b),c}` (the weight gradient's
+    columns of kernel position (a, b) and input channel c; no bias column).
 
-    With ``n_cols`` (>= n): ``(K, M, m, n_cols)``, zero after column n (:meth:`LayerPseudoGrads.per_example`).
-
-    For kernel row a, :math:`\\sum_t\\delta_t x^p_{t+(a,b)}` for all b is one GEMM of :math:`\\delta` (zero-padded
+    For kernel row a, :math:`\sum_t\delta_t x^p_{t+(a,b)}` for all b is one GEMM of :math:`\delta` (zero-padded
     to the padded map's width, so that positions t are a flat range) with an overlapping strided view of
-    :math:`x^p` (rows: positions; columns: (b, c), contiguous).
+    :math:`x^p` (rows: positions; columns: (b, c), contiguous). ``out``, when given, is filled and returned.
+
+    Args:
+        x: the layer's input map ``(M, C, H, W)``.
+        deltas: output gradients ``(K, M, T, m)``, T = out_h·out_w.
+        slot: the convolution's slot (kernel size and padding).
+        out: a contiguous ``(kh, K, M, m, kw·C)`` tensor of ``deltas``' dtype to write into.
     """
     spec = slot.conv
     assert spec is not None
@@ -235,7 +251,7 @@ def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot, n_cols: int | N
     grid = F.pad(x, (pw, pw, ph, ph + 1)).permute(0, 2, 3, 1).contiguous()  # (M, H_p + 1, W_p, C): one spare row
     wide = F.pad(deltas.view(n_draws, n_rows, out_h, out_w, m), (0, 0, 0, padded_w - out_w))
     wide = wide.view(n_draws, n_rows, out_h * padded_w, m).transpose(2, 3)  # (K, M, m, out_h·W_p)
-    taps = deltas.new_empty(n_draws, n_rows, kh, m, kw * channels)
+    taps = deltas.new_empty(kh, n_draws, n_rows, m, kw * channels) if out is None else out
     for a in range(kh):
         view = grid.as_strided(
             (n_rows, out_h * padded_w, kw * channels),
@@ -243,12 +259,27 @@ def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot, n_cols: int | N
             grid.storage_offset() + a * padded_w * channels,
         )
         for k in range(n_draws):
-            torch.bmm(wide[k], view, out=taps[k, :, a])
+            torch.bmm(wide[k], view, out=taps[a, k])
+    return taps
+
+
+def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot, n_cols: int | None = None) -> Tensor:
+    r"""A stride-1 convolution's :math:`\sum_t\delta_{ikt}\tilde a_{it}^\top`, ``(K, M, m, n)``, from
+    :func:`conv_taps` (no unfolded patches).
+
+    With ``n_cols`` (>= n): ``(K, M, m, n_cols)``, zero after column n (:meth:`LayerPseudoGrads.per_example`).
+    """
+    spec = slot.conv
+    assert spec is not None
+    kh, kw = spec.kernel_size
+    n_draws, n_rows, _, m = deltas.shape
+    channels = x.shape[1]
+    taps = conv_taps(x, deltas, slot)
     n_in, n = slot.in_features, slot.shape[1]
     grads = deltas.new_empty(n_draws, n_rows, m, n if n_cols is None else n_cols)
-    # (K, M, a, m, (b, c)) -> (K, M, m, (c, a, b)), the unfold order, in one copy
+    # (a, K, M, m, (b, c)) -> (K, M, m, (c, a, b)), the unfold order, in one copy
     grads[..., :n_in].unflatten(-1, (channels, kh, kw)).copy_(
-        taps.view(n_draws, n_rows, kh, m, kw, channels).permute(0, 1, 3, 5, 2, 4)
+        taps.view(kh, n_draws, n_rows, m, kw, channels).permute(1, 2, 3, 5, 0, 4)
     )
     if slot.bias_slice is not None:
         grads[..., n_in] = deltas.sum(2)

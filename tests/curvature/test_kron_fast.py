@@ -148,6 +148,42 @@ def test_conv_per_example_gradients_without_patches_match_the_patch_formula(
         fresh.per_example(slot.shape[1] - 1)
 
 
+@pytest.mark.parametrize(("kernel", "padding", "bias"), [((3, 2), (1, 0), True), ((5, 5), (2, 2), False)])
+def test_efb_sums_from_conv_taps_match_the_pseudo_gradient_definition(
+    kernel: tuple[int, int], padding: tuple[int, int], bias: bool, generator: torch.Generator, monkeypatch
+) -> None:
+    """The EFB pass's tap route (kernel-row GEMMs, U_A permuted, U_G as one GEMM, reused buffers) gives
+    sum_ik (U_G^T g_ik U_A)^2 and sum_ik g_ik^2 of the patch formula g_ik = sum_t delta_ikt a_it^T, over
+    minibatches of changing size (the scratch buffers shrink and grow)."""
+    monkeypatch.setattr(pseudo_grads_module, "_MIN_TAP_CHANNELS", 1)
+    conv = nn.Conv2d(3, 4, kernel, padding=padding, bias=bias).double()
+    slot = kron_layout(nn.Sequential(conv)).slots[0]
+    m, n = slot.shape
+    basis = kron.KronEigenbasis(
+        slot,
+        torch.linalg.qr(torch.randn(m, m, generator=generator, dtype=torch.float64))[0],
+        torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))[0],
+        torch.ones(m, dtype=torch.float64),
+        torch.ones(n, dtype=torch.float64),
+    )
+    sums = kron._EfbSums(slot, basis, torch.empty(0, dtype=torch.float64))
+    want_eig = torch.zeros(m, n, dtype=torch.float64)
+    want_diag = torch.zeros(m, n, dtype=torch.float64)
+    for rows in (5, 3, 6):
+        x = torch.randn(rows, 3, 6, 7, generator=generator, dtype=torch.float64)
+        out_hw = conv(x).shape[2:]
+        deltas = torch.randn(2, rows, out_hw[0] * out_hw[1], m, generator=generator, dtype=torch.float64)
+        layer = LayerPseudoGrads(slot, x, deltas)
+        assert layer.uses_conv_taps
+        g = deltas.transpose(2, 3) @ layer.inputs  # (K, M, m, n), the patch formula
+        want_eig += (basis.eigvecs_out.mT @ g @ basis.eigvecs_in).square().sum((0, 1))
+        want_diag += g.square().sum((0, 1))
+        sums.add(layer)
+    got_eig, got_diag = sums.results()
+    assert_close(got_eig, want_eig)
+    assert_close(got_diag, want_diag)
+
+
 @pytest.mark.parametrize("tap_channels", [8, 1])
 @pytest.mark.parametrize("kind", ["fisher", "ggn"])
 def test_cached_efb_pass_equals_recomputation_on_pass_1s_labels(
