@@ -7,7 +7,7 @@ FC 1024, FC 10; ``--channels``/``--hidden``/``--image-size`` shrink it) and ``--
 - **epoch**: one epoch of ``method=map`` (Adam, lr 0.001, minibatches of ``--batch-size`` = 50, the
   prior precision 0.001 of ``experiment=def_table1``), through ``Method.fit``, after a two-step warm-up;
 - **fit**: ``Laplace.fit_posterior`` at the trained MAP, with the options of ``variant=def_table1/kfac``
-  and ``def_table1/def`` (Fisher with one sampled label per example, curvature chunks of 64 examples,
+  and ``def_table1/def`` (Fisher with one sampled label per example, curvature chunks of 256 examples,
   DEF rank K = ``--rank``, ``method.curvature_dtype`` = ``--curvature-dtype``, by default the model's
   float32): the curvature passes over all the data, the eigendecompositions, and for DEF the EFB
   eigenvalues, Alg. 1 and the diagonal correction. This is the code ``method=laplace`` runs after its
@@ -72,7 +72,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--structures", default="kfac,def", help="comma-separated: kfac, def")
     parser.add_argument("--rank", type=int, default=200, help="DEF's K (variant=def_table1/def: 200)")
-    parser.add_argument("--curvature-batch-size", type=int, default=64)
+    parser.add_argument("--curvature-batch-size", type=int, default=256)
     parser.add_argument("--channels", default="32,64", help="LeNet's two conv widths (default DEF's 32,64)")
     parser.add_argument("--hidden", type=int, default=1024, help="LeNet's FC width (default DEF's 1024)")
     parser.add_argument("--image-size", type=int, default=28)

@@ -12,6 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_laplace_fit.py
 
 def test_prints_one_json_line_per_structure_scaled_to_full_size() -> None:
     args = ["--n-data", "100", "--channels", "2,3", "--hidden", "8", "--image-size", "8", "--rank", "4"]
+    args += ["--curvature-batch-size", "64"]  # two chunks
     out = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, check=True
     ).stdout
