@@ -22,7 +22,8 @@ discarded with a warning: the splits it still lacks start afresh).
 
 Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
 examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
-``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout`` and ``slang`` on MLPs).
+``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout``, ``slang`` and ``vogn`` on networks of
+``nn.Linear`` layers).
 """
 
 from __future__ import annotations

@@ -32,11 +32,12 @@ from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
 @dataclass(frozen=True)
 class StackedFactors:
     """Per-example layer factors of R copies: ``inputs[l]`` ``(R, P, in_l)``, ``output_grads[l]``
-    ``(R, P, out_l)``, per-example losses ``(R, S, M)``."""
+    ``(R, P, out_l)``, per-example losses ``(R, S, M)`` and the network outputs ``(R, S, M, out)``."""
 
     inputs: list[Tensor]
     output_grads: list[Tensor]
     losses: Tensor
+    outputs: Tensor
 
 
 def stacked_factors(
@@ -78,6 +79,7 @@ def stacked_factors(
         inputs=[a.detach() for a in inputs],
         output_grads=[g.reshape(n_copies, n_samples * n_examples, -1) for g in grads],
         losses=losses.detach(),
+        outputs=h.detach(),
     )
 
 

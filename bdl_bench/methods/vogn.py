@@ -48,7 +48,8 @@ stores a D × D precision and refuses D > 5000.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -284,7 +285,8 @@ def factored_terms(
 
 @register_method("vogn")
 class VOGN(Method):
-    """Natural-gradient VI with a full or diagonal Gaussian (module docstring).
+    """Natural-gradient VI with a full or diagonal Gaussian (module docstring). Splits can be stacked
+    (:meth:`setup_replicas`) for networks of ``nn.Linear`` layers.
 
     Args:
         covariance: ``full`` or ``diag``.
@@ -298,6 +300,8 @@ class VOGN(Method):
     Raises:
         ValueError: on a bad option, naming the value and the valid choices or range.
     """
+
+    supports_replicas = True  # stacked splits: networks of nn.Linear layers (logistic regression, MLPs)
 
     def __init__(
         self,
@@ -423,6 +427,103 @@ class VOGN(Method):
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         self.state, out = self.update(self.state, x, y)
         return out
+
+    # ---------------------------------------------------------------------- stacked splits
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies of the initial state, stacked (mean ``(R, D)``, precision ``(R, D, D)`` or ``(R, D)``);
+        fitted by :meth:`train_step_replicas` (:mod:`bdl_bench.methods._vogn_stacked`).
+
+        Raises:
+            NotImplementedError: for a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
+        """
+        self.setup(problems[0])
+        if self._layout is None:
+            raise NotImplementedError(
+                "method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp); give data.split "
+                "one split per job instead of a list"
+            )
+        self._replica_problems = list(problems)
+        n_copies, s = len(problems), self.state
+        self.state = VognState(
+            mean=s.mean.expand(n_copies, *s.mean.shape).clone(),
+            precision=s.precision.expand(n_copies, *s.precision.shape).clone(),
+            step=0,
+        )
+
+    @torch.no_grad()
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """:meth:`update` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``); the
+        statistics as ``(R,)`` tensors.
+
+        Raises:
+            NonFiniteLossError: naming the copy and step, as :meth:`update` does for a single run.
+        """
+        from bdl_bench.methods import _vogn_stacked as stacked
+
+        p, state = self.problem, self.state
+        assert self._layout is not None and state.mean.dim() == 2, "setup_replicas first"
+        lam = p.prior_precision.to(state.mean)
+        n_copies, n_params = state.mean.shape
+        n_samples = self.n_train_mc_samples
+        chol = stacked.cholesky_or_raise(state.precision, state.step) if self._full else None
+        eps = torch.randn(
+            (n_samples, n_params), generator=p.generator, dtype=state.mean.dtype, device=state.mean.device
+        )
+        if chol is None:  # the draws of a single run of the same seed, shared by the copies
+            thetas = state.mean[:, None] + eps * state.precision.rsqrt()[:, None]
+        else:
+            noise = torch.linalg.solve_triangular(chol, eps.expand(n_copies, -1, -1), upper=False, left=False)
+            thetas = state.mean[:, None] + noise
+        likelihoods = [q.likelihood for q in self._replica_problems]
+        nll, g_sum, h_sum = stacked.stacked_terms(
+            p.model,
+            self._layout,
+            likelihoods,
+            thetas,
+            x,
+            y,
+            hessian=self.curvature is Curvature.HESSIAN,
+            full=self._full,
+        )
+        scale = p.n_data / (x.shape[1] * n_samples)
+        g_hat, h_hat = scale * g_sum, scale * h_sum
+
+        step = state.step + 1
+        alpha = decayed_rate(self.lr, self.decay, step)
+        beta = decayed_rate(self.beta, self.decay, step)
+        if self._full:
+            precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag(lam))
+            precision = 0.5 * (precision + precision.mT)
+        else:
+            precision = (1 - beta) * state.precision + beta * (h_hat + lam)
+        bad = stacked.first_bad_copy(precision, g_hat)
+        if bad is not None:
+            raise NonFiniteLossError(
+                f"method 'vogn': non-finite precision or gradient in stacked copy {bad} at step {step}"
+            )
+        direction = g_hat + lam * state.mean
+        if self._full:
+            delta = torch.cholesky_solve(direction[..., None], stacked.cholesky_or_raise(precision, step))[..., 0]
+        else:
+            positive = (precision > 0).all(1)
+            if not bool(positive.all()):
+                bad = int((~positive).nonzero()[0, 0])
+                raise NonFiniteLossError(f"method 'vogn': non-positive precision in stacked copy {bad} at step {step}")
+            delta = direction / precision
+        mean = state.mean - alpha * delta
+        bad = stacked.first_bad_copy(mean)
+        if bad is not None:
+            raise NonFiniteLossError(f"method 'vogn': non-finite mean in stacked copy {bad} at step {step}")
+        kl = stacked.kl_to_prior(state.mean, state.precision, chol, lam)
+        self.state = VognState(mean=mean, precision=precision, step=step)
+        return {"loss": nll + kl / p.n_data, "nll": nll}
+
+    def replica(self, index: int) -> VOGN:
+        single = copy.copy(self)
+        single.setup(self._replica_problems[index])
+        s = self.state
+        single.state = VognState(mean=s.mean[index].clone(), precision=s.precision[index].clone(), step=s.step)
+        return single
 
     # -------------------------------------------------------------------------- posterior
     def posterior(self) -> FullGaussian | DiagGaussian:

@@ -1,0 +1,127 @@
+r"""VOGN's update (:meth:`bdl_bench.methods.vogn.VOGN.update`) for R stacked copies, one per data split.
+
+The same maths as the single run — SLANG, Appendix A eqs. (12)–(13) — with a leading copy dimension R on
+the mean ``(R, D)`` and the precision ``(R, D, D)`` (``covariance=full``) or ``(R, D)`` (``diag``), for
+networks of ``nn.Linear`` layers. Meant for SLANG's Table 1 (logistic regression, D ≤ 257, 10,000
+epochs of minibatches of 32–128 examples): there a single run's cost is Python overhead per step
+(milliseconds for a few hundred flops), which one stacked step shares among the R splits.
+
+Per copy, the P = K·M per-example gradients come from one stacked forward/backward
+(:func:`bdl_bench.methods._slang_stacked.stacked_factors`) and are formed as an ``(R, P, D)`` matrix
+G (fine for such D; the single run's :func:`~bdl_bench.methods.vogn.factored_terms` is the twin):
+the empirical Fisher is :math:`G^\top G`; the Gauss–Newton matrix is
+:math:`\sum_c H_c^\top H_c` with :math:`H_c` the gradients of the pseudo-losses :math:`a_{pc}^\top f_p`,
+:math:`\Lambda_p = \sum_c a_{pc}a_{pc}^\top` (:func:`~bdl_bench.methods.vogn.output_hessian_sqrt`).
+Copy r draws exactly the standard normals a single run of the same seed draws (one ``(K, D)`` draw,
+shared by the copies), so a stacked fit equals R single runs up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from bdl_bench.curvature.per_example import LinearLayout
+from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood
+from bdl_bench.methods._slang_stacked import StackedFactors, stacked_factors
+from bdl_bench.methods.base import NonFiniteLossError
+
+
+class _FlatPseudoLoss(Likelihood):
+    r""":math:`\ell = a^\top f` row by row, with ``coeffs`` ``(R·K·M, out)`` in the order of
+    ``f.reshape(-1, out)``: one object serves every copy (:func:`bdl_bench.likelihoods.stacked_nll`
+    applies the first copy's likelihood to all rows for a non-Gaussian class)."""
+
+    def __init__(self, coeffs: Tensor) -> None:
+        self.coeffs = coeffs
+
+    def nll(self, f: Tensor, y: Tensor) -> Tensor:
+        return (f * self.coeffs).sum(-1)
+
+
+def gradient_columns(factors: StackedFactors, layout: LinearLayout) -> Tensor:
+    """The per-example gradients :math:`g_p = \\operatorname{vec}(\\delta_pa_p^\\top)` of every copy, ``(R, P, D)``
+    in flat parameter order."""
+    first = factors.output_grads[0]
+    n_copies, n_cols = first.shape[:2]
+    out = first.new_empty(n_copies, n_cols, layout.n_params)
+    for slot, a, delta in zip(layout.slots, factors.inputs, factors.output_grads):
+        out[..., slot.weight_slice] = (delta[..., :, None] * a[..., None, :]).reshape(n_copies, n_cols, -1)
+        if slot.bias_slice is not None:
+            out[..., slot.bias_slice] = delta
+    return out
+
+
+def stacked_terms(
+    model: nn.Sequential,
+    layout: LinearLayout,
+    likelihoods: Sequence[Likelihood],
+    thetas: Tensor,
+    x: Tensor,
+    y: Tensor,
+    *,
+    hessian: bool,
+    full: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per copy: mean NLL ``(R,)``, Σ g ``(R, D)`` and Σ H ``(R, D, D)`` or its diagonal ``(R, D)``, over the K
+    samples ``thetas`` ``(R, K, D)`` and the M examples ``x`` ``(R, M, in)``, ``y`` ``(R, M)``."""
+    from bdl_bench.methods.vogn import output_hessian_sqrt
+
+    factors = stacked_factors(model, layout, thetas, x, y, likelihoods)
+    grads = gradient_columns(factors, layout)  # (R, P, D)
+    n_copies, n_samples = thetas.shape[:2]
+    if hessian:
+        outputs = factors.outputs.reshape(n_copies, -1, factors.outputs.shape[-1])  # (R, P, out), p = (k, i)
+        targets = y.repeat(1, n_samples)  # (R, P)
+        if isinstance(likelihoods[0], Bernoulli | Categorical):  # no per-copy parameter: all copies in one call
+            flat = output_hessian_sqrt(likelihoods[0], outputs.flatten(0, 1), targets.flatten())
+            roots = flat.view(n_copies, -1, *flat.shape[1:])  # (R, P, C, out)
+        else:
+            roots = torch.stack([output_hessian_sqrt(lik, f, t) for lik, f, t in zip(likelihoods, outputs, targets)])
+        pieces = []
+        for c in range(roots.shape[2]):
+            pseudo = _FlatPseudoLoss(roots[:, :, c].reshape(-1, roots.shape[-1]))
+            pieces.append(gradient_columns(stacked_factors(model, layout, thetas, x, y, [pseudo] * n_copies), layout))
+    else:
+        pieces = [grads]
+    if full:
+        curv = sum(piece.mT @ piece for piece in pieces)
+    else:
+        curv = sum(piece.square().sum(1) for piece in pieces)
+    return factors.losses.mean(dim=(1, 2)), grads.sum(1), curv  # type: ignore[return-value]
+
+
+def cholesky_or_raise(precision: Tensor, step: int) -> Tensor:
+    """Batched Cholesky factors of ``(R, D, D)`` precisions; a copy that is not positive definite stops the run."""
+    chol, info = torch.linalg.cholesky_ex(precision)
+    bad = info.nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        raise NonFiniteLossError(
+            f"method 'vogn': precision of stacked copy {r} is not positive definite after step {step} "
+            f"(leading minor {int(info[r])}) — lower beta or check the data"
+        )
+    return chol
+
+
+def kl_to_prior(mean: Tensor, precision: Tensor, chol: Tensor | None, prior_precision: Tensor) -> Tensor:
+    r"""Per copy KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)), ``(R,)`` (the single run's ``_kl_to_prior``)."""
+    lam = prior_precision
+    if chol is None:
+        var, logdet = precision.reciprocal(), precision.log().sum(-1)
+    else:
+        eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(chol)
+        var = torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(-2)
+        logdet = 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    quad = (lam * var).sum(-1) + (lam * mean * mean).sum(-1)
+    return 0.5 * (quad - mean.shape[-1] - lam.log().sum() + logdet)
+
+
+def first_bad_copy(*tensors: Tensor) -> int | None:
+    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None``."""
+    ok = torch.ones(tensors[0].shape[0], dtype=torch.bool, device=tensors[0].device)
+    for t in tensors:
+        ok &= torch.isfinite(t).flatten(1).all(1)
+    return None if bool(ok.all()) else int((~ok).nonzero()[0, 0])
