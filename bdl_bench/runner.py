@@ -273,6 +273,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     )
 
     method.use_validation(dataset.x_val, dataset.y_val, run_dir)
+    method.step_progress = bool(trainer.progress)
 
     generators = {"method": method_generator, "data": data_generator, "eval": eval_generator}
     start_epoch, elapsed_before, rows = 0, 0.0, []

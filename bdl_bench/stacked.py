@@ -159,6 +159,7 @@ def run_stack(
         for k in splits
     ]
     method.setup_replicas(problems)  # a method that cannot stack says how to run the splits instead
+    method.step_progress = bool(trainer.progress)
 
     generators = {"method": method_generator, "data": data_generator}
     generators.update({f"eval_{k}": g for k, g in eval_generators.items()})

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from bdl_bench.likelihoods import Likelihood
 
@@ -69,6 +70,9 @@ class Method(ABC):
     problem: Problem
     extra_metrics: Mapping[str, float] = MappingProxyType({})
     """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ)); none by default."""
+    step_progress: bool = False
+    """Whether :meth:`fit` shows a bar of the steps of an epoch that runs longer than
+    :data:`STEP_BAR_DELAY_S` (the runner sets it from ``trainer.progress``)."""
 
     def setup(self, problem: Problem) -> None:
         """Create the fitting state for ``problem``; called once before ``fit``."""
@@ -140,7 +144,8 @@ class Method(ABC):
         n_batches = math.ceil(x.shape[0] / min(batch_size, x.shape[0]))
         for epoch in range(start_epoch, n_epochs):
             totals: dict[str, float] = {}
-            for step, idx in enumerate(_minibatches(x.shape[0], batch_size, data_generator, x.device)):
+            batches = _minibatches(x.shape[0], batch_size, data_generator, x.device)
+            for step, idx in enumerate(_step_bar(batches, epoch, self.step_progress)):
                 x_batch = x[idx]
                 if self.problem.augmentation is not None:
                     x_batch = self.problem.augmentation(x_batch, data_generator)
@@ -198,7 +203,8 @@ class Method(ABC):
         n_batches = math.ceil(x.shape[1] / min(batch_size, x.shape[1]))
         for epoch in range(start_epoch, n_epochs):
             totals: dict[str, Tensor] = {}
-            for step, idx in enumerate(_minibatches(x.shape[1], batch_size, data_generator, x.device)):
+            batches = _minibatches(x.shape[1], batch_size, data_generator, x.device)
+            for step, idx in enumerate(_step_bar(batches, epoch, self.step_progress)):
                 out = self.train_step_replicas(x[:, idx], y[:, idx])
                 finite = torch.isfinite(out["loss"])
                 if not bool(finite.all()):
@@ -213,6 +219,17 @@ class Method(ABC):
                 means = {k: (v / n_batches).tolist() for k, v in totals.items()}
                 n_copies = x.shape[0]
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
+
+
+STEP_BAR_DELAY_S = 10.0
+"""An epoch's step bar appears only once the epoch has run this long (tqdm's ``delay``): long epochs
+(an ensemble of 15 LeNets on MNIST: about an hour) show their progress, the many short ones do not."""
+
+
+def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:
+    return tqdm(
+        batches, desc=f"epoch {epoch + 1}", unit="step", leave=False, delay=STEP_BAR_DELAY_S, disable=not enabled
+    )
 
 
 def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:

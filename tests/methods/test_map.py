@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+import bdl_bench.methods.base as base_module
 from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
@@ -118,3 +119,16 @@ def test_checkpoint_round_trip_gives_identical_next_step() -> None:
     for method in (a, b):
         method.train_step(x[:25], y[:25])
     assert_close(b.state_dict()["theta"], a.state_dict()["theta"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_long_epochs_show_a_step_bar_when_progress_is_on(enabled: bool, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(base_module, "STEP_BAR_DELAY_S", 0.0)  # every epoch counts as long here
+    method = make_map()
+    method.setup(make_problem(2, Gaussian(NOISE_PRECISION), seed=0))
+    method.step_progress = enabled
+    x, y = torch.randn(40, 2), torch.randn(40)
+    method.fit(x, y, n_epochs=2, batch_size=10, data_generator=torch.Generator().manual_seed(0))
+    err = capsys.readouterr().err
+    assert ("epoch 1:" in err and "epoch 2:" in err and "/4 [" in err and "step/s" in err) == enabled
+    assert enabled or err == ""
