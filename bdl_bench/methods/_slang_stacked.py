@@ -32,12 +32,23 @@ from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
 @dataclass(frozen=True)
 class StackedFactors:
     """Per-example layer factors of R copies: ``inputs[l]`` ``(R, P, in_l)``, ``output_grads[l]``
-    ``(R, P, out_l)``, per-example losses ``(R, S, M)`` and the network outputs ``(R, S, M, out)``."""
+    ``(R, P, out_l)`` (P = S·M, sample-major), per-example losses ``(R, S, M)`` and the network outputs
+    ``(R, S, M, out)``. With ``first_input_shared``, ``inputs[0]`` is ``(R, M, in_0)``: the first layer's
+    input, the same for all S samples, not repeated."""
 
     inputs: list[Tensor]
     output_grads: list[Tensor]
     losses: Tensor
     outputs: Tensor
+    first_input_shared: bool = False
+
+    def input_columns(self, layer: int) -> Tensor:
+        """``inputs[layer]`` as ``(R, P, in)``, repeating a shared first input over the samples."""
+        a = self.inputs[layer]
+        if layer == 0 and self.first_input_shared:
+            n_samples = self.losses.shape[1]
+            return a.unsqueeze(1).expand(a.shape[0], n_samples, *a.shape[1:]).reshape(a.shape[0], -1, a.shape[-1])
+        return a
 
 
 def stacked_factors(
@@ -47,24 +58,43 @@ def stacked_factors(
     x: Tensor,
     y: Tensor,
     likelihoods: Sequence[Likelihood],
+    *,
+    share_first_input: bool = False,
 ) -> StackedFactors:
     """Layer inputs and output gradients of :math:`\\sum_{s,i}\\ell_r(f(x_{r,i};\\theta_{r,s}), y_{r,i})`.
 
     Args:
         thetas: ``(R, S, D)``; x: ``(R, M, in)``; y: ``(R, M)``; likelihoods: one per copy.
+        share_first_input: the first layer takes the data as it is (one GEMM per copy for all S samples)
+            and :attr:`StackedFactors.inputs` ``[0]`` is not repeated S times (a wide input, e.g. USPS's 257
+            features with S·M = 768, made that copy the slowest part of a logistic-regression step).
     """
     n_copies, n_samples = thetas.shape[:2]
     n_examples = x.shape[1]
     slot_of = {slot.module_index: slot for slot in layout.slots}
     inputs, pre_activations = [], []
     with torch.enable_grad():
-        h = x.to(thetas.dtype).unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:])  # (R, S, M, in)
+        data = x.to(thetas.dtype)  # (R, M, in)
+        h = None if share_first_input else data.unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:])  # (R, S, M, in)
         for index, module in enumerate(model):
             slot = slot_of.get(index)
             if slot is None:
-                h = module(h)
+                if h is None:
+                    data = module(data)
+                else:
+                    h = module(h)
                 continue
             weight = thetas[..., slot.weight_slice].view(n_copies, n_samples, slot.out_features, slot.in_features)
+            if h is None:  # the data, before the first layer: (R, M, in) x (R, in, S·out)
+                z = (data @ weight.flatten(1, 2).mT).view(n_copies, n_examples, n_samples, -1).transpose(1, 2)
+                if slot.bias_slice is not None:
+                    z = z + thetas[..., slot.bias_slice].unsqueeze(2)
+                if not z.requires_grad:
+                    z.requires_grad_(True)
+                inputs.append(data)
+                pre_activations.append(z)
+                h = z
+                continue
             z = h @ weight.mT
             if slot.bias_slice is not None:
                 z = z + thetas[..., slot.bias_slice].unsqueeze(2)
@@ -80,6 +110,7 @@ def stacked_factors(
         output_grads=[g.reshape(n_copies, n_samples * n_examples, -1) for g in grads],
         losses=losses.detach(),
         outputs=h.detach(),
+        first_input_shared=share_first_input,
     )
 
 

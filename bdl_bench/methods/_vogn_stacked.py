@@ -7,9 +7,10 @@ epochs of minibatches of 32–128 examples): there a single run's cost is Python
 (milliseconds for a few hundred flops), which one stacked step shares among the R splits.
 
 Per copy, the P = K·M per-example gradients come from one stacked forward/backward
-(:func:`bdl_bench.methods._slang_stacked.stacked_factors`) and are formed as an ``(R, P, D)`` matrix
-G (fine for such D; the single run's :func:`~bdl_bench.methods.vogn.factored_terms` is the twin):
-the empirical Fisher is :math:`G^\top G`; the Gauss–Newton matrix is
+(:func:`bdl_bench.methods._slang_stacked.stacked_factors`: layer inputs A and output gradients
+:math:`\Delta`); their sum and squared sum are GEMMs of those factors, and only the full covariance forms
+them as an ``(R, P, D)`` matrix G (the single run's :func:`~bdl_bench.methods.vogn.factored_terms` is the
+twin): the empirical Fisher is :math:`G^\top G`; the Gauss–Newton matrix is
 :math:`\sum_c H_c^\top H_c` with :math:`H_c` the gradients of the pseudo-losses :math:`a_{pc}^\top f_p`,
 :math:`\Lambda_p = \sum_c a_{pc}a_{pc}^\top` (:func:`~bdl_bench.methods.vogn.output_hessian_sqrt`).
 Copy r draws exactly the standard normals a single run of the same seed draws (one ``(K, D)`` draw,
@@ -41,17 +42,69 @@ class _FlatPseudoLoss(Likelihood):
         return (f * self.coeffs).sum(-1)
 
 
+def _per_layer_to_flat(layout: LinearLayout, parts: list[tuple[Tensor, Tensor]], like: Tensor) -> Tensor:
+    """Per-layer (weight ``(R, out, in)``, bias ``(R, out)``) sums as ``(R, D)`` in flat parameter order."""
+    out = like.new_empty(like.shape[0], layout.n_params)
+    for slot, (weight, bias) in zip(layout.slots, parts):
+        out[:, slot.weight_slice] = weight.flatten(1)
+        if slot.bias_slice is not None:
+            out[:, slot.bias_slice] = bias
+    return out
+
+
+def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
+    r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
+    parts = []
+    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
+        if layer == 0 and factors.first_input_shared:  # sum over the samples first
+            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
+        parts.append((d.mT @ a, d.sum(1)))
+    return _per_layer_to_flat(layout, parts, factors.output_grads[0])
+
+
+def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
+    r""":math:`\sum_p g_p\circ g_p` of every copy, ``(R, D)``: per layer :math:`(\Delta^{\circ2})^\top A^{\circ2}`
+    (no per-example gradient is formed)."""
+    parts = []
+    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
+        d2 = d.square()
+        if layer == 0 and factors.first_input_shared:  # sum over the samples first
+            d2 = d2.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
+        parts.append((d2.mT @ a.square(), d2.sum(1)))
+    return _per_layer_to_flat(layout, parts, factors.output_grads[0])
+
+
 def gradient_columns(factors: StackedFactors, layout: LinearLayout) -> Tensor:
-    """The per-example gradients :math:`g_p = \\operatorname{vec}(\\delta_pa_p^\\top)` of every copy, ``(R, P, D)``
-    in flat parameter order."""
+    r"""The per-example gradients :math:`g_p = \operatorname{vec}(\delta_pa_p^\top)` of every copy, ``(R, P, D)``
+    in flat parameter order (for :math:`\sum_p g_pg_p^\top = G^\top G`)."""
     first = factors.output_grads[0]
     n_copies, n_cols = first.shape[:2]
     out = first.new_empty(n_copies, n_cols, layout.n_params)
-    for slot, a, delta in zip(layout.slots, factors.inputs, factors.output_grads):
+    for layer, (slot, delta) in enumerate(zip(layout.slots, factors.output_grads)):
+        a = factors.input_columns(layer)
         out[..., slot.weight_slice] = (delta[..., :, None] * a[..., None, :]).reshape(n_copies, n_cols, -1)
         if slot.bias_slice is not None:
             out[..., slot.bias_slice] = delta
     return out
+
+
+def gram(factors: StackedFactors, layout: LinearLayout) -> Tensor:
+    r""":math:`\sum_pg_pg_p^	op` of every copy, ``(R, D, D)``. For one linear layer with one output on a shared
+    input (logistic regression), :math:`g_{ki} = \delta_{ki}	ilde x_i`, so the sum is
+    :math:`\sum_i(\sum_k\delta_{ki}^2)	ilde x_i	ilde x_i^	op`: M columns instead of S·M."""
+    (slot,) = layout.slots if len(layout.slots) == 1 else (None,)
+    if slot is not None and slot.out_features == 1 and factors.first_input_shared:
+        d = factors.output_grads[0]
+        weights = d.square().view(d.shape[0], factors.losses.shape[1], -1).sum(1)  # (R, M)
+        x = factors.inputs[0]
+        columns = x.new_empty(*x.shape[:2], layout.n_params)  # rows [x_i, 1] in flat order
+        columns[..., slot.weight_slice] = x
+        if slot.bias_slice is not None:
+            columns[..., slot.bias_slice] = 1.0
+        columns *= weights.sqrt().unsqueeze(-1)
+    else:
+        columns = gradient_columns(factors, layout)
+    return columns.mT @ columns
 
 
 def stacked_terms(
@@ -69,8 +122,7 @@ def stacked_terms(
     samples ``thetas`` ``(R, K, D)`` and the M examples ``x`` ``(R, M, in)``, ``y`` ``(R, M)``."""
     from bdl_bench.methods.vogn import output_hessian_sqrt
 
-    factors = stacked_factors(model, layout, thetas, x, y, likelihoods)
-    grads = gradient_columns(factors, layout)  # (R, P, D)
+    factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=True)
     n_copies, n_samples = thetas.shape[:2]
     if hessian:
         outputs = factors.outputs.reshape(n_copies, -1, factors.outputs.shape[-1])  # (R, P, out), p = (k, i)
@@ -83,14 +135,14 @@ def stacked_terms(
         pieces = []
         for c in range(roots.shape[2]):
             pseudo = _FlatPseudoLoss(roots[:, :, c].reshape(-1, roots.shape[-1]))
-            pieces.append(gradient_columns(stacked_factors(model, layout, thetas, x, y, [pseudo] * n_copies), layout))
+            pieces.append(stacked_factors(model, layout, thetas, x, y, [pseudo] * n_copies, share_first_input=True))
     else:
-        pieces = [grads]
+        pieces = [factors]
     if full:
-        curv = sum(piece.mT @ piece for piece in pieces)
+        curv = sum(gram(piece, layout) for piece in pieces)
     else:
-        curv = sum(piece.square().sum(1) for piece in pieces)
-    return factors.losses.mean(dim=(1, 2)), grads.sum(1), curv  # type: ignore[return-value]
+        curv = sum(squared_gradient_sum(piece, layout) for piece in pieces)
+    return factors.losses.mean(dim=(1, 2)), gradient_sum(factors, layout), curv  # type: ignore[return-value]
 
 
 def cholesky_or_raise(precision: Tensor, step: int) -> Tensor:
