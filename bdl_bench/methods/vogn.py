@@ -399,13 +399,7 @@ class VOGN(Method):
         g_hat, h_hat = scale * g_sum, scale * h_sum
 
         step = state.step + 1
-        alpha = decayed_rate(self.lr, self.decay, step)
-        beta = decayed_rate(self.beta, self.decay, step)
-        if self._full:
-            precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag(lam))
-            precision = 0.5 * (precision + precision.T)
-        else:
-            precision = (1 - beta) * state.precision + beta * (h_hat + lam)
+        precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
         if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
             raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
         direction = g_hat + lam * state.mean
@@ -423,6 +417,16 @@ class VOGN(Method):
         kl = float(_kl_to_prior(state, chol, lam))
         out = {"loss": nll_mean + kl / p.n_data, "nll": nll_mean}
         return VognState(mean=mean, precision=precision, step=step), out
+
+    def _precision_step(self, precision: Tensor, h_hat: Tensor, lam: Tensor, step: int) -> tuple[Tensor, float]:
+        """:math:`S_{t+1} = (1-\\beta_t)S_t + \\beta_t(\\hat H_t + \\operatorname{diag}\\lambda)` (symmetrised when
+        full; stacked copies allowed) and the step's :math:`\\alpha_t`."""
+        alpha = decayed_rate(self.lr, self.decay, step)
+        beta = decayed_rate(self.beta, self.decay, step)
+        if self._full:
+            new = (1 - beta) * precision + beta * (h_hat + torch.diag(lam))
+            return 0.5 * (new + new.mT), alpha
+        return (1 - beta) * precision + beta * (h_hat + lam), alpha
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         self.state, out = self.update(self.state, x, y)
@@ -489,13 +493,7 @@ class VOGN(Method):
         g_hat, h_hat = scale * g_sum, scale * h_sum
 
         step = state.step + 1
-        alpha = decayed_rate(self.lr, self.decay, step)
-        beta = decayed_rate(self.beta, self.decay, step)
-        if self._full:
-            precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag(lam))
-            precision = 0.5 * (precision + precision.mT)
-        else:
-            precision = (1 - beta) * state.precision + beta * (h_hat + lam)
+        precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
         bad = stacked.first_bad_copy(precision, g_hat)
         if bad is not None:
             raise NonFiniteLossError(
