@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bdl_bench.curvature.pseudo_grads import ConvSpec, KronLayout, KronSlot, LayerPseudoGrads, PseudoGrads, conv_taps
+from bdl_bench.progress import delayed_bar
 
 
 @dataclass(frozen=True)
@@ -532,7 +533,11 @@ def _cache_plan(layer: LayerPseudoGrads) -> tuple[bool, int]:
 
 
 def efb_eigenvalues(
-    batches: Iterable[PseudoGrads], bases: tuple[KronEigenbasis, ...], *, cache: ChunkCache | None = None
+    batches: Iterable[PseudoGrads],
+    bases: tuple[KronEigenbasis, ...],
+    *,
+    cache: ChunkCache | None = None,
+    progress: bool = False,
 ) -> tuple[tuple[Tensor, ...], Tensor]:
     """EFB eigenvalues in each layer's Kronecker eigenbasis and the exact diagonal, in one pass.
 
@@ -541,6 +546,7 @@ def efb_eigenvalues(
             the ``cache.n_cached`` it kept (recomputed with ``cache.labels``).
         bases: :func:`eigenbasis` of the same layers, in the same order.
         cache: pass 1's minibatches kept by :meth:`ChunkCache.record`, used before ``batches``.
+        progress: show a bar over the kept minibatches when they take long (:func:`bdl_bench.progress.delayed_bar`).
 
     Returns:
         ``(eigenvalues, diagonal)``: per layer the ``(m, n)`` grid
@@ -555,7 +561,12 @@ def efb_eigenvalues(
     sums: list[_EfbSums] | None = None
     n_total = 0
     layout = None if cache is None else cache.layout
-    for n_rows, entries in cache.chunks() if cache is not None else ():
+    kept = (
+        ()
+        if cache is None
+        else delayed_bar(cache.chunks(), desc="EFB pass", unit="chunk", enabled=progress, total=cache.n_cached)
+    )
+    for n_rows, entries in kept:
         if sums is None:
             like = entries[0].grads if entries[0].layer is None else entries[0].layer.output_grads
             assert like is not None

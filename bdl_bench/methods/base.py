@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from bdl_bench.likelihoods import Likelihood
+from bdl_bench.progress import delayed_bar
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Method(ABC):
     extra_metrics: Mapping[str, float] = MappingProxyType({})
     """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ)); none by default."""
     step_progress: bool = False
-    """Whether :meth:`fit` shows a bar of the steps of an epoch that runs longer than
-    :data:`STEP_BAR_DELAY_S` (the runner sets it from ``trainer.progress``)."""
+    """Whether long loops inside a fit (an epoch's steps, a curvature pass) show a bar once they have run
+    :data:`bdl_bench.progress.BAR_DELAY_S` (the runner sets it from ``trainer.progress``)."""
 
     def setup(self, problem: Problem) -> None:
         """Create the fitting state for ``problem``; called once before ``fit``."""
@@ -221,15 +221,8 @@ class Method(ABC):
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
 
 
-STEP_BAR_DELAY_S = 10.0
-"""An epoch's step bar appears only once the epoch has run this long (tqdm's ``delay``): long epochs
-(an ensemble of 15 LeNets on MNIST: about an hour) show their progress, the many short ones do not."""
-
-
 def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:
-    return tqdm(
-        batches, desc=f"epoch {epoch + 1}", unit="step", leave=False, delay=STEP_BAR_DELAY_S, disable=not enabled
-    )
+    return delayed_bar(batches, desc=f"epoch {epoch + 1}", unit="step", enabled=enabled, total=len(batches))
 
 
 def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:

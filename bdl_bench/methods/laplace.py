@@ -87,6 +87,7 @@ from bdl_bench.methods.vogn import parse_choice
 from bdl_bench.metrics import predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.progress import delayed_bar
 from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
 
 logger = logging.getLogger(__name__)
@@ -464,7 +465,7 @@ class Laplace(Method):
 
         def batches(start: int = 0, labels: list[Tensor | None] | None = None):
             """Pseudo-gradients of the chunks of rows ``start:``, on ``labels`` (one entry per chunk) or new draws."""
-            return iter_pseudo_grads(
+            chunks = iter_pseudo_grads(
                 p.model,
                 theta_c,
                 x[start:],
@@ -476,6 +477,8 @@ class Laplace(Method):
                 generator=p.generator,
                 labels=None if self.curvature is CurvatureKind.GGN else labels,
             )
+            n_chunks = math.ceil((x.shape[0] - start) / self.curvature_batch_size)
+            return delayed_bar(chunks, desc="curvature pass", unit="chunk", enabled=self.step_progress, total=n_chunks)
 
         started = time.perf_counter()
         curvature = self._curvature(theta, batches)
@@ -540,7 +543,7 @@ class Laplace(Method):
         bases = eigenbasis(factors)
         n_chunks = len(cache.labels)
         rest = () if cache.n_cached == n_chunks else batches(cache.n_cached_rows, cache.labels[cache.n_cached :])
-        eigs, exact_diag = efb_eigenvalues(rest, bases, cache=cache)
+        eigs, exact_diag = efb_eigenvalues(rest, bases, cache=cache, progress=self.step_progress)
         self.fit_info["cached_chunks"] = cache.n_cached
         self.fit_info["curvature_chunks"] = n_chunks
         self.fit_info["curvature_cache_mib"] = cache.nbytes / 2**20

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.func import hessian
 from torch.testing import assert_close
 
+import bdl_bench.progress as progress_module
 from bdl_bench.checkpoint import load_params, save_params
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
 from bdl_bench.gaussians.io import save_gaussian
@@ -532,3 +533,18 @@ def test_curvature_subset_uses_exactly_that_many_examples(monkeypatch: pytest.Mo
     method.setup(problem)
     method.fit(x, y, n_epochs=0, batch_size=15, data_generator=torch.Generator().manual_seed(2))
     assert [len(rows) for rows in seen] == [30] and method.fit_info["n_curvature_examples"] == 30
+
+
+def test_long_curvature_passes_show_bars_when_progress_is_on(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(progress_module, "BAR_DELAY_S", 0.0)  # every pass counts as long here
+    problem, x, y = _tiny_lenet_problem()
+    method = make_laplace(structure="efb", curvature="fisher")
+    method.curvature_batch_size = 7
+    method.setup(problem)
+    method.step_progress = True
+    method.fit_posterior(x, y)
+    err = capsys.readouterr().err
+    assert "curvature pass" in err and "/5 [" in err and "EFB pass" in err
+    method.step_progress = False
+    method.fit_posterior(x, y)
+    assert capsys.readouterr().err == ""

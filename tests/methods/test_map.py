@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-import bdl_bench.methods.base as base_module
+import bdl_bench.progress as progress_module
 from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
@@ -123,7 +123,7 @@ def test_checkpoint_round_trip_gives_identical_next_step() -> None:
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_long_epochs_show_a_step_bar_when_progress_is_on(enabled: bool, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(base_module, "STEP_BAR_DELAY_S", 0.0)  # every epoch counts as long here
+    monkeypatch.setattr(progress_module, "BAR_DELAY_S", 0.0)  # every epoch counts as long here
     method = make_map()
     method.setup(make_problem(2, Gaussian(NOISE_PRECISION), seed=0))
     method.step_progress = enabled
