@@ -23,7 +23,9 @@ discarded with a warning: the splits it still lacks start afresh).
 Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
 examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
 ``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout``, ``slang`` and ``vogn`` on networks of
-``nn.Linear`` layers).
+``nn.Linear`` layers). For other methods ``setup_replicas`` raises
+:class:`~bdl_bench.methods.base.CannotStack` and the job runs the splits one after another instead
+(:func:`bdl_bench.sweep.run_job`), each exactly as its single run.
 """
 
 from __future__ import annotations

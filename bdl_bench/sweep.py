@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from bdl_bench.methods.base import CannotStack
 from bdl_bench.results import (
     METRICS_FILE,
     RUN_RECORD_FILE,
@@ -88,7 +89,8 @@ def _exit_with_failure_status() -> None:
 def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> JobResult:
     """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it.
 
-    A job whose ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`).
+    A job whose ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`), or one after
+    another when the method cannot stack them.
 
     Raises:
         ConfigVersionError: when ``run_dir`` holds a finished run of a different config (without ``force``).
@@ -204,8 +206,9 @@ def run_stacked_job(
     cfg: DictConfig, run_dir: Path, *, overrides: list[str], epoch_hook: EpochHook | None = None
 ) -> JobResult:
     """:func:`run_job` for a stacked job (``data.split`` a list; :mod:`bdl_bench.stacked`): splits whose
-    folder holds a finished run of the same config are skipped, the others are fitted together; each
-    split's folder gets its own ``run.json`` and, if the stack fails, its failure record.
+    folder holds a finished run of the same config are skipped, the others are fitted together (or, when the
+    method cannot stack them, :class:`~bdl_bench.methods.base.CannotStack`, one after another as single
+    runs); each split's folder gets its own ``run.json`` and, if the stack fails, its failure record.
 
     Returns:
         The job's result: ``run_dir`` and the mean of each metric over the stacked splits.
@@ -234,18 +237,42 @@ def run_stacked_job(
                 atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
         try:
             run_stack(cfg, todo, run_dir, epoch_hook=epoch_hook)
+        except CannotStack as reason:
+            print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
+            _run_one_by_one(cfg, todo, overrides, epoch_hook)
         except Exception as error:
             for k, d in todo.items():
                 _record_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), overrides)  # type: ignore[arg-type]
             if os.environ.get("SUBMITIT_EXECUTOR"):
                 _exit_with_failure_status()
             raise
-        for d in todo.values():
-            update_run_record(d, status="finished", ended=time.time(), error=None)
+        else:
+            for d in todo.values():
+                update_run_record(d, status="finished", ended=time.time(), error=None)
     per_split = [json.loads((d / METRICS_FILE).read_text()) for d in dirs.values()]
     keys = set.intersection(*(set(m) for m in per_split))
     means = {key: sum(float(m[key]) for m in per_split) / len(per_split) for key in keys}
     return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
+
+
+def _run_one_by_one(cfg: DictConfig, todo: dict[int, Path], overrides: list[str], epoch_hook: EpochHook | None) -> None:
+    """The splits of a job whose method cannot stack, each as its single run in its own folder (as a sweep
+    of single jobs would run them: a failed split is recorded and the others still run; the first failure
+    is raised at the end)."""
+    first_error: Exception | None = None
+    for k, d in todo.items():
+        member = member_config(cfg, k)
+        try:
+            run(member, d, epoch_hook=epoch_hook)
+        except Exception as error:
+            _record_failure(d, error, OmegaConf.to_container(member), _with_split(overrides, k))  # type: ignore[arg-type]
+            first_error = first_error or error
+            continue
+        update_run_record(d, status="finished", ended=time.time(), error=None)
+    if first_error is not None:
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            _exit_with_failure_status()
+        raise first_error
 
 
 @dataclass(frozen=True)

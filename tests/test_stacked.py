@@ -208,9 +208,6 @@ def test_stacking_refusals(compose_cfg, tmp_path: Path) -> None:
     assert stacked_splits(compose_cfg(["data=uci/yacht", "data.split=3"])) is None
     with pytest.raises(ValueError, match="distinct splits"):
         stacked_splits(compose_cfg(["data=uci/yacht", "data.split=[1,1]"]))
-    cfg = compose_cfg(["method=map", "data=uci/yacht", "data.split=[0,1]"])
-    with pytest.raises(NotImplementedError, match="cannot fit several splits at once.*data.split=range"):
-        run_job(cfg, tmp_path / "map")
     a, b = build_dataset({"name": "uci/yacht", "split": 0}), build_dataset({"name": "uci/boston", "split": 0})
     with pytest.raises(ValueError, match="need equal training sets"):
         _check_stackable({0: a, 1: b}, compose_cfg(["data=uci/yacht"]))
@@ -324,3 +321,18 @@ def test_stacked_table1_vogn_job_equals_its_single_runs(tmp_path: Path, compose_
         assert stacked["stack_size"] == 2
         for key in ("nll", "elbo", "sym_kl"):
             assert stacked[key] == pytest.approx(single[key], rel=1e-6), key
+
+
+def test_a_method_that_cannot_stack_runs_the_splits_one_by_one(tmp_path: Path, compose_cfg, capsys) -> None:
+    """exact_vi (L-BFGS on the whole set) cannot stack: the job runs each split as its single run."""
+    common = ["experiment=slang_table1", "variant=slang_table1/mf_exact", "data=libsvm/breast_cancer"]
+    job = run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack")
+    assert not job.skipped and "cannot fit several splits at once" in capsys.readouterr().err
+    for split in (0, 2):
+        single = run(compose_cfg([*common, f"data.split={split}"]), tmp_path / f"single{split}").metrics
+        member = tmp_path / "stack" / f"split={split}"
+        stacked = json.loads((member / "metrics.json").read_text())
+        assert "stack_size" not in stacked and read_run_record(member)["status"] == "finished"
+        for key in ("nll", "elbo", "sym_kl"):
+            assert stacked[key] == single[key], key
+    assert run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack").skipped

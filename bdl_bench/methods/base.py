@@ -58,6 +58,11 @@ class NonFiniteLossError(FloatingPointError):
     """Raised when a training step produces a NaN or infinite loss."""
 
 
+class CannotStack(NotImplementedError):
+    """:meth:`Method.setup_replicas` of a method (or of this config of it) that cannot fit several splits at
+    once; a job given several splits then fits them one after another (:func:`bdl_bench.sweep.run_job`)."""
+
+
 EpochCallback = Callable[[int, Mapping[str, float]], None]
 ReplicaEpochCallback = Callable[[int, Sequence[Mapping[str, float]]], None]
 
@@ -166,13 +171,9 @@ class Method(ABC):
         """Create the fitting state of ``len(problems)`` independent copies (one per split).
 
         Raises:
-            NotImplementedError: for methods without ``supports_replicas`` (the message says how to run
-                the splits instead).
+            CannotStack: for methods without ``supports_replicas`` (and configs a method cannot stack).
         """
-        raise NotImplementedError(
-            f"method {self.name!r} cannot fit several splits at once; give data.split one split per job "
-            "(e.g. data.split=0 or the sweep data.split=range(20)) instead of a list"
-        )
+        raise CannotStack(f"method {self.name!r} cannot fit several splits at once")
 
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the

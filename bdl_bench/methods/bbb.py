@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -217,10 +217,10 @@ class BayesByBackprop(Method):
         R independent Adams); ``local_reparam`` only.
 
         Raises:
-            ValueError: for ``estimator='reparam'`` (and whatever :meth:`setup` refuses).
+            CannotStack: for ``estimator='reparam'`` (and whatever :meth:`setup` refuses).
         """
         if self.estimator is not Estimator.LOCAL_REPARAM:
-            raise ValueError("bbb: stacked splits need estimator=local_reparam; run reparam one split per job")
+            raise CannotStack("bbb: stacked splits need estimator=local_reparam")
         self.setup(problems[0])
         self._replica_problems = list(problems)
         n_copies = len(problems)

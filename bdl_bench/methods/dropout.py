@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, Problem, register_method
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
@@ -215,11 +215,11 @@ class MCDropout(Method):
         """R copies: ``(R, D)`` weights, one Adam (per coordinate, so R independent Adams).
 
         Raises:
-            ValueError: for models with layers other than ``nn.Linear`` (and whatever :meth:`setup` refuses).
+            CannotStack: for models with layers other than ``nn.Linear`` (and whatever :meth:`setup` refuses).
         """
         self.setup(problems[0])
         if not self._linear_only:
-            raise ValueError("dropout: stacked splits need a model of nn.Linear layers; run one split per job")
+            raise CannotStack("dropout: stacked splits need a model of nn.Linear layers")
         self._replica_problems = list(problems)
         self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
         self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)

@@ -61,7 +61,7 @@ from torch.func import grad, hessian, jacrev, vmap
 from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_diag
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method
 from bdl_bench.methods.slang import decayed_rate
 from bdl_bench.models.params import flat_params, forward_with
 
@@ -438,14 +438,11 @@ class VOGN(Method):
         fitted by :meth:`train_step_replicas` (:mod:`bdl_bench.methods._vogn_stacked`).
 
         Raises:
-            NotImplementedError: for a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
+            CannotStack: for a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
         """
         self.setup(problems[0])
         if self._layout is None:
-            raise NotImplementedError(
-                "method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp); give data.split "
-                "one split per job instead of a list"
-            )
+            raise CannotStack("method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp)")
         self._replica_problems = list(problems)
         n_copies, s = len(problems), self.state
         self.state = VognState(
