@@ -7,7 +7,7 @@ FC 1024, FC 10; ``--channels``/``--hidden``/``--image-size`` shrink it) and ``--
 - **epoch**: one epoch of ``method=map`` (Adam, lr 0.001, minibatches of ``--batch-size`` = 50, the
   prior precision 0.001 of ``experiment=def_table1``), through ``Method.fit``, after a two-step warm-up;
 - **fit**: ``Laplace.fit_posterior`` at the trained MAP, with the options of ``variant=def_table1/kfac``
-  and ``def_table1/def`` (Fisher with one sampled label per example, curvature chunks of 256 examples,
+  and ``def_table1/def`` (Fisher with one sampled label per example, curvature chunks of 256 and 64 examples,
   DEF rank K = ``--rank``, ``method.curvature_dtype`` = ``--curvature-dtype``, by default the model's
   float32): the curvature passes over all the data, the eigendecompositions, and for DEF the EFB
   eigenvalues, Alg. 1 and the diagonal correction. This is the code ``method=laplace`` runs after its
@@ -56,8 +56,8 @@ FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PRIOR_PRECISION = 0.001  # experiment=def_table1: TensorFlow's L2 coefficient 1e-8 as lambda = 2cN
 LR = 0.001
 STRUCTURE_OPTIONS = {  # conf/variant/def_table1/{kfac,def}.yaml
-    "kfac": {"structure": "kfac", "curvature": "fisher"},
-    "def": {"structure": "def", "curvature": "fisher"},
+    "kfac": {"structure": "kfac", "curvature": "fisher", "curvature_batch_size": 256},
+    "def": {"structure": "def", "curvature": "fisher", "curvature_batch_size": 64},
 }
 
 
@@ -72,7 +72,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=50)
     parser.add_argument("--structures", default="kfac,def", help="comma-separated: kfac, def")
     parser.add_argument("--rank", type=int, default=200, help="DEF's K (variant=def_table1/def: 200)")
-    parser.add_argument("--curvature-batch-size", type=int, default=256)
+    parser.add_argument(
+        "--curvature-batch-size",
+        type=int,
+        default=None,
+        help="curvature chunk (default: the variant's, kfac 256, def 64)",
+    )
     parser.add_argument("--channels", default="32,64", help="LeNet's two conv widths (default DEF's 32,64)")
     parser.add_argument("--hidden", type=int, default=1024, help="LeNet's FC width (default DEF's 1024)")
     parser.add_argument("--image-size", type=int, default=28)
@@ -146,7 +151,7 @@ def _laplace(ns: argparse.Namespace, structure: str, subset: int | None) -> Lapl
             "predictive": "sample",
             "lr": LR,
             "map_dir": None,
-            "curvature_batch_size": ns.curvature_batch_size,
+            **({} if ns.curvature_batch_size is None else {"curvature_batch_size": ns.curvature_batch_size}),
             "curvature_dtype": ns.curvature_dtype,
             "curvature_subset": subset,
             **({} if ns.curvature_cache_mib is None else {"curvature_cache_mib": ns.curvature_cache_mib}),
