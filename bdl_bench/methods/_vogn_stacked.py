@@ -30,18 +30,6 @@ from bdl_bench.methods._slang_stacked import StackedFactors, stacked_factors
 from bdl_bench.methods.base import NonFiniteLossError
 
 
-class _FlatPseudoLoss(Likelihood):
-    r""":math:`\ell = a^\top f` row by row, with ``coeffs`` ``(R·K·M, out)`` in the order of
-    ``f.reshape(-1, out)``: one object serves every copy (:func:`bdl_bench.likelihoods.stacked_nll`
-    applies the first copy's likelihood to all rows for a non-Gaussian class)."""
-
-    def __init__(self, coeffs: Tensor) -> None:
-        self.coeffs = coeffs
-
-    def nll(self, f: Tensor, y: Tensor) -> Tensor:
-        return (f * self.coeffs).sum(-1)
-
-
 def _per_layer_to_flat(layout: LinearLayout, parts: list[tuple[Tensor, Tensor]], like: Tensor) -> Tensor:
     """Per-layer (weight ``(R, out, in)``, bias ``(R, out)``) sums as ``(R, D)`` in flat parameter order."""
     out = like.new_empty(like.shape[0], layout.n_params)
@@ -120,7 +108,7 @@ def stacked_terms(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per copy: mean NLL ``(R,)``, Σ g ``(R, D)`` and Σ H ``(R, D, D)`` or its diagonal ``(R, D)``, over the K
     samples ``thetas`` ``(R, K, D)`` and the M examples ``x`` ``(R, M, in)``, ``y`` ``(R, M)``."""
-    from bdl_bench.methods.vogn import output_hessian_sqrt
+    from bdl_bench.methods.vogn import _PseudoLoss, output_hessian_sqrt
 
     factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=True)
     n_copies, n_samples = thetas.shape[:2]
@@ -134,7 +122,8 @@ def stacked_terms(
             roots = torch.stack([output_hessian_sqrt(lik, f, t) for lik, f, t in zip(likelihoods, outputs, targets)])
         pieces = []
         for c in range(roots.shape[2]):
-            pseudo = _FlatPseudoLoss(roots[:, :, c].reshape(-1, roots.shape[-1]))
+            # one pseudo-loss for every copy: stacked_nll applies the first copy's likelihood to all rows
+            pseudo = _PseudoLoss(roots[:, :, c].reshape(-1, roots.shape[-1]))
             pieces.append(stacked_factors(model, layout, thetas, x, y, [pseudo] * n_copies, share_first_input=True))
     else:
         pieces = [factors]
@@ -156,19 +145,6 @@ def cholesky_or_raise(precision: Tensor, step: int) -> Tensor:
             f"(leading minor {int(info[r])}) — lower beta or check the data"
         )
     return chol
-
-
-def kl_to_prior(mean: Tensor, precision: Tensor, chol: Tensor | None, prior_precision: Tensor) -> Tensor:
-    r"""Per copy KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)), ``(R,)`` (the single run's ``_kl_to_prior``)."""
-    lam = prior_precision
-    if chol is None:
-        var, logdet = precision.reciprocal(), precision.log().sum(-1)
-    else:
-        eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(chol)
-        var = torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(-2)
-        logdet = 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-    quad = (lam * var).sum(-1) + (lam * mean * mean).sum(-1)
-    return 0.5 * (quad - mean.shape[-1] - lam.log().sum() + logdet)
 
 
 def first_bad_copy(*tensors: Tensor) -> int | None:

@@ -135,15 +135,17 @@ def _cholesky(precision: Tensor, step: int) -> Tensor:
 
 
 def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor) -> Tensor:
-    r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|]."""
+    r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|]; with a
+    leading copy dimension on the state (stacked splits), one KL per copy."""
     lam, mean = prior_precision, state.mean
     if chol is None:  # diagonal
-        var, logdet = state.precision.reciprocal(), state.precision.log().sum()
+        var, logdet = state.precision.reciprocal(), state.precision.log().sum(-1)
     else:
-        eye = torch.eye(mean.shape[0], dtype=mean.dtype, device=mean.device)
-        var = torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(0)
-        logdet = 2.0 * chol.diagonal().log().sum()
-    return 0.5 * ((lam * var).sum() + (lam * mean * mean).sum() - mean.numel() - lam.log().sum() + logdet)
+        eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(chol)
+        var = torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(-2)
+        logdet = 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    quad = (lam * var).sum(-1) + (lam * mean * mean).sum(-1)
+    return 0.5 * (quad - mean.shape[-1] - lam.log().sum() + logdet)
 
 
 def output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
@@ -509,7 +511,7 @@ class VOGN(Method):
         bad = stacked.first_bad_copy(mean)
         if bad is not None:
             raise NonFiniteLossError(f"method 'vogn': non-finite mean in stacked copy {bad} at step {step}")
-        kl = stacked.kl_to_prior(state.mean, state.precision, chol, lam)
+        kl = _kl_to_prior(state, chol, lam)
         self.state = VognState(mean=mean, precision=precision, step=step)
         return {"loss": nll + kl / p.n_data, "nll": nll}
 
