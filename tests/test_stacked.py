@@ -336,3 +336,46 @@ def test_a_method_that_cannot_stack_runs_the_splits_one_by_one(tmp_path: Path, c
         for key in ("nll", "elbo", "sym_kl"):
             assert stacked[key] == single[key], key
     assert run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack").skipped
+
+
+@pytest.mark.parametrize("n_examples", [8, 300], ids=["gram_path", "dense_path"])
+def test_stacked_logistic_regression_merges_samples(n_examples: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logistic regression's S·M per-example gradients are merged into M columns with the same G Gᵀ
+    (_slang_stacked.merged_columns): the stacked steps equal the unmerged ones and each copy's single run
+    (gram.merge_samples), U's column signs included, on USPS 3vs5 (D = 257; the Gram path for M = 8,
+    the D x D one for M = 300)."""
+    import bdl_bench.methods._slang_stacked as stacked_module
+
+    datasets = [build_dataset({"name": "libsvm/usps_3vs5", "split": s}) for s in (0, 1)]
+    model = build_model({"name": "logreg", "bias": True}, in_features=256, out_features=1).double()
+    cfg = {**METHODS["slang"], "rank": 3, "decay": 0.51, "momentum": 0.0}
+
+    def problem(data, generator: torch.Generator) -> Problem:
+        prior = prior_precision_vector(model, 25.0, 1e-5).double()
+        return Problem(model, build_likelihood(data, None), data.n_train, prior, generator=generator)
+
+    x = torch.stack([d.x_train[:n_examples] for d in datasets]).double()
+    y = torch.stack([d.y_train[:n_examples] for d in datasets])
+
+    def fit_stacked() -> object:
+        generator = torch.Generator().manual_seed(1)
+        method = build_method(cfg)
+        method.setup_replicas([problem(d, generator) for d in datasets])
+        for _ in range(4):
+            method.train_step_replicas(x, y)
+        return method
+
+    merged = fit_stacked()
+    with monkeypatch.context() as patch:
+        patch.setattr(stacked_module, "merged_columns", lambda factors, layout: None)
+        unmerged = fit_stacked()
+    for r in range(2):
+        single = build_method(cfg)
+        single.setup(problem(datasets[r], torch.Generator().manual_seed(1)))
+        for _ in range(4):
+            single.train_step(x[r], y[r])
+        for other in (unmerged.replica(r), single):
+            for key in ("mean", "prec_factor", "prec_diag"):
+                torch.testing.assert_close(
+                    getattr(merged.replica(r).state, key), getattr(other.state, key), rtol=1e-7, atol=1e-9
+                )

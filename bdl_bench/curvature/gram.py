@@ -254,16 +254,46 @@ class LowRankUpdate:
     diag_residual: Tensor  # (D,)
 
 
-def canonical_signs(vectors: Tensor) -> Tensor:
-    """Eigenvectors ``(..., K, L)`` of :math:`B^\top B` with each column's sign chosen so that its
+def merge_samples(factors: PerExampleFactors) -> PerExampleFactors | None:
+    r"""The same :math:`GG^\top` from M columns instead of S·M, for one linear layer with one output.
+
+    For logistic regression every column of G is :math:`g_{s,i} = \delta_{s,i}\tilde x_i` with
+    :math:`\tilde x_i = [x_i; 1]` the same for all S samples, so
+    :math:`GG^\top = \sum_i (\sum_s \delta_{s,i}^2)\,\tilde x_i\tilde x_i^\top`: the factors with inputs
+    :math:`x_i` and output gradients :math:`(\sum_s\delta_{s,i}^2)^{1/2}` give the same
+    :math:`GG^\top` and :math:`\operatorname{diag}(GG^\top)` (not the same :math:`G\mathbf 1`). Their
+    ``losses`` and ``outputs`` are summed over the samples. ``None`` when this does not apply (several
+    layers or outputs) or saves nothing (S = 1).
+    """
+    n_samples, n_examples = factors.losses.shape
+    if len(factors.layers) != 1 or factors.layers[0].slot.out_features != 1 or n_samples == 1:
+        return None
+    (layer,) = factors.layers
+    weights = layer.output_grads.view(n_samples, n_examples).square().sum(0).sqrt_()
+    return PerExampleFactors(
+        layers=(LayerFactors(slot=layer.slot, inputs=layer.inputs[:n_examples], output_grads=weights[:, None]),),
+        n_params=factors.n_params,
+        losses=factors.losses.sum(0, keepdim=True),
+        outputs=factors.outputs.sum(0, keepdim=True),
+    )
+
+
+def canonical_signs(vectors: Tensor, sums: Tensor | None = None) -> Tensor:
+    r"""Eigenvectors ``(..., K, L)`` of :math:`B^\top B` with each column's sign chosen so that its
     entries sum to >= 0.
 
     An eigenvector's sign is arbitrary (LAPACK picks one), but SLANG's samples
-    :math:`d^{1/2}\\epsilon_1 + U\\epsilon_2` depend on the sign of U's columns: with one convention
+    :math:`d^{1/2}\epsilon_1 + U\epsilon_2` depend on the sign of U's columns: with one convention
     the dense path, the Gram path and the stacked update (:mod:`bdl_bench.methods._slang_stacked`)
     draw the same samples from the same noise, so their runs agree up to rounding, on any LAPACK.
+    In terms of :math:`v = Bw/\sqrt\lambda`, the rule is :math:`(B\mathbf 1)^\top v \ge 0`; a B with
+    merged columns (:func:`merge_samples`) keeps it by passing ``sums`` = :math:`B^\top b` ``(..., K)``
+    for :math:`b = B_{\text{unmerged}}\mathbf 1`: each column's sign then makes ``sums @ column`` >= 0.
     """
-    signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
+    if sums is None:
+        signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
+    else:
+        signs = torch.where((sums.unsqueeze(-2) @ vectors) < 0, -1.0, 1.0).to(vectors.dtype)
     return vectors * signs
 
 
@@ -315,8 +345,15 @@ def low_rank_update(
         raise ValueError(f"unknown path {path!r}; choose 'auto', 'gram' or 'dense'")
     if out is not None and out.shape != prec_factor.shape:
         raise ValueError(f"out must have shape {tuple(prec_factor.shape)}, got {tuple(out.shape)}")
+    merged = merge_samples(factors)
+    sign_reference = None  # B 1 of the unmerged B: fixes the eigenvectors' signs as canonical_signs does
+    if merged is not None:
+        sign_reference = factors.grad_sum().mul_(new_weight**0.5).add_(prec_factor.sum(1), alpha=old_weight**0.5)
+        factors = merged
     if path == "dense" or (path == "auto" and factors.n_params <= rank + factors.n_columns):
-        update = _dense_update(factors, prec_factor, old_weight=old_weight, new_weight=new_weight)
+        update = _dense_update(
+            factors, prec_factor, old_weight=old_weight, new_weight=new_weight, sign_reference=sign_reference
+        )
         if out is not None:
             out.copy_(update.prec_factor)
             update = replace(update, prec_factor=out)
@@ -343,7 +380,15 @@ def low_rank_update(
         raise FloatingPointError("non-finite Gram matrix B^T B (non-finite or overflowing per-example gradients)")
     evals, evecs = torch.linalg.eigh(btb)  # ascending
     eigenvalues = evals[-rank:].flip(0).clamp_min(0.0)
-    top = canonical_signs(evecs[:, -rank:].flip(1))  # (L+P, L)
+    coefficient_sums = None
+    if sign_reference is not None:  # B^T b = [sqrt(w0) U^T b; sqrt(w1) G^T b]
+        coefficient_sums = torch.cat(
+            [
+                (prec_factor.mT @ sign_reference).mul_(old_weight**0.5),
+                factor_cross(factors, sign_reference[:, None])[:, 0].mul_(new_weight**0.5),
+            ]
+        )
+    top = canonical_signs(evecs[:, -rank:].flip(1), coefficient_sums)  # (L+P, L)
     # diag(w0 U U^T + w1 G G^T) now: factor_sqnorms may be overwritten by the new squared norms below
     residual = sq_diag(factors, out=workspace_buffer(workspace, "residual", (factors.n_params,), prec_factor))
     residual.mul_(new_weight).add_(factor_sqnorms, alpha=old_weight)
@@ -369,9 +414,15 @@ def low_rank_update(
 
 
 def _dense_update(
-    factors: PerExampleFactors, prec_factor: Tensor, *, old_weight: float, new_weight: float
+    factors: PerExampleFactors,
+    prec_factor: Tensor,
+    *,
+    old_weight: float,
+    new_weight: float,
+    sign_reference: Tensor | None = None,
 ) -> LowRankUpdate:
-    """The same update through the D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P)."""
+    """The same update through the D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P);
+    ``sign_reference``: :math:`B\\mathbf 1` when ``factors`` are merged (:func:`merge_samples`)."""
     rank = prec_factor.shape[1]
     grads = factors.dense()  # (D, P)
     matrix = torch.addmm(prec_factor @ prec_factor.mT, grads, grads.mT, beta=old_weight, alpha=new_weight)
@@ -384,7 +435,9 @@ def _dense_update(
     top = evecs[:, -rank:].flip(1)  # (D, L)
     # the sign convention of the Gram path: its coefficients B^T v / sqrt(lambda) sum to >= 0, where
     # B^T v = [sqrt(w0) U^T v; sqrt(w1) G^T v], i.e. (sqrt(w0) U 1 + sqrt(w1) G 1)^T v >= 0
-    sums = prec_factor.sum(1) * old_weight**0.5 + grads.sum(1) * new_weight**0.5  # (D,)
+    sums = sign_reference
+    if sums is None:
+        sums = prec_factor.sum(1) * old_weight**0.5 + grads.sum(1) * new_weight**0.5  # (D,)
     top = top * torch.where(sums @ top < 0, -1.0, 1.0).to(top.dtype)
     new_factor = top * eigenvalues.sqrt()
     new_sqnorms = new_factor.square().sum(1)

@@ -114,6 +114,28 @@ def stacked_factors(
     )
 
 
+def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
+    r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
+    parts = []
+    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
+        if layer == 0 and factors.first_input_shared:  # sum over the samples first
+            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
+        parts.append((d.mT @ a, d.sum(1)))
+    return _assemble(layout, parts, factors.output_grads[0], ())
+
+
+def merged_columns(factors: StackedFactors, layout: LinearLayout) -> tuple[list[Tensor], list[Tensor]] | None:
+    r"""Output gradients and inputs of M columns per copy with the same :math:`GG^\top` as the S·M
+    per-example gradients, for one linear layer with one output on a shared input (logistic regression;
+    :func:`bdl_bench.curvature.gram.merge_samples` for one run): :math:`(\sum_s\delta_{s,i}^2)^{1/2}` and
+    :math:`x_i`. ``None`` when that does not apply."""
+    if len(layout.slots) != 1 or layout.slots[0].out_features != 1 or not factors.first_input_shared:
+        return None
+    d = factors.output_grads[0]
+    weights = d.view(d.shape[0], factors.losses.shape[1], -1).square().sum(1).sqrt_()  # (R, M)
+    return [weights[..., None]], [factors.inputs[0]]
+
+
 def _per_layer(matrix: Tensor, layout: LinearLayout) -> list[tuple[Tensor, Tensor | None]]:
     """``matrix`` ``(R, D, K)`` as per-layer (weight ``(R, out, in, K)``, bias ``(R, out, K)``) views."""
     parts = []
@@ -157,24 +179,26 @@ def stacked_slang_update(
     """
     step = state.step + 1
     u = state.prec_factor  # (R, D, L)
-    n_copies, _, rank = u.shape
-    deltas, acts = factors.output_grads, factors.inputs
-    n_cols = deltas[0].shape[1]
-    scale = n_data / n_cols  # N / (M S)
-    has_bias = [slot.bias_slice is not None for slot in layout.slots]
-    # g_hat = scale * G 1: per layer Delta^T A (and the bias: sum of Delta)
-    grad = _assemble(
-        layout,
-        [(dl.mT @ a, dl.sum(1) if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
-        u,
-        (),
-    ).mul_(scale)
+    rank = u.shape[-1]
+    scale = n_data / factors.losses[0].numel()  # N / (M S)
+    grad = gradient_sum(factors, layout)  # G 1, then g_hat = scale * G 1
     _check_finite(grad.sum(1), step, "gradient")
     w0, w1 = 1.0 - beta, beta * scale
-    if layout.n_params <= rank + n_cols:  # e.g. logistic regression: the D x D matrix is the smaller one
-        new_u, eigenvalues, residual = _dense_update(u, deltas, acts, layout, w0, w1, step)
+    merged = merged_columns(factors, layout)
+    sign_reference = None  # B 1 of the unmerged B (gram.canonical_signs), when G's columns are merged
+    if merged is None:
+        deltas = factors.output_grads
+        acts = [factors.input_columns(layer) for layer in range(len(deltas))]
     else:
-        new_u, eigenvalues, residual = _gram_update(u, cache, deltas, acts, layout, w0, w1, step, workspace)
+        deltas, acts = merged
+        sign_reference = grad * w1**0.5 + u.sum(-1) * w0**0.5
+    grad.mul_(scale)
+    if layout.n_params <= rank + deltas[0].shape[1]:  # e.g. logistic regression: the D x D matrix is the smaller one
+        new_u, eigenvalues, residual = _dense_update(u, deltas, acts, layout, w0, w1, step, sign_reference)
+    else:
+        new_u, eigenvalues, residual = _gram_update(
+            u, cache, deltas, acts, layout, w0, w1, step, workspace, sign_reference
+        )
     new_sqnorms = new_u.square().sum(-1)
     # eq. (9), eq. (11) with momentum and the Woodbury solve (Alg. 2)
     prec_diag = state.prec_diag * (1.0 - beta) + prior_precision * beta + residual.clamp_min(0.0)
@@ -207,8 +231,10 @@ def _gram_update(
     w1: float,
     step: int,
     workspace: dict[str, Tensor] | None,
+    sign_reference: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The top-L update by the Gram trick (gram.py): ``(U_new, eigenvalues, diag residual)`` of every copy."""
+    """The top-L update by the Gram trick (gram.py): ``(U_new, eigenvalues, diag residual)`` of every copy.
+    ``sign_reference``: :math:`B\\mathbf 1` ``(R, D)`` of the unmerged B when the columns are merged."""
     n_copies, _, rank = u.shape
     n_cols = deltas[0].shape[1]
     has_bias = [slot.bias_slice is not None for slot in layout.slots]
@@ -223,7 +249,7 @@ def _gram_update(
     cross = torch.zeros(n_copies, n_cols, rank, dtype=u.dtype, device=u.device)  # U^T g_p as rows
     gram = btb[:, rank:, rank:].zero_()  # G^T G, accumulated in place
     for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
-        cross += torch.einsum("rpo,roil,rpi->rpl", dl, uw, a)
+        cross += _factor_cross(dl, uw, a)
         if ub is not None:
             cross += torch.einsum("rpo,rol->rpl", dl, ub)
             a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
@@ -238,16 +264,21 @@ def _gram_update(
     btb[:, :rank, rank:] = btb[:, rank:, :rank].mT
     _check_finite(btb.flatten(1).sum(1), step, "Gram matrix B^T B")
     eigenvalues, top = top_eigenpairs(btb, rank)  # (R, L), (R, L + P, L)
-    eigenvalues, top = eigenvalues.clamp_min(0.0), canonical_signs(top)
+    coefficient_sums = None
+    if sign_reference is not None:  # B^T b = [sqrt(w0) U^T b; sqrt(w1) G^T b]
+        g_ref = torch.zeros_like(deltas[0][..., 0])  # (R, P)
+        for dl, a, (ref_w, ref_b) in zip(deltas, acts, _per_layer(sign_reference[..., None], layout)):
+            g_ref += _factor_cross(dl, ref_w, a)[..., 0]
+            if ref_b is not None:
+                g_ref += (dl @ ref_b)[..., 0]
+        coefficient_sums = torch.cat([(u.mT @ sign_reference[..., None])[..., 0] * w0**0.5, g_ref * w1**0.5], -1)
+    eigenvalues, top = eigenvalues.clamp_min(0.0), canonical_signs(top, coefficient_sums)
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
     new_u = u @ top[:, :rank] * w0**0.5
     new_u += _assemble(
         layout,
-        [
-            (torch.einsum("rpo,rpl,rpi->roil", dl, g_top, a), dl.mT @ g_top if b else None)
-            for dl, a, b in zip(deltas, acts, has_bias)
-        ],
+        [(_weighted_outer_sum(dl, g_top, a), dl.mT @ g_top if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
         u,
         (rank,),
     )
@@ -260,8 +291,38 @@ def _gram_update(
     return new_u, eigenvalues, sq_diag * w1 + cache.factor_sqnorms * w0 - new_u.square().sum(-1)
 
 
+def _factor_cross(deltas: Tensor, weights: Tensor, inputs: Tensor) -> Tensor:
+    """:math:`u_l^\\top g_p = \\delta_p^\\top U_l a_p` of every copy, ``(R, P, L)``, for ``deltas`` ``(R, P, out)``,
+    a layer's weight rows ``weights`` ``(R, out, in, L)`` and ``inputs`` ``(R, P, in)``: one batched GEMM on
+    the smaller of in and out, then a row-wise product with the other (an einsum of the three chose an
+    outer product of ``deltas`` and ``inputs`` first: 10x slower for USPS's 257 inputs)."""
+    n_copies, n_cols, n_out = deltas.shape
+    n_in, rank = weights.shape[2], weights.shape[3]
+    if n_out <= n_in:  # A U_l^T, (R, P, out, L), then the sum over out with Delta
+        prod = inputs @ weights.permute(0, 2, 1, 3).reshape(n_copies, n_in, n_out * rank)
+        return (prod.view(n_copies, n_cols, n_out, rank) * deltas[..., None]).sum(2)
+    prod = deltas @ weights.reshape(n_copies, n_out, n_in * rank)  # Delta U_l, (R, P, in, L)
+    return (prod.view(n_copies, n_cols, n_in, rank) * inputs[..., None]).sum(2)
+
+
+def _weighted_outer_sum(deltas: Tensor, coeffs: Tensor, inputs: Tensor) -> Tensor:
+    """:math:`\\sum_p c_{pl}\\,\\delta_p a_p^\\top` of every copy as ``(R, out, in, L)`` (a layer's rows of
+    :math:`GC`), for ``coeffs`` ``(R, P, L)``: one batched GEMM of :math:`[\\delta_{po}c_{pl}]` with A."""
+    n_copies, n_cols, n_out = deltas.shape
+    rank = coeffs.shape[-1]
+    left = (deltas[..., :, None] * coeffs[..., None, :]).view(n_copies, n_cols, n_out * rank)
+    return (left.mT @ inputs).view(n_copies, n_out, rank, -1).transpose(2, 3)
+
+
 def _dense_update(
-    u: Tensor, deltas: list[Tensor], acts: list[Tensor], layout: LinearLayout, w0: float, w1: float, step: int
+    u: Tensor,
+    deltas: list[Tensor],
+    acts: list[Tensor],
+    layout: LinearLayout,
+    w0: float,
+    w1: float,
+    step: int,
+    sign_reference: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The same update through each copy's D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P),
     with G materialised and the Gram path's sign convention (as ``gram._dense_update`` for one run)."""
@@ -279,7 +340,9 @@ def _dense_update(
     evals, evecs = torch.linalg.eigh(matrix)  # ascending
     eigenvalues = evals[:, -rank:].flip(-1).clamp_min(0.0)
     top = evecs[:, :, -rank:].flip(-1)  # (R, D, L)
-    sums = u.sum(-1) * w0**0.5 + grads.sum(-1) * w1**0.5  # (R, D): B 1, whose projections the Gram path makes >= 0
+    sums = sign_reference  # (R, D): B 1, whose projections the Gram path makes >= 0
+    if sums is None:
+        sums = u.sum(-1) * w0**0.5 + grads.sum(-1) * w1**0.5
     top = top * torch.where(sums[:, None, :] @ top < 0, -1.0, 1.0).to(top.dtype)
     new_u = top * eigenvalues.sqrt()[:, None, :]
     return new_u, eigenvalues, matrix.diagonal(dim1=-2, dim2=-1) - new_u.square().sum(-1)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood
-from bdl_bench.methods._slang_stacked import StackedFactors, stacked_factors
+from bdl_bench.methods._slang_stacked import StackedFactors, gradient_sum, stacked_factors
 from bdl_bench.methods.base import NonFiniteLossError
 
 
@@ -38,16 +38,6 @@ def _per_layer_to_flat(layout: LinearLayout, parts: list[tuple[Tensor, Tensor]],
         if slot.bias_slice is not None:
             out[:, slot.bias_slice] = bias
     return out
-
-
-def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
-    r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
-    parts = []
-    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
-        if layer == 0 and factors.first_input_shared:  # sum over the samples first
-            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        parts.append((d.mT @ a, d.sum(1)))
-    return _per_layer_to_flat(layout, parts, factors.output_grads[0])
 
 
 def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:

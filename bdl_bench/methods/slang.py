@@ -374,7 +374,8 @@ class Slang(Method):
         assert cache is not None and self._cached[0] is state, "setup_replicas first"
         noise = sample_noise(state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator)
         likelihoods = [p.likelihood for p in self._replica_problems]
-        factors = stacked_factors(problem.model, self.layout, state.mean[:, None] + noise, x, y, likelihoods)
+        thetas = state.mean[:, None] + noise
+        factors = stacked_factors(problem.model, self.layout, thetas, x, y, likelihoods, share_first_input=True)
         logdet = state.prec_diag.log().sum(-1) + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         trace = (noise.square() @ self.prior_precision).mean(-1)
         penalty = ((self.prior_precision * state.mean) * state.mean).sum(-1)

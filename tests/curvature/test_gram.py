@@ -184,3 +184,45 @@ def test_outputs_into_given_buffers(generator: torch.Generator) -> None:
     torch.testing.assert_close(out, dense.square().sum(1))
     assert factors.grad_sum(out=out) is out
     torch.testing.assert_close(out, dense.sum(1))
+
+
+def _logreg_factors(generator: torch.Generator, n_samples: int, n: int, n_features: int) -> PerExampleFactors:
+    from bdl_bench.likelihoods import Bernoulli
+    from bdl_bench.models import build_model
+
+    model = build_model({"name": "logreg", "bias": True}, in_features=n_features, out_features=1).to(F64)
+    x = torch.randn(n, n_features, generator=generator, dtype=F64)
+    y = torch.randint(0, 2, (n,), generator=generator).to(F64)
+    thetas = torch.randn(n_samples, n_features + 1, generator=generator, dtype=F64)
+    return linear_factors(model, thetas, x, y, Bernoulli())
+
+
+@pytest.mark.parametrize("path", ["gram", "dense"])
+@pytest.mark.parametrize("shape", [(3, 5, 12), (4, 30, 6)], ids=["D>L+M", "D<L+M"])
+def test_logistic_regression_merges_samples_into_m_columns(
+    path: str, shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch, generator: torch.Generator
+) -> None:
+    """One linear layer with one output: the update runs on M merged columns (gram.merge_samples) and
+    gives the unmerged S·M-column update, eigenvector signs included."""
+    n_samples, n, n_features = shape
+    factors = _logreg_factors(generator, n_samples, n, n_features)
+    merged = gram.merge_samples(factors)
+    assert merged is not None and merged.n_columns == n
+    dense = factors.dense()
+    torch.testing.assert_close(gram_matrix(merged).trace(), (dense.mT @ dense).trace())
+    torch.testing.assert_close(merged.dense() @ merged.dense().mT, dense @ dense.mT)
+    u = torch.randn(n_features + 1, 2, generator=generator, dtype=F64)
+    kwargs = dict(old_weight=0.9, new_weight=0.4, path=path)
+    update = low_rank_update(factors, u, **kwargs)
+    monkeypatch.setattr(gram, "merge_samples", lambda f: None)
+    unmerged = low_rank_update(factors, u, **kwargs)
+    for name in ("prec_factor", "eigenvalues", "factor_sqnorms", "diag_residual"):
+        torch.testing.assert_close(getattr(update, name), getattr(unmerged, name), msg=name)
+    ref_factor, ref_residual = dense_low_rank_update(dense, u, old_weight=0.9, new_weight=0.4)
+    _projector_check(update.prec_factor, ref_factor)
+    torch.testing.assert_close(update.diag_residual, ref_residual)
+
+
+def test_merge_samples_does_not_apply_to_networks_or_one_sample(generator: torch.Generator) -> None:
+    assert gram.merge_samples(_factors(generator, n_samples=3)[0]) is None  # two layers, two outputs
+    assert gram.merge_samples(_logreg_factors(generator, 1, 5, 4)) is None  # S = 1: nothing to merge
