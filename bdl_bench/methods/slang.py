@@ -17,7 +17,10 @@ options of the authors' code ``lib/optimizers/slang.py``):
    :math:`c = N/(MS)`: :math:`\hat g = c\sum_{s,i} g_{s,i}`, :math:`\hat G = c\sum_{s,i} g_{s,i}g_{s,i}^\top`.
 4. Low-rank step (eqs. 5-7), exact via the Gram trick (:func:`bdl_bench.curvature.low_rank_update`,
    instead of the paper's randomised eigensolver): :math:`U_{t+1} = Q_{1:L}\Lambda_{1:L}^{1/2}` from the
-   top-L eigenpairs of :math:`(1-\beta_t)U_tU_t^\top + \beta_t\hat G`.
+   top-L eigenpairs of :math:`(1-\beta_t)U_tU_t^\top + \beta_t\hat G`. For logistic regression (one
+   linear layer, one output) the S·M gradients are first merged into M columns with the same
+   :math:`\hat G` (:func:`bdl_bench.curvature.gram.merge_samples`): an example's S gradients are
+   multiples of the same input.
 5. Diagonal (eqs. 9-10): :math:`d_{t+1} = (1-\beta_t)d_t + \beta_t\lambda + \Delta_t` with
    :math:`\Delta_t = \operatorname{diag}[(1-\beta_t)U_tU_t^\top + \beta_t\hat G - U_{t+1}U_{t+1}^\top]`,
    clamped at 0 as in the authors' code (it is a diagonal of a PSD residual, so only rounding makes it
