@@ -105,6 +105,12 @@ def table_command(args: list[str]) -> None:
     parser.add_argument("--csv", type=Path, default=None, help="CSV output path (default <folder>/table.csv)")
     parser.add_argument("--paper", default=None, help="paper table to compare with (default: from the runs' config)")
     parser.add_argument("--metrics", default=None, help="comma-separated metric keys (default: all found)")
+    parser.add_argument(
+        "--relative-to",
+        default=None,
+        metavar="METHOD",
+        help="show each metric as the difference to METHOD's run on the same split (and the paper's likewise)",
+    )
     ns = parser.parse_args(args)
     if not ns.folder.is_dir():
         raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
@@ -113,7 +119,7 @@ def table_command(args: list[str]) -> None:
 
     for warning in version_warnings(ns.folder):
         print(f"warning: {warning}", file=sys.stderr)
-    table = build_table(ns.folder, paper=ns.paper, metrics=metrics)
+    table = build_table(ns.folder, paper=ns.paper, metrics=metrics, relative_to=ns.relative_to)
     csv_path = ns.csv or ns.folder / "table.csv"
     table.frame.to_csv(csv_path, index=False)
     print(table.markdown)

@@ -6,6 +6,12 @@ standard error stand beside ours, and ``within_2se_<metric>`` says whether
 ``|ours − paper| ≤ 2 √(se_ours² + se_paper²)``. Where the paper chose hyperparameters on a validation
 set (its :class:`~bdl_bench.report.paper.Selection`), each column keeps only the runs of the setting
 with the best mean validation metric (:func:`select_on_validation`); the table names that setting.
+
+With ``relative_to`` (``bdl-bench table --relative-to full_exact``), every metric is shown as the
+difference to that method's run on the same split and seed (a paired difference, so its standard
+error leaves out what the splits share), and the paper's value as the same difference of its columns.
+Where our splits are not the paper's (SLANG Table 1: the authors' random splits cannot be replayed),
+this compares the gaps between methods, which do not move with the split, rather than the raw values.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bdl_bench.report.paper import PaperTable, Selection, dataset_short_name, get_paper_table
+from bdl_bench.report.paper import PaperTable, PaperValue, Selection, dataset_short_name, get_paper_table
 from bdl_bench.results import load_runs
 
 DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error", "ece", "brier", "elbo", "sym_kl")
@@ -98,7 +104,38 @@ def _describe_setting(keys: Sequence[str], values: Sequence[object]) -> str:
     return ", ".join(f"{k}={_plain(v)}" for k, v in zip(keys, values)) or "default"
 
 
-def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str] | None = None) -> Table:
+_PAIR_KEYS = ("data.split", "data.seed", "trainer.seed")  # what makes two runs of one dataset a pair
+
+
+def paired_differences(runs: pd.DataFrame, metrics: Sequence[str], reference: str) -> pd.DataFrame:
+    """``runs`` with each metric replaced by its difference to the ``reference`` method's run of the same
+    dataset, split and seeds; runs without such a partner are left out.
+
+    Raises:
+        ValueError: if no run is labelled ``reference``, or a reference run has a twin (same split and
+            seeds: two settings of it in one folder).
+    """
+    if not (runs["method"] == reference).any():
+        found = ", ".join(sorted(runs["method"].astype(str).unique()))
+        raise ValueError(f"no runs of method {reference!r} to take differences to; the methods here are: {found}")
+    keys = ["dataset", *[k for k in _PAIR_KEYS if k in runs.columns]]
+    base = runs[runs["method"] == reference]
+    if base.duplicated(keys).any():
+        raise ValueError(f"method {reference!r} has several runs with the same {keys}: pass a folder with one setting")
+    values = runs[list(metrics)].apply(pd.to_numeric, errors="coerce")
+    partner = runs[keys].merge(base[keys + list(metrics)], on=keys, how="left")[list(metrics)]
+    partner = partner.apply(pd.to_numeric, errors="coerce").set_index(runs.index)
+    paired = partner.notna().any(axis=1)
+    return runs.assign(**{m: values[m] - partner[m] for m in metrics})[paired]
+
+
+def build_table(
+    folder: Path,
+    *,
+    paper: str | None = None,
+    metrics: Sequence[str] | None = None,
+    relative_to: str | None = None,
+) -> Table:
     """Summarise every finished run below ``folder``.
 
     Args:
@@ -106,6 +143,7 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
         paper: a paper table name (``slang_table2``); default: the runs' ``paper_table`` config key.
         metrics: metric keys to show; default: those of the paper table's that the runs have, else every
             known key present.
+        relative_to: a method label: show differences to its runs (module docstring).
 
     Raises:
         ValueError: when no finished run is found, naming the folder.
@@ -131,6 +169,8 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
     chosen: dict[tuple, str] = {}
     if spec and spec.selection:
         runs, chosen = select_on_validation(runs, spec.selection)
+    if relative_to is not None:
+        runs = paired_differences(runs, metrics, relative_to)
     rows = []
     for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
         row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
@@ -146,6 +186,9 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
                 scale = spec.scale(str(dataset), paper_metric)
                 mean, se = sign * mean / scale, se / scale
                 ref = spec.lookup(str(dataset), str(method), paper_metric)
+                if relative_to is not None and ref is not None:
+                    base = spec.lookup(str(dataset), relative_to, paper_metric)
+                    ref = PaperValue(ref.value - base.value) if base is not None else None
                 row[paper_metric] = mean
                 row[f"{paper_metric}_se"] = se
                 row[f"paper_{paper_metric}"] = ref.value if ref else math.nan
@@ -158,19 +201,22 @@ def build_table(folder: Path, *, paper: str | None = None, metrics: Sequence[str
                 row[f"{metric}_se"] = se
         rows.append(row)
     frame = pd.DataFrame(rows)
-    return Table(frame=frame, markdown=_markdown(frame, spec, metrics))
+    markdown = _markdown(frame, spec, metrics, digits=3 if relative_to is None else 4)  # differences are small
+    if relative_to is not None:
+        markdown = f"Differences to {relative_to} on the same split (paired standard errors)\n\n{markdown}"
+    return Table(frame=frame, markdown=markdown)
 
 
-def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str]) -> str:
+def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str], digits: int = 3) -> str:
     headers = ["dataset", "method", "n"]
     body = []
     for _, row in frame.iterrows():
         cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
         for metric in metrics:
             key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
-            cells.append(_fmt(row[key], row[f"{key}_se"]))
+            cells.append(_fmt(row[key], row[f"{key}_se"], digits))
             if spec and metric in spec.metrics:
-                cells.append(_fmt(row[f"paper_{key}"], row[f"paper_{key}_se"]))
+                cells.append(_fmt(row[f"paper_{key}"], row[f"paper_{key}_se"], digits))
         if "chosen_on_validation" in frame.columns:
             cells.append(str(row["chosen_on_validation"]))
         body.append(cells)

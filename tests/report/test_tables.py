@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,28 @@ def test_slang_table2_puts_the_authors_joint_ll_beside_their_slang_and_bbb_colum
     assert slang is not None and slang == spec.lookup("boston", "slang", "test_ll")
     assert spec.lookup("boston", "bbb", "test_ll_joint") is not None
     assert spec.lookup("boston", "dropout", "test_ll_joint") is None  # Gal's dropout numbers: the usual mixture
+
+
+def test_relative_to_pairs_runs_by_split_and_differences_the_paper_columns(tmp_path: Path) -> None:
+    """``relative_to``: each run minus the reference method's run on the same split (paired), the paper's
+    value minus its reference column; a split without a reference run drops out; SE is the paired one."""
+    elbos = {"full_exact": [-0.55, -0.57, -0.60], "mf_exact": [-0.58, -0.61, -0.63, -0.70]}
+    for column, values in elbos.items():
+        covariance = column.split("_")[0].replace("mf", "diag")
+        for split, elbo in enumerate(values):
+            config = {
+                "data": {"name": "libsvm/australian", "split": split},
+                "method": {"name": "exact_vi", "covariance": covariance},
+                "paper_table": "slang_table1",
+            }
+            _fake_run(tmp_path, f"{column}{split}", config, {"elbo_no_bias_logdet": elbo, "nll": 0.3})
+    table = build_table(tmp_path, metrics=["elbo_no_bias_logdet"], relative_to="full_exact")
+    row = table.frame.set_index("method").loc["mf_exact"]
+    gaps = [0.03, 0.04, 0.03]  # negative ELBO of mf_exact minus full_exact's, splits 0-2 (split 3 has no partner)
+    assert row["n_runs"] == 3 and row["neg_elbo_per_example"] == pytest.approx(statistics.mean(gaps))
+    assert row["neg_elbo_per_example_se"] == pytest.approx(statistics.stdev(gaps) / math.sqrt(3))
+    assert row["paper_neg_elbo_per_example"] == pytest.approx(0.593 - 0.559)  # the paper's columns, differenced
+    assert table.frame.set_index("method").loc["full_exact", "neg_elbo_per_example"] == pytest.approx(0.0)
+    assert table.markdown.startswith("Differences to full_exact")
+    with pytest.raises(ValueError, match="no runs of method 'slang_L1'.*full_exact, mf_exact"):
+        build_table(tmp_path, metrics=["elbo_no_bias_logdet"], relative_to="slang_L1")
