@@ -39,9 +39,29 @@ def _labelled_runs(folder: Path) -> pd.DataFrame:
     return runs.assign(dataset=runs["data.name"].map(dataset_short_name), label=labels)
 
 
+_LOG_EPOCHS_FROM = 100  # runs this long get a logarithmic epoch axis (10,000-epoch runs converge in the first 1 %)
+
+
 def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) -> Path:
-    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method."""
+    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method
+    (:func:`convergence_figure`), saved to ``out``."""
+    fig = convergence_figure(folder, methods)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def convergence_figure(folder: Path, methods: list[str] | None = None) -> plt.Figure:
+    """The figure of :func:`plot_convergence`: one row per dataset, one line per method; the epoch axis is
+    logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early).
+
+    Raises:
+        ValueError: if no finished run is below ``folder``, or none of ``methods`` is among them.
+    """
     runs = _labelled_runs(folder)
+    if methods and not runs["label"].isin(methods).any():
+        found = ", ".join(sorted(runs["label"].astype(str).unique()))
+        raise ValueError(f"none of the methods {methods} has runs below {folder}; found: {found}")
     if methods:
         runs = runs[runs["label"].isin(methods)]
     datasets = sorted(runs["dataset"].unique())
@@ -49,21 +69,22 @@ def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) 
     colors = {label: palette[i % len(palette)] for i, label in enumerate(sorted(runs["label"].unique()))}
     fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.2 * len(datasets)), squeeze=False)
     for row, dataset in enumerate(datasets):
+        last_epoch = 0
         for label, group in runs[runs["dataset"] == dataset].groupby("label"):
             histories = [pd.read_csv(Path(d) / HISTORY_FILE) for d in group["run_dir"]]
             history = pd.concat(histories).groupby("epoch").mean(numeric_only=True)
+            last_epoch = max(last_epoch, int(history.index.max()))
             if "train/elbo" in history:
                 axes[row, 0].plot(history.index, -history["train/elbo"], label=label, color=colors[label])
             if "test/nll" in history:
                 nll = history["test/nll"].dropna()
                 axes[row, 1].plot(nll.index, nll, label=label, color=colors[label])
-        axes[row, 0].set(title=f"{dataset}: negative ELBO per example", xlabel="epoch", yscale="log")
-        axes[row, 1].set(title=f"{dataset}: test NLL", xlabel="epoch")
+        xscale = "log" if last_epoch >= _LOG_EPOCHS_FROM else "linear"
+        axes[row, 0].set(title=f"{dataset}: negative ELBO per example", xlabel="epoch", yscale="log", xscale=xscale)
+        axes[row, 1].set(title=f"{dataset}: test NLL", xlabel="epoch", xscale=xscale)
         axes[row, 1].legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _correlation(covariance: torch.Tensor) -> torch.Tensor:

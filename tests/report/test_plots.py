@@ -44,3 +44,32 @@ def test_covariance_figure_has_a_panel_per_requested_method(tmp_path: Path) -> N
     assert image.shape[0] > 100 and image.shape[1] > 2.5 * image.shape[0]  # one row of 3 panels (2 maps + std)
     with pytest.raises(ValueError, match="no runs with posterior.pt"):
         plot_covariance(tmp_path, tmp_path / "none.png", dataset="australian")
+
+
+@pytest.mark.parametrize("n_epochs, xscale", [(20, "linear"), (300, "log")])
+def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n_epochs: int, xscale: str) -> None:
+    """Fig. 4: a row per dataset, a line per method (the mean over its splits); long runs get a log epoch axis."""
+    import pandas as pd
+
+    from bdl_bench.report.plots import convergence_figure
+
+    for rank in (1, 5):
+        for split in (0, 1):
+            run_dir = tmp_path / f"slang{rank}_{split}"
+            write_config(
+                run_dir,
+                {"data": {"name": "libsvm/australian", "split": split}, "method": {"name": "slang", "rank": rank}},
+            )
+            write_metrics(run_dir, {"nll": 0.3})
+            epochs = range(1, n_epochs + 1)
+            history = {"epoch": epochs, "train/elbo": [-(1.0 + split + rank / e) for e in epochs]}
+            pd.DataFrame(history).assign(**{"test/nll": 0.3 + split}).to_csv(run_dir / "history.csv", index=False)
+    fig = convergence_figure(tmp_path)
+    (elbo_axis, nll_axis) = fig.axes
+    assert elbo_axis.get_xscale() == xscale and nll_axis.get_xscale() == xscale
+    lines = {line.get_label(): line for line in elbo_axis.get_lines()}
+    assert set(lines) == {"slang rank=1", "slang rank=5"}
+    # the mean over splits 0 and 1 of 1 + split + rank / epoch, at epoch 1 for rank 5
+    assert lines["slang rank=5"].get_ydata()[0] == pytest.approx(1.5 + 5.0)
+    with pytest.raises(ValueError, match="none of the methods .*found: slang rank=1, slang rank=5"):
+        convergence_figure(tmp_path, methods=["bbb"])
