@@ -135,6 +135,9 @@ def test_update_matches_a_dense_twin(covariance: str, curvature: str) -> None:
     assert_close(method.state.precision, new_prec if full else new_prec.diagonal())
     q = MultivariateNormal(state.mean, precision_matrix=prec)
     kl = float(kl_divergence(q, MultivariateNormal(torch.zeros(3, dtype=F64), precision_matrix=torch.diag(lam))))
+    if full:  # the step's loss estimates the KL's trace term tr(diag(λ) S⁻¹) from its samples
+        trace = torch.linalg.solve(prec, torch.diag(lam)).trace()
+        kl += 0.5 * float(torch.stack([(th - state.mean).square() @ lam for th in thetas]).mean() - trace)
     assert_close(out["nll"], nll / 60)
     assert_close(out["loss"], nll / 60 + kl / N)
 
@@ -374,3 +377,32 @@ def test_yaml_builds_the_method() -> None:
     assert cfg["name"] == "vogn" and cfg["n_train_mc_samples"] == 12
     method = build_method(cfg)
     assert isinstance(method, VOGN) and method.curvature is Curvature.HESSIAN
+
+
+def test_full_state_carries_the_cholesky_factor_and_the_step_kl_estimate_is_unbiased() -> None:
+    """covariance=full: the state keeps the Cholesky factor of its precision (the next step samples with
+    it); the training loss's KL estimates the trace term from samples, whose mean is the exact KL."""
+    from bdl_bench.methods.vogn import _cholesky, _kl_to_prior
+
+    torch.manual_seed(0)
+    model = build_model({"name": "logreg", "bias": True}, in_features=3, out_features=1).double()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.randint(0, 2, (40,)).double()
+    problem = Problem(
+        model, Bernoulli(), 40, torch.full((4,), 2.0, dtype=torch.float64), torch.Generator().manual_seed(1)
+    )
+    method = build_method(
+        {"name": "vogn", "covariance": "full", "curvature": "hessian", "lr": 0.1, "beta": 0.1}
+        | {"decay": 0.0, "n_train_mc_samples": 2, "init_prec": 1.0}
+    )
+    method.setup(problem)
+    for _ in range(3):
+        method.train_step(x, y)
+    state = method.state
+    assert state.chol is not None
+    torch.testing.assert_close(state.chol @ state.chol.mT, state.precision)
+    lam = problem.prior_precision
+    exact = _kl_to_prior(state, _cholesky(state.precision, state.step), lam)
+    eps = torch.randn(200_000, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    noise = torch.linalg.solve_triangular(state.chol, eps, upper=False, left=False)  # rows ~ N(0, S^-1)
+    estimate = _kl_to_prior(state, state.chol, lam, noise)
+    assert float(estimate) == pytest.approx(float(exact), rel=5e-3)
