@@ -289,6 +289,7 @@ def canonical_signs(vectors: Tensor, sums: Tensor | None = None) -> Tensor:
     In terms of :math:`v = Bw/\sqrt\lambda`, the rule is :math:`(B\mathbf 1)^\top v \ge 0`; a B with
     merged columns (:func:`merge_samples`) keeps it by passing ``sums`` = :math:`B^\top b` ``(..., K)``
     for :math:`b = B_{\text{unmerged}}\mathbf 1`: each column's sign then makes ``sums @ column`` >= 0.
+    The D x D paths pass eigenvectors v of :math:`BB^\top` with ``sums`` = b itself (the same rule).
     """
     if sums is None:
         signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
@@ -438,7 +439,7 @@ def _dense_update(
     sums = sign_reference
     if sums is None:
         sums = prec_factor.sum(1) * old_weight**0.5 + grads.sum(1) * new_weight**0.5  # (D,)
-    top = top * torch.where(sums @ top < 0, -1.0, 1.0).to(top.dtype)
+    top = canonical_signs(top, sums)
     new_factor = top * eigenvalues.sqrt()
     new_sqnorms = new_factor.square().sum(1)
     return LowRankUpdate(

@@ -343,7 +343,7 @@ def _dense_update(
     sums = sign_reference  # (R, D): B 1, whose projections the Gram path makes >= 0
     if sums is None:
         sums = u.sum(-1) * w0**0.5 + grads.sum(-1) * w1**0.5
-    top = top * torch.where(sums[:, None, :] @ top < 0, -1.0, 1.0).to(top.dtype)
+    top = canonical_signs(top, sums)
     new_u = top * eigenvalues.sqrt()[:, None, :]
     return new_u, eigenvalues, matrix.diagonal(dim1=-2, dim2=-1) - new_u.square().sum(-1)
 

@@ -26,18 +26,8 @@ from torch import Tensor, nn
 
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood
-from bdl_bench.methods._slang_stacked import StackedFactors, gradient_sum, stacked_factors
+from bdl_bench.methods._slang_stacked import StackedFactors, _assemble, gradient_sum, stacked_factors
 from bdl_bench.methods.base import NonFiniteLossError
-
-
-def _per_layer_to_flat(layout: LinearLayout, parts: list[tuple[Tensor, Tensor]], like: Tensor) -> Tensor:
-    """Per-layer (weight ``(R, out, in)``, bias ``(R, out)``) sums as ``(R, D)`` in flat parameter order."""
-    out = like.new_empty(like.shape[0], layout.n_params)
-    for slot, (weight, bias) in zip(layout.slots, parts):
-        out[:, slot.weight_slice] = weight.flatten(1)
-        if slot.bias_slice is not None:
-            out[:, slot.bias_slice] = bias
-    return out
 
 
 def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
@@ -49,7 +39,7 @@ def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tenso
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
             d2 = d2.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
         parts.append((d2.mT @ a.square(), d2.sum(1)))
-    return _per_layer_to_flat(layout, parts, factors.output_grads[0])
+    return _assemble(layout, parts, factors.output_grads[0], ())
 
 
 def gradient_columns(factors: StackedFactors, layout: LinearLayout) -> Tensor:

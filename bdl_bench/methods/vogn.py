@@ -369,6 +369,12 @@ class VOGN(Method):
         return self.covariance is Covariance.FULL
 
     # ---------------------------------------------------------------------------- helpers
+    def _sampling_cholesky(self, state: VognState) -> Tensor | None:
+        """The Cholesky factor of a full precision (the one the state carries, else computed); ``None`` for diag."""
+        if not self._full:
+            return None
+        return state.chol if state.chol is not None else _cholesky(state.precision, state.step)
+
     def _sample(self, state: VognState, chol: Tensor | None, n_samples: int) -> Tensor:
         """θ_k = μ + A ε_k with A Aᵀ = S⁻¹ (A = L⁻ᵀ for S = L Lᵀ; A = S^{-1/2} for diagonal S): ``(K, D)``."""
         mean = state.mean
@@ -394,9 +400,7 @@ class VOGN(Method):
         """
         p = self.problem
         lam = p.prior_precision.to(state.mean)
-        chol = None
-        if self._full:
-            chol = state.chol if state.chol is not None else _cholesky(state.precision, state.step)
+        chol = self._sampling_cholesky(state)
         thetas = self._sample(state, chol, self.n_train_mc_samples)
         if self._layout is not None:
             nll, g_sum, h_sum = factored_terms(
@@ -563,10 +567,7 @@ class VOGN(Method):
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``(n_samples, N, out)`` network outputs at θ_k ~ q (generator: ``problem.generator``)."""
-        chol = None
-        if self._full:
-            chol = self.state.chol if self.state.chol is not None else _cholesky(self.state.precision, self.state.step)
-        thetas = self._sample(self.state, chol, n_samples)
+        thetas = self._sample(self.state, self._sampling_cholesky(self.state), n_samples)
         return torch.stack([forward_with(self.problem.model, th, x) for th in thetas])
 
     # ------------------------------------------------------------------------- checkpoint
