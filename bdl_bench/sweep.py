@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from bdl_bench.errors import UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.results import (
     METRICS_FILE,
@@ -53,7 +54,7 @@ from bdl_bench.tuning import apply_tuned
 EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
 
 
-class ConfigVersionError(RuntimeError):
+class ConfigVersionError(UserError, RuntimeError):
     """A run folder holds a finished run whose config differs from the job's."""
 
 

@@ -11,8 +11,10 @@ import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
+from bdl_bench.errors import DataError
 
-class UnsafeArchiveError(ValueError):
+
+class UnsafeArchiveError(DataError):
     """An archive member would land outside the destination (absolute path, ``..``, link, device)."""
 
 

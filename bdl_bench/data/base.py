@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from bdl_bench.errors import DataFileError  # noqa: F401  (re-exported: data modules import it from here)
+
 
 class Task(str, Enum):
     """What the targets are; picks the likelihood."""
@@ -113,10 +115,6 @@ def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
 def default_data_root() -> Path:
     """The shipped ``data/`` folder at the repository root (the package is installed editable)."""
     return Path(__file__).resolve().parents[2] / "data"
-
-
-class DataFileError(FileNotFoundError):
-    """A data file is missing or does not match its recorded SHA-256."""
 
 
 def as_float(x: object) -> Tensor:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bdl_bench.errors import DataError
+
 IDX_TYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
@@ -24,7 +26,7 @@ IDX_TYPES: dict[int, np.dtype] = {
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-class IdxFormatError(ValueError):
+class IdxFormatError(DataError):
     """Bytes that are not a well-formed IDX file."""
 
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from bdl_bench.errors import DivergenceError
 from bdl_bench.likelihoods import Likelihood
 from bdl_bench.progress import delayed_bar
 
@@ -54,7 +55,7 @@ class Problem:
     augmentation: Callable[[Tensor, torch.Generator], Tensor] | None = None
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(DivergenceError):
     """Raised when a training step produces a NaN or infinite loss."""
 
 

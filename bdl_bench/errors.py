@@ -1,0 +1,35 @@
+"""The errors a user can fix, as opposed to bugs.
+
+The CLI prints a :class:`UserError` as one line, ``bdl-bench: <message>``, and exits with status 1; any
+other exception is a bug and keeps its traceback. A message names the bad key, value or file and the fix.
+``BDL_BENCH_DEBUG=1`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback of a user error too.
+
+Each subclass also derives from the built-in exception its callers already catch (``ValueError``,
+``FileNotFoundError``, ``FloatingPointError``), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error the user can fix; the CLI prints its message as one line (no traceback)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value out of its range or of the wrong type (the message names the key and the range)."""
+
+
+class DataError(UserError, ValueError):
+    """A data source that cannot be used as given (a bad split, a malformed file)."""
+
+
+class DataFileError(UserError, FileNotFoundError):
+    """A data file is missing or does not match its recorded SHA-256."""
+
+
+class DivergenceError(UserError, FloatingPointError):
+    """Training produced a NaN or infinite value (the message suggests a smaller learning rate)."""
+
+
+class OutputPathError(UserError, OSError):
+    """An output path cannot be written (e.g. the run folder is a file)."""
