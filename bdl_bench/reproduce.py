@@ -38,6 +38,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
+from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
     METRICS_FILE,
     atomic_write_text,
@@ -305,16 +306,18 @@ def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series |
 
 
 def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> pd.DataFrame:
-    """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric]`` (a number, or a
-    percentage of |paper| such as ``"2%"``) where the experiment states one, else build_table's
-    ``within_2se_<metric>``; empty where the paper has no value."""
+    """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric] + h`` (a number, or a
+    percentage of |paper| such as ``"2%"``; h half a unit in the paper value's last printed digit, where
+    known) where the experiment states one, else build_table's ``within_2se_<metric>`` (the rounding-aware
+    two-SE band, :data:`~bdl_bench.report.paper.ROUNDING_RULE`); empty where the paper has no value."""
     frame = frame.copy()
     tolerance = dict(tolerance or {})
-    for column in [c for c in frame.columns if c.startswith("paper_") and not c.endswith("_se")]:
+    for column in [c for c in frame.columns if c.startswith("paper_") and not c.endswith(("_se", "_rounding"))]:
         metric = column.removeprefix("paper_")
         ours, paper = frame[metric], frame[column]
         if metric in tolerance:
-            verdict = (ours - paper).abs() <= _allowed_difference(tolerance[metric], paper)
+            rounding = frame[f"paper_{metric}_rounding"].fillna(0.0) if f"paper_{metric}_rounding" in frame else 0.0
+            verdict = (ours - paper).abs() <= _allowed_difference(tolerance[metric], paper) + rounding
         else:
             verdict = frame.get(f"within_2se_{metric}", pd.Series([None] * len(frame), index=frame.index))
         frame[f"agrees_{metric}"] = [
@@ -349,12 +352,12 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
                     "–" if verdict is None else ("yes" if verdict else "NO"),
                 ]
         lines.append("| " + " | ".join(cells) + " |")
-    rule = "agrees: |ours − paper| ≤ 2·√(se_ours² + se_paper²)"
+    rule = ROUNDING_RULE
     if tolerance:
         rule += (
             "; "
             + ", ".join(
-                f"{m}: |ours − paper| ≤ {t}" + (" of |paper|" if str(t).strip().endswith("%") else "")
+                f"{m}: |ours − paper| ≤ {t}" + (" of |paper|" if str(t).strip().endswith("%") else "") + " + h"
                 for m, t in tolerance.items()
             )
             + " (the experiment's tolerance)"

@@ -64,7 +64,12 @@ def test_agreement_uses_two_standard_errors_or_the_stated_tolerance() -> None:
     # a percentage is relative to the paper's value: |3.0 - 3.43| = 0.43 is 12.5 % of 3.43
     assert list(agreement(frame, {"rmse": "13%"})["agrees_rmse"]) == [True, None]
     assert list(agreement(frame, {"rmse": "12%"})["agrees_rmse"]) == [False, None]
-    assert "rmse: |ours − paper| ≤ 2% of |paper|" in markdown(agreement(frame, {"rmse": "2%"}), {"rmse": "2%"})
+    assert "rmse: |ours − paper| ≤ 2% of |paper| + h" in markdown(agreement(frame, {"rmse": "2%"}), {"rmse": "2%"})
+    assert "half a unit in the last printed digit" in text  # the table states its rounding rule
+    # a tolerance widens by the paper value's rounding where it is known: 0.43 > 0.42, but ≤ 0.42 + 0.05
+    rounded = frame.assign(paper_rmse_rounding=[0.05, math.nan])
+    assert list(agreement(rounded, {"rmse": 0.42})["agrees_rmse"]) == [True, None]
+    assert list(agreement(frame, {"rmse": 0.42})["agrees_rmse"]) == [False, None]
     with pytest.raises(ValueError, match="percentage"):
         agreement(frame, {"rmse": "two"})
 

@@ -6,6 +6,7 @@ rows/columns, and which paper column a run belongs to (from its flattened config
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -20,6 +21,26 @@ def read_paper_csv(name: str) -> pd.DataFrame:
         return pd.read_csv(f)
 
 
+def read_paper_csv_text(name: str) -> pd.DataFrame:
+    """:func:`read_paper_csv` with every cell as the printed text (``"0.00"`` keeps its two decimals)."""
+    with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
+        return pd.read_csv(f, dtype=str, keep_default_na=False)
+
+
+def half_unit(printed: str) -> float:
+    """Half a unit in the last printed digit: ``"0.08"`` → 0.005, ``"4.6"`` → 0.05, ``"12"`` → 0.5."""
+    mantissa, _, exponent = printed.strip().lower().partition("e")
+    decimals = len(mantissa.split(".", 1)[1]) if "." in mantissa else 0
+    return 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+
+
+ROUNDING_RULE = (
+    "agrees: |ours − paper| ≤ 2·√(se_ours² + (se_paper + h_se)²) + h, where h and h_se are half a unit in the "
+    "last printed digit of the paper's value and of its standard error (0.005 for two decimals: a printed "
+    "0.08 stands for [0.075, 0.085], a printed SE 0.00 for at most 0.005)"
+)
+
+
 def dataset_short_name(data_name: str) -> str:
     """``uci/boston`` → ``boston``."""
     return data_name.rsplit("/", 1)[-1]
@@ -27,8 +48,19 @@ def dataset_short_name(data_name: str) -> str:
 
 @dataclass(frozen=True)
 class PaperValue:
+    """A published number; ``rounding``/``se_rounding``: half a unit in the last printed digit of the value
+    and of its standard error (0 where the printed text is not known)."""
+
     value: float
     se: float | None = None
+    rounding: float = 0.0
+    se_rounding: float = 0.0
+
+    def band(self, se_ours: float) -> float:
+        """The largest ``|ours − value|`` that agrees (:data:`ROUNDING_RULE`); NaN standard errors count as 0."""
+        se_paper = self.se + self.se_rounding if self.se is not None else 0.0
+        spread = sum(x**2 for x in (se_ours, se_paper) if not math.isnan(x))
+        return 2 * math.sqrt(spread) + self.rounding
 
 
 @dataclass(frozen=True)
@@ -70,7 +102,7 @@ class PaperTable:
 
 
 def _slang_table2() -> PaperTable:
-    frame = read_paper_csv("slang_table2_uci.csv").set_index(["dataset", "method"])
+    frame = read_paper_csv_text("slang_table2_uci.csv").set_index(["dataset", "method"])
 
     def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
         if (dataset, column) not in frame.index:
@@ -80,7 +112,8 @@ def _slang_table2() -> PaperTable:
                 return None
             metric = "test_ll"
         row = frame.loc[(dataset, column)]
-        return PaperValue(float(row[f"{metric}_mean"]), float(row[f"{metric}_se"]))
+        value, se = row[f"{metric}_mean"], row[f"{metric}_se"]
+        return PaperValue(float(value), float(se), rounding=half_unit(value), se_rounding=half_unit(se))
 
     return PaperTable(
         name="slang_table2",

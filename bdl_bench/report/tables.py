@@ -3,7 +3,9 @@
 Standard errors use the real number of runs in each cell (sample std, ddof = 1, over √n); a cell
 with one run has no standard error. When the runs belong to a paper table, the paper's value and its
 standard error stand beside ours, and ``within_2se_<metric>`` says whether
-``|ours − paper| ≤ 2 √(se_ours² + se_paper²)``. Where the paper chose hyperparameters on a validation
+``|ours − paper| ≤ 2 √(se_ours² + (se_paper + h_se)²) + h``, h and h_se being half a unit in the last
+printed digit of the paper's value and SE where the paper's printed text is known
+(:data:`~bdl_bench.report.paper.ROUNDING_RULE`), else 0. Where the paper chose hyperparameters on a validation
 set (its :class:`~bdl_bench.report.paper.Selection`), each column keeps only the runs of the setting
 with the best mean validation metric (:func:`select_on_validation`); the table names that setting.
 
@@ -188,14 +190,18 @@ def build_table(
                 ref = spec.lookup(str(dataset), str(method), paper_metric)
                 if relative_to is not None and ref is not None:
                     base = spec.lookup(str(dataset), relative_to, paper_metric)
-                    ref = PaperValue(ref.value - base.value) if base is not None else None
+                    ref = (
+                        PaperValue(ref.value - base.value, rounding=ref.rounding + base.rounding)
+                        if base is not None
+                        else None
+                    )
                 row[paper_metric] = mean
                 row[f"{paper_metric}_se"] = se
                 row[f"paper_{paper_metric}"] = ref.value if ref else math.nan
                 row[f"paper_{paper_metric}_se"] = ref.se if ref and ref.se is not None else math.nan
                 if ref is not None and not math.isnan(mean):
-                    band = 2 * math.sqrt(sum(x**2 for x in (se, ref.se or 0.0) if not math.isnan(x)))
-                    row[f"within_2se_{paper_metric}"] = abs(mean - ref.value) <= band
+                    row[f"paper_{paper_metric}_rounding"] = ref.rounding
+                    row[f"within_2se_{paper_metric}"] = abs(mean - ref.value) <= ref.band(se)
             else:
                 row[metric] = mean
                 row[f"{metric}_se"] = se

@@ -162,3 +162,32 @@ def test_relative_to_pairs_runs_by_split_and_differences_the_paper_columns(tmp_p
     assert table.markdown.startswith("Differences to full_exact")
     with pytest.raises(ValueError, match="no runs of method 'slang_L1'.*full_exact, mf_exact"):
         build_table(tmp_path, metrics=["elbo_no_bias_logdet"], relative_to="slang_L1")
+
+
+def test_a_paper_cell_printed_as_zero_stands_for_half_a_unit_of_its_last_digit(tmp_path: Path) -> None:
+    """SLANG's naval rmse is printed 0.00 ± 0.00: a measured 0.001 ± 0.0001 agrees with it (the printed value
+    stands for [−0.005, 0.005] and its SE for at most 0.005), which the bare two-SE band (2·0.0001) refuses."""
+    for split, rmse in enumerate([0.0011, 0.0012, 0.0010, 0.0009]):
+        _fake_run(
+            tmp_path,
+            f"slang{split}",
+            {"data": {"name": "uci/naval", "split": split}, "method": {"name": "slang"}, "paper_table": "slang_table2"},
+            {"rmse": rmse, "test_ll": 4.76},
+        )
+    row = build_table(tmp_path).frame.set_index("method").loc["slang"]
+    assert row["paper_rmse"] == 0.0 and row["paper_rmse_se"] == 0.0 and row["paper_rmse_rounding"] == 0.005
+    assert abs(row["rmse"] - row["paper_rmse"]) > 2 * row["rmse_se"]  # the rule without rounding says no
+    assert bool(row["within_2se_rmse"])
+    ref = get_paper_table("slang_table2").lookup("naval", "slang", "rmse")
+    assert ref is not None and ref.band(0.0) == pytest.approx(2 * 0.005 + 0.005)
+    # a value two units off the printed 0.00 ± 0.00 still disagrees
+    assert ref.band(0.0001) < 0.02
+
+
+def test_half_unit_of_the_last_printed_digit() -> None:
+    from bdl_bench.report.paper import half_unit
+
+    assert half_unit("0.08") == pytest.approx(0.005)
+    assert half_unit("-2.6") == pytest.approx(0.05)
+    assert half_unit("12") == pytest.approx(0.5)
+    assert half_unit("1.5e-3") == pytest.approx(0.5e-4)
