@@ -30,7 +30,7 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) 
     confidence, predicted = probs.max(dim=-1)
     correct = (predicted == labels.long()).to(probs.dtype)
     bin_index = torch.clamp(torch.ceil(confidence * n_bins).long() - 1, min=0, max=n_bins - 1)
-    ece = torch.zeros((), dtype=probs.dtype)
+    ece = torch.zeros((), dtype=probs.dtype, device=probs.device)
     for b in range(n_bins):
         in_bin = bin_index == b
         n_b = int(in_bin.sum())

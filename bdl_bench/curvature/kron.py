@@ -201,8 +201,9 @@ def shifted_gram(products: Tensor, sums: Tensor, n_rows: int, input_hw: tuple[in
     channels = sums.shape[-1]
     box = _window_sums(_window_sums(products, 1, kh, out_h), 2, kw, out_w)  # (k_h, k_h, k_w, C, (2k_w-1)·C)
     box = box.view(kh, kh, kw, channels, 2 * kw - 1, channels)
-    ia, ib = torch.arange(kh).view(kh, 1, 1, 1), torch.arange(kw).view(1, kw, 1, 1)
-    ja, jb = torch.arange(kh).view(1, 1, kh, 1), torch.arange(kw).view(1, 1, 1, kw)
+    taps_h, taps_w = torch.arange(kh, device=box.device), torch.arange(kw, device=box.device)
+    ia, ib = taps_h.view(kh, 1, 1, 1), taps_w.view(1, kw, 1, 1)
+    ja, jb = taps_h.view(1, 1, kh, 1), taps_w.view(1, 1, 1, kw)
     below = ja < ia  # the blocks (k, k') with k' above k: transposes of (k', k)
     row, col = torch.where(below, ja, ia), torch.where(below, jb, ib)
     shift = torch.where(below, ib - jb, jb - ib) + kw - 1

@@ -1,0 +1,159 @@
+"""The CPU-side device check (bdl_bench.testing.device_check) and the device defects it finds: metrics,
+curvature and the runner's evaluation run with ``meta`` standing in for a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from bdl_bench.curvature import kron
+from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, kron_factors
+from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads
+from bdl_bench.likelihoods import Categorical
+from bdl_bench.metrics import expected_calibration_error, predictive_metrics
+from bdl_bench.models import build_model
+from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
+
+# --- the check itself ---------------------------------------------------------------------------------------
+
+
+def test_device_tensors_compute_the_cpu_numbers() -> None:
+    x = torch.arange(6.0).view(2, 3)
+    with fake_device():
+        d = x.to(DEVICE)
+        assert isinstance(d, DeviceTensor) and d.device == DEVICE
+        out = (d * 2 + torch.ones(3, device=DEVICE)).sum(0)
+        assert out.device == DEVICE
+        assert_close(out.cpu(), (x * 2 + 1).sum(0))
+
+
+def test_mixing_a_cpu_tensor_raises() -> None:
+    with fake_device():
+        d = torch.ones(3, device=DEVICE)
+        with pytest.raises(DeviceMixError, match=r"CPU tensor of shape \(3,\)"):
+            d + torch.ones(3)
+        with pytest.raises(DeviceMixError):
+            torch.where(torch.tensor([True, False, True]), d, d)
+
+
+def test_cpu_scalars_are_inputs_only() -> None:
+    """PyTorch lets a 0-dim CPU tensor into a CUDA op, but not receive a CUDA result in place."""
+    with fake_device():
+        d = torch.ones(3, device=DEVICE)
+        assert (d * torch.tensor(2.0)).device == DEVICE
+        total = torch.zeros(())
+        with pytest.raises(DeviceMixError, match="0-dim CPU tensor"):
+            total += d.sum()
+
+
+def test_cpu_indices_may_index_a_device_tensor() -> None:
+    with fake_device():
+        d = torch.arange(5.0, device=DEVICE)
+        assert_close(d[torch.tensor([0, 4])].cpu(), torch.tensor([0.0, 4.0]))
+        d[torch.tensor([1])] = 7.0
+        assert float(d[1]) == 7.0
+
+
+def test_autograd_and_modules_move_to_the_device() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    expected = torch.autograd.grad(model(x).square().sum(), model.weight)[0]
+    with fake_device():
+        model.to(DEVICE)
+        assert model.weight.device == DEVICE
+        (grad,) = torch.autograd.grad(model(x.to(DEVICE)).square().sum(), model.weight)
+        assert grad.device == DEVICE
+        assert_close(grad.cpu(), expected)
+        with pytest.raises(DeviceMixError):
+            model(x)  # CPU input into a device model
+
+
+def test_generators_must_match_the_device() -> None:
+    with fake_device():
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        assert gen.device == DEVICE
+        assert torch.randn(3, generator=gen, device=DEVICE).device == DEVICE
+        with pytest.raises(DeviceMixError, match="fills CPU tensors"):
+            torch.randperm(3, generator=gen)
+        with pytest.raises(DeviceMixError, match="fills device tensors"):
+            torch.randn(3, generator=torch.Generator().manual_seed(0), device=DEVICE)
+    assert torch.Generator().device.type == "cpu"  # restored
+
+
+def test_syncs_are_counted() -> None:
+    with fake_device() as check:
+        d = torch.ones(3, device=DEVICE)
+        d = d * 2
+        assert check.syncs == 0
+        float(d.sum())
+        bool(d.sum() > 0)
+        d.cpu()
+        d.sum().item()
+        assert check.syncs == 4
+
+
+# --- defect 1: the ECE accumulator --------------------------------------------------------------------------
+
+
+def _classification_outputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(4, 50, 5, generator=gen, dtype=torch.float64), torch.randint(0, 5, (50,), generator=gen)
+
+
+def test_ece_runs_on_the_device() -> None:
+    f, y = _classification_outputs()
+    probs = torch.softmax(f, -1).mean(0)
+    expected = expected_calibration_error(probs, y)
+    with fake_device():
+        assert expected_calibration_error(to_device(probs), to_device(y)) == pytest.approx(expected, abs=1e-12)
+
+
+def test_classification_metrics_run_on_the_device() -> None:
+    f, y = _classification_outputs()
+    expected = predictive_metrics(Categorical(), f, y)
+    with fake_device():
+        assert predictive_metrics(Categorical(), to_device(f), to_device(y)) == pytest.approx(expected)
+
+
+# --- defect 2: KFAC on a stride-1 conv with >= 8 input channels (DEF's LeNet second conv) ---------------------
+
+
+def _lenet_problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DEF's LeNet shape (5x5 padded convs, pooling, two linear layers) shrunk to 12x12 images and 8 channels,
+    so that the second conv takes the shifted-product path."""
+    model = build_model(
+        {"name": "lenet", "image_size": 12, "channels": [8, 8], "hidden": 16, "dropout": 0.0},
+        in_features=1,
+        out_features=3,
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    n_params = sum(p.numel() for p in model.parameters())
+    theta = 0.3 * torch.randn(n_params, generator=gen, dtype=torch.float64)
+    x = torch.rand(10, 1, 12, 12, generator=gen, dtype=torch.float64)
+    return model, theta, x, torch.randint(0, 3, (10,), generator=gen)
+
+
+def test_kron_factors_of_lenets_second_conv_run_on_the_device() -> None:
+    model, theta, x, y = _lenet_problem()
+
+    def batches(model: torch.nn.Module, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor):  # noqa: ANN202
+        return iter_pseudo_grads(model, theta, x, y, Categorical(), batch_size=4)
+
+    first = next(batches(model, theta, x, y))
+    assert kron._uses_shifted_gram(first.layers[1].slot, first.layers[1].layer_input.shape)
+    factors = kron_factors(batches(model, theta, x, y))
+    eigs, diag = efb_eigenvalues(batches(model, theta, x, y), eigenbasis(factors))
+    with fake_device():
+        model.to(DEVICE)
+        dev = [to_device(t) for t in (theta, x, y)]
+        factors_d = kron_factors(batches(model, *dev))
+        eigs_d, diag_d = efb_eigenvalues(batches(model, *dev), eigenbasis(factors_d))
+        assert factors_d[1].a_factor.device == DEVICE
+        for a, b in zip(factors, factors_d):
+            assert_close(b.a_factor.cpu(), a.a_factor)
+            assert_close(b.g_factor.cpu(), a.g_factor)
+        for a, b in zip(eigs, eigs_d):
+            assert_close(b.cpu(), a)
+        assert_close(diag_d.cpu(), diag)
