@@ -14,7 +14,7 @@ from bdl_bench.gaussians.blocks import BlockDiagGaussian
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.gaussians.full import FullGaussian
-from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
 from bdl_bench.gaussians.low_rank import LowRankPlusDiagGaussian
 
 CLASSES: dict[str, type[StructuredGaussian]] = {
@@ -26,6 +26,7 @@ CLASSES: dict[str, type[StructuredGaussian]] = {
         BlockDiagGaussian,
         KroneckerGaussian,
         EigenKroneckerGaussian,
+        ScaledEigenKroneckerGaussian,
         KroneckerLowRankPlusDiagGaussian,
     )
 }

@@ -170,3 +170,57 @@ class EigenKroneckerGaussian(BlockGaussian):
     def _block_dense(self, b: int) -> Tensor:
         vectors = torch.kron(self._outs[b], self._ins[b])
         return (vectors * self._eigs[b].reshape(-1)) @ vectors.mT
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class ScaledEigenKroneckerGaussian(EigenKroneckerGaussian):
+    """EFB with a diagonal scaling of the input side: :math:`P_b = (Q_B\\otimes SQ_C)\\operatorname{diag}(\\Lambda)
+    (Q_B\\otimes SQ_C)^\\top`, :math:`S = \\operatorname{diag}(s_b) > 0`.
+
+    This is KFAC with a prior that differs within a layer (a bias prior): :math:`NG\\otimes A + I\\otimes T`
+    with :math:`T = \\operatorname{diag}(t)` equals :math:`(I\\otimes T^{1/2})(NG\\otimes A' + I)(I\\otimes T^{1/2})`,
+    :math:`A' = T^{-1/2}AT^{-1/2}`, so with :math:`G = Q_BS_GQ_B^\\top`, :math:`A' = Q_CS_{A'}Q_C^\\top` it is the
+    above with :math:`s = t^{1/2}` and :math:`\\Lambda = Ns_Gs_{A'}^\\top + 1`, exactly. Since :math:`(SQ_C)^{-\\top}
+    = S^{-1}Q_C`: :math:`P_b^{-1}` is the same form with :math:`1/s` and :math:`1/\\Lambda`,
+    :math:`\\log|P_b| = \\sum\\log\\Lambda + 2m\\sum\\log s`, samples :math:`Q_B(\\Lambda^{-1/2}\\circ E)Q_C^\\top S^{-1}`.
+
+    Args:
+        mean, index, shapes, eigvecs_out, eigvecs_in, eigenvalues: as :class:`EigenKroneckerGaussian`.
+        in_scale: the :math:`s_b > 0` (n per block), packed.
+
+    Raises:
+        ValueError: as :class:`EigenKroneckerGaussian`, or on a non-positive scale.
+    """
+
+    in_scale: Tensor  # (sum n,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("in_scale", self.in_scale, (sum(n for _, n in self.block_shapes),))
+        _check_positive("in_scale", self.in_scale)
+
+    @cached_property
+    def _scales(self) -> list[Tensor]:
+        return self._unpack(self.in_scale, [(n,) for _, n in self.block_shapes])
+
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        s = self._scales[b]
+        return self._rotate_scale_back(b, x * s, self._eigs[b]) * s
+
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        s = self._scales[b]
+        return self._rotate_scale_back(b, x / s, self._eigs[b].reciprocal()) / s
+
+    def _block_logdet(self, b: int) -> Tensor:
+        m, _ = self.block_shapes[b]
+        return self._eigs[b].log().sum() + 2 * m * self._scales[b].log().sum()
+
+    def _block_variance(self, b: int) -> Tensor:
+        return super()._block_variance(b) / self._scales[b].square()
+
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        return super()._block_sample(b, eps) / self._scales[b]
+
+    def _block_dense(self, b: int) -> Tensor:
+        s = self._scales[b].repeat(self.block_shapes[b][0])
+        return super()._block_dense(b) * s[:, None] * s[None, :]

@@ -21,7 +21,12 @@ its own ``StructuredGaussian``:
 
 * ``diag``: :math:`\operatorname{diag}(\mathbf I)` → ``DiagGaussian`` (Ritter et al. 2018's Diag);
 * ``kfac``: per layer :math:`(\sqrt N G + \sqrt{\tau_l}I)\otimes(\sqrt N A + \sqrt{\tau_l}I)`, eq. 3
-  → ``KroneckerGaussian`` (needs one :math:`\tau_l` per layer);
+  → ``KroneckerGaussian`` (``kfac_prior: damped``, the paper's). Eq. 3 has room for one :math:`\tau_l` per
+  layer only; a layer whose prior differs within it (a bias prior, ``bias_prior_precision``) gets the exact
+  :math:`NG\otimes A + I\otimes\operatorname{diag}(t)` (t: the prior of each input column, the bias last) in
+  the Kronecker eigenbasis of G and of :math:`T^{-1/2}AT^{-1/2}` → ``ScaledEigenKroneckerGaussian``;
+  ``kfac_prior: exact`` uses that form, :math:`NG\otimes A + \operatorname{diag}(\tau)`, for every layer
+  (as laplace-torch's KronLaplace);
 * ``efb``: :math:`(U_G\otimes U_A)(N\Lambda + \tau_l)(U_G\otimes U_A)^\top`, eq. 4 → ``EigenKroneckerGaussian``;
 * ``def``: :math:`(U_{G,1:g}\otimes U_{A,1:a})(N\Lambda_{1:L})(\cdot)^\top + \operatorname{diag}(N D + \tau)`,
   eq. 9, with Alg. 1 keeping the top ``rank`` eigenvalues per layer (``null``: all) and D the
@@ -80,7 +85,7 @@ from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.io import load_gaussian
-from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
 from bdl_bench.methods.map import map_step
 from bdl_bench.methods.vogn import parse_choice
@@ -140,6 +145,8 @@ class SearchSettings:
         out = {k: v for k, v in cfg.items()}
         for key in ("dataset_scale", "prior_precision"):
             values = out.get(key)
+            if isinstance(values, Mapping):
+                values = _logspace(key, values)
             values = [values] if isinstance(values, int | float) else list(values or [])
             if not values or not all(float(v) > 0 for v in values):
                 raise ValueError(
@@ -151,6 +158,21 @@ class SearchSettings:
             if int(value) != value or value < 1:
                 raise ValueError(f"laplace: method.search.{name} must be an integer >= 1, got {value}")
         return settings
+
+
+def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
+    """``{logspace: [a, b, n]}``: n values from 10^a to 10^b, evenly spaced in the logarithm.
+
+    Raises:
+        ValueError: on another mapping or a bad triple (naming ``method.search.<key>``).
+    """
+    triple = spec.get("logspace") if set(spec) == {"logspace"} else None
+    if not isinstance(triple, list | tuple) or len(triple) != 3 or int(triple[2]) != triple[2] or triple[2] < 1:
+        raise ValueError(
+            f"laplace: method.search.{key} must be a list of positive numbers or {{logspace: [a, b, n]}} "
+            f"(n >= 1 values from 10^a to 10^b), got {dict(spec)}"
+        )
+    return torch.logspace(float(triple[0]), float(triple[1]), int(triple[2]), dtype=torch.float64).tolist()
 
 
 class Structure(str, Enum):
@@ -170,6 +192,15 @@ class Structure(str, Enum):
     """The whole D x D curvature."""
 
 
+class KfacPrior(str, Enum):
+    r"""How ``structure=kfac`` adds the prior to :math:`NG\otimes A` (module docstring)."""
+
+    DAMPED = "damped"
+    """Lee et al. eq. 3: :math:`(\\sqrt N G + \\sqrt\tau I)\\otimes(\\sqrt N A + \\sqrt\tau I)` (exact where τ varies in a layer)."""
+    EXACT = "exact"
+    """:math:`NG\\otimes A + \\operatorname{diag}(\tau)`, in the Kronecker eigenbasis."""
+
+
 class Predictive(str, Enum):
     """How ``predict`` turns parameter samples into output samples."""
 
@@ -187,6 +218,13 @@ _STRUCTURE_CLASSES: dict[Structure, type[StructuredGaussian]] = {
     Structure.BLOCK: BlockDiagGaussian,
     Structure.FULL: FullGaussian,
 }
+
+
+def _posterior_class(structure: Structure, fields: set[str]) -> type[StructuredGaussian]:
+    """The Gaussian class of a saved ``structure`` posterior with these fields (KFAC has two)."""
+    if structure is Structure.KFAC and "in_scale" in fields:
+        return ScaledEigenKroneckerGaussian
+    return _STRUCTURE_CLASSES[structure]
 
 
 def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
@@ -310,6 +348,8 @@ class Laplace(Method):
             for 50,000 images (:class:`~bdl_bench.curvature.kron.ChunkCache`).
         search: a :class:`SearchSettings` mapping: choose N and τ on the validation set given by
             :meth:`use_validation` (overrides ``dataset_scale`` and ``prior_precision``), or ``None``.
+        kfac_prior: ``kfac`` only: ``damped`` (eq. 3; exact for a layer with a bias prior of its own) or
+            ``exact`` (:math:`NG\\otimes A + \\operatorname{diag}(\tau)` in every layer).
 
     Raises:
         ValueError: on an unknown structure, curvature or predictive (the choices are listed), a
@@ -332,11 +372,13 @@ class Laplace(Method):
         curvature_dtype: str = "model",
         curvature_subset: int | None = None,
         curvature_cache_mib: int = 6144,
-        search: Mapping[str, Any] | None = None,
+        search: Mapping[str, Any] | str | None = None,
+        kfac_prior: str = "damped",
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
+        self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
         if prior_precision is not None and not prior_precision > 0:
             raise ValueError(
                 f"laplace: prior_precision τ must be positive (or null for the run's prior), got {prior_precision}"
@@ -510,19 +552,74 @@ class Laplace(Method):
         shapes = torch.tensor([list(slot.shape) for slot in self._layout.slots], device=device)
         return index, shapes
 
-    def _layer_tau(self, tau: Tensor) -> list[float]:
-        """One prior precision per layer (KFAC and EFB add it inside the Kronecker structure)."""
+    def _layer_tau(self, tau: Tensor) -> list[Tensor]:
+        """One prior precision per layer (EFB adds it to its eigenvalues), 0-dim tensors (``tau``'s autograd
+        graph kept for :meth:`_marglik`)."""
         out = []
         for slot in self._layout.slots:
             values = tau[block_index(slot, tau.device)]
             if not bool((values == values[0]).all()):
                 raise ValueError(
                     f"laplace: structure={self.structure.value} needs one prior precision per layer, but layer "
-                    f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ> or "
-                    "bias_prior_precision=null"
+                    f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ>, "
+                    "bias_prior_precision=null or method.structure=kfac (which handles a bias prior exactly)"
                 )
-            out.append(float(values[0]))
+            out.append(values[0])
         return out
+
+    def _assemble_kfac(
+        self,
+        theta: Tensor,
+        curvature: dict[str, Any],
+        scale: float | Tensor,
+        tau: Tensor,
+        index: Tensor,
+        shapes: Tensor,
+    ) -> StructuredGaussian:
+        """KFAC's posterior (module docstring): eq. 3 as a ``KroneckerGaussian`` where that is exact for every layer,
+        else a ``ScaledEigenKroneckerGaussian`` with eq. 3's eigenvalues :math:`(\\sqrt Ns_G + \\sqrt\tau)(\\sqrt Ns_A +
+        \\sqrt\tau)` in the damped layers and :math:`Ns_Gs_{A'} + 1` with scale :math:`t^{1/2}` in the exact ones."""
+        factors = curvature["factors"]
+        scale = torch.as_tensor(scale, dtype=theta.dtype, device=theta.device)
+        grids = [tau[block_index(f.slot, theta.device)].view(f.slot.shape) for f in factors]
+        uniform = [bool((grid == grid.reshape(-1)[0]).all()) for grid in grids]
+        damped = self.kfac_prior is KfacPrior.DAMPED
+        if damped and all(uniform):
+            outs, ins = [], []
+            for f, grid in zip(factors, grids):
+                root = grid.reshape(-1)[0].sqrt()
+                outs.append(scale.sqrt() * f.g_factor + root * torch.eye(f.g_factor.shape[0]).to(theta))
+                ins.append(scale.sqrt() * f.a_factor + root * torch.eye(f.a_factor.shape[0]).to(theta))
+            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+        if "bases" not in curvature:  # τ-independent: one eigendecomposition per factor, kept for the next call
+            curvature["bases"] = eigenbasis(factors)
+        vecs_out, vecs_in, values, scales = [], [], [], []
+        for f, basis, grid, uni in zip(factors, curvature["bases"], grids, uniform):
+            column = grid[0]  # the prior of each input column (the bias last)
+            if not bool((grid == column).all()):
+                raise ValueError(
+                    f"laplace: structure=kfac adds the prior as I ⊗ diag(t), one precision per input column, but layer "
+                    f"{f.slot.module_index}'s prior varies across its outputs; use one prior per weight and per bias"
+                )
+            s_g, s_a, u_a = basis.eigvals_out, basis.eigvals_in, basis.eigvecs_in
+            root = column.sqrt()
+            if uni and damped:
+                grid_values = (scale.sqrt() * s_g[:, None] + root[0]) * (scale.sqrt() * s_a[None, :] + root[0])
+                root = torch.ones_like(root)
+            elif uni:  # N G ⊗ A + τI: no rescaling of A needed
+                grid_values = scale * s_g[:, None] * s_a[None, :] + column[0]
+                root = torch.ones_like(root)
+            else:  # N G ⊗ A + I ⊗ T = (I ⊗ T^½)(N G ⊗ A' + I)(I ⊗ T^½), A' = T^-½ A T^-½
+                s_a, u_a = torch.linalg.eigh(f.a_factor / (root[:, None] * root[None, :]))
+                s_a = s_a.clamp_min(0.0)
+                grid_values = scale * s_g[:, None] * s_a[None, :] + 1.0
+            vecs_out.append(basis.eigvecs_out)
+            vecs_in.append(u_a)
+            values.append(grid_values)
+            scales.append(root)
+        return ScaledEigenKroneckerGaussian(
+            theta, index, shapes, pack(vecs_out), pack(vecs_in), pack(values), torch.cat(scales)
+        )
 
     def _curvature(self, theta: Tensor, batches: Any) -> dict[str, Any]:
         """The data pass: what ``structure`` needs of the curvature. Independent of N and τ, so one pass
@@ -581,12 +678,7 @@ class Laplace(Method):
             ]
             return BlockDiagGaussian(theta, index, shapes, pack(blocks))
         if s is Structure.KFAC:
-            taus = self._layer_tau(tau)
-            outs, ins = [], []
-            for f, t in zip(curvature["factors"], taus):
-                outs.append(math.sqrt(scale) * f.g_factor + math.sqrt(t) * torch.eye(f.g_factor.shape[0]).to(theta))
-                ins.append(math.sqrt(scale) * f.a_factor + math.sqrt(t) * torch.eye(f.a_factor.shape[0]).to(theta))
-            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+            return self._assemble_kfac(theta, curvature, scale, tau, index, shapes)
         if s is Structure.EFB:
             taus = self._layer_tau(tau)
             bases = curvature["bases"]
@@ -817,4 +909,4 @@ class Laplace(Method):
             self.theta.copy_(state["theta"])
         self.optimizer.load_state_dict(state["optimizer"])
         fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
-        self._posterior = _STRUCTURE_CLASSES[self.structure](**fields) if fields else None
+        self._posterior = _posterior_class(self.structure, set(fields))(**fields) if fields else None

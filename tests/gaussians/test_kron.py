@@ -14,11 +14,11 @@ from bdl_bench.gaussians.blocks import BlockDiagGaussian, BlockGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.io import load_gaussian, save_gaussian
 from bdl_bench.gaussians.kl import _kl_dense
-from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
 
 SHAPES = [(2, 4), (3, 2)]  # D = 8 + 6
 DIM = sum(m * n for m, n in SHAPES)
-KINDS = ("block", "kron", "eigen_kron", "def", "def_full_rank", "def_zero_eig")
+KINDS = ("block", "kron", "eigen_kron", "scaled_eigen_kron", "def", "def_full_rank", "def_zero_eig")
 
 
 def _spd(n: int, g: torch.Generator) -> torch.Tensor:
@@ -40,8 +40,8 @@ def make(kind: str, g: torch.Generator) -> BlockGaussian:
         return KroneckerGaussian(
             mean, index, shapes, pack([_spd(m, g) for m, _ in SHAPES]), pack([_spd(n, g) for _, n in SHAPES])
         )
-    if kind == "eigen_kron":
-        return EigenKroneckerGaussian(
+    if kind in ("eigen_kron", "scaled_eigen_kron"):
+        fields = (
             mean,
             index,
             shapes,
@@ -49,6 +49,10 @@ def make(kind: str, g: torch.Generator) -> BlockGaussian:
             pack([_orthogonal(n, g) for _, n in SHAPES]),
             torch.rand(DIM, generator=g, dtype=torch.float64) * 3 + 0.2,
         )
+        if kind == "eigen_kron":
+            return EigenKroneckerGaussian(*fields)
+        scale = torch.rand(sum(n for _, n in SHAPES), generator=g, dtype=torch.float64) * 2 + 0.3
+        return ScaledEigenKroneckerGaussian(*fields, scale)
     ranks = {"def": [(1, 2), (2, 1)], "def_full_rank": SHAPES, "def_zero_eig": [(2, 2), (2, 2)]}[kind]
     eigenvalues = [torch.rand(r, generator=g, dtype=torch.float64) * 4 for r in ranks]
     if kind == "def_zero_eig":
@@ -78,6 +82,9 @@ def expected_precision(q: BlockGaussian) -> torch.Tensor:
             block = q._blocks[b]
         elif isinstance(q, KroneckerGaussian):
             block = torch.kron(q._outs[b], q._ins[b])
+        elif isinstance(q, ScaledEigenKroneckerGaussian):  # (Q_B ⊗ S Q_C) diag(Λ) (Q_B ⊗ S Q_C)^T
+            v = torch.kron(q._outs[b], torch.diag(q._scales[b]) @ q._ins[b])
+            block = v @ torch.diag(q._eigs[b].reshape(-1)) @ v.mT
         elif isinstance(q, EigenKroneckerGaussian):
             v = torch.kron(q._outs[b], q._ins[b])
             block = v @ torch.diag(q._eigs[b].reshape(-1)) @ v.mT

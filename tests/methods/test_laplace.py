@@ -19,7 +19,8 @@ import bdl_bench.progress as progress_module
 from bdl_bench.checkpoint import load_params, save_params
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
 from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Bernoulli, Gaussian
+from bdl_bench.gaussians.kron import ScaledEigenKroneckerGaussian
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace, load_map_parameters
@@ -301,18 +302,76 @@ def test_other_bad_values_are_refused(key: str, value: float) -> None:
         make_laplace(**{key: value})
 
 
-def test_kfac_needs_one_prior_precision_per_layer() -> None:
+def _mlp_problem(bias_prior: float | None, seed: int = 0) -> tuple[Problem, Tensor, Tensor]:
+    """A 3-4-2 ReLU MLP, softmax likelihood, 40 points (float64): two weight layers with biases."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 3, generator=g, dtype=F64)
+    y = torch.randint(0, 2, (40,), generator=g)
+    torch.manual_seed(seed)
+    model = build_model({"name": "mlp", "hidden": [4], "activation": "relu"}, in_features=3, out_features=2).to(F64)
+    prior = prior_precision_vector(model, 1.5, bias_prior)
+    return Problem(model, Categorical(), 40, prior, torch.Generator().manual_seed(seed + 1)), x, y
+
+
+def _dense_kfac_laplace(method: Laplace, problem: Problem, x: Tensor, y: Tensor) -> Tensor:
+    """N · blockdiag(G_l ⊗ A_l) + diag(τ), the Kronecker factors recomputed from the data, assembled densely."""
+    from bdl_bench.curvature.kron import kron_factors
+    from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads
+
+    theta = method.theta.detach()
+    chunks = iter_pseudo_grads(problem.model, theta, x, y, problem.likelihood, batch_size=40, kind=method.curvature)
+    precision = torch.diag(problem.prior_precision.to(F64))
+    for f in kron_factors(chunks):
+        idx = block_index(f.slot)
+        precision[idx[:, None], idx[None, :]] += problem.n_data * torch.kron(f.g_factor, f.a_factor)
+    return precision
+
+
+@pytest.mark.parametrize("kfac_prior", ["damped", "exact"])
+def test_kfac_with_a_bias_prior_is_the_dense_kronecker_laplace(kfac_prior: str) -> None:
+    """A bias prior of its own (1e-3 vs the weights' 1.5) is added exactly: N G ⊗ A + I ⊗ diag(t) per layer
+    (eq. 3's damping has no room for it, so ``damped`` uses the exact form in such layers too). Compared with the
+    dense matrix on the precision, log-determinant, variances and the sampler's covariance."""
+    problem, x, y = _mlp_problem(bias_prior=1e-3)
+    method = make_laplace(structure="kfac", curvature="ggn", kfac_prior=kfac_prior)
+    method.setup(problem)
+    method.fit(x, y, n_epochs=3, batch_size=10, data_generator=torch.Generator().manual_seed(0))
+    q = method.posterior()
+    assert isinstance(q, ScaledEigenKroneckerGaussian)
+    dense = _dense_kfac_laplace(method, problem, x, y)
+    assert_close(q.to_dense().precision, dense)
+    assert_close(q.logdet_precision(), torch.logdet(dense))
+    assert_close(q.variance(), torch.linalg.inv(dense).diagonal())
+    a = q._sample_transform(torch.eye(q.dim, dtype=F64)) - q.mean
+    assert_close(a.mT @ a, torch.linalg.inv(dense))
+    state = method.state_dict()  # the checkpoint restores this class too
+    restored = make_laplace(structure="kfac", curvature="ggn", kfac_prior=kfac_prior)
+    restored.setup(_mlp_problem(bias_prior=1e-3)[0])
+    restored.load_state_dict(state)
+    assert isinstance(restored.posterior(), ScaledEigenKroneckerGaussian)
+    assert_close(restored.posterior().to_dense().precision, dense)
+
+
+def test_kfac_exact_prior_with_one_tau_per_layer_is_the_dense_kronecker_laplace() -> None:
+    """``kfac_prior=exact`` without a bias prior: N G ⊗ A + τI (laplace-torch's KronLaplace), not eq. 3."""
+    problem, x, y = _mlp_problem(bias_prior=None)
+    method = make_laplace(structure="kfac", curvature="ggn", kfac_prior="exact")
+    method.setup(problem)
+    method.fit(x, y, n_epochs=2, batch_size=10, data_generator=torch.Generator().manual_seed(0))
+    assert_close(method.posterior().to_dense().precision, _dense_kfac_laplace(method, problem, x, y))
+
+
+def test_eq3_kfac_is_kept_without_a_bias_prior_and_efb_still_needs_one_tau_per_layer() -> None:
     problem, x, y = logistic_problem()
-    model = problem.model
-    prior = prior_precision_vector(model, 1.0, 0.01)
     method = make_laplace(structure="kfac")
-    method.setup(Problem(model, problem.likelihood, 80, prior, problem.generator))
-    with pytest.raises(ValueError, match="one prior precision per layer"):
-        method.fit(x, y, n_epochs=1, batch_size=80, data_generator=torch.Generator().manual_seed(0))
-    method = make_laplace(structure="kfac", prior_precision=2.0)  # an explicit τ overrides the run's prior
-    method.setup(Problem(model, problem.likelihood, 80, prior, problem.generator))
+    method.setup(problem)
     method.fit(x, y, n_epochs=1, batch_size=80, data_generator=torch.Generator().manual_seed(0))
-    assert method.posterior() is not None
+    assert type(method.posterior()).__name__ == "KroneckerGaussian"
+    prior = prior_precision_vector(problem.model, 1.0, 0.01)
+    method = make_laplace(structure="efb")
+    method.setup(Problem(problem.model, problem.likelihood, 80, prior, problem.generator))
+    with pytest.raises(ValueError, match="one prior precision per layer.*structure=kfac"):
+        method.fit(x, y, n_epochs=1, batch_size=80, data_generator=torch.Generator().manual_seed(0))
 
 
 def test_config_metrics_are_written(tmp_path: Path, compose_cfg) -> None:

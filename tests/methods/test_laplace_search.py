@@ -142,11 +142,21 @@ def test_search_without_validation_data_is_refused_naming_the_fix(tmp_path: Path
         ({"dataset_scale": [1], "prior_precision": [0]}, "positive"),
         ({"dataset_scale": [1], "prior_precision": [1], "tau": 3}, "unknown"),
         ({"dataset_scale": [1], "prior_precision": [1], "n_samples": 0}, "n_samples"),
+        ({"dataset_scale": [1], "prior_precision": {"logspace": [0, 1]}}, "logspace"),
+        ({"dataset_scale": [1], "prior_precision": {"linspace": [0, 1, 3]}}, "logspace"),
     ],
 )
 def test_bad_search_settings_are_refused(search: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make_laplace(search=search)
+
+
+def test_a_logspace_grid_gives_its_values() -> None:
+    """DEF App. E.3.1's 100 values of τ are written {logspace: [a, b, 100]} (conf/experiment/def_table1.yaml)."""
+    method = make_laplace(search={"dataset_scale": [1, 50000], "prior_precision": {"logspace": [-2, 6, 100]}})
+    grid = method.search.prior_precision
+    assert len(grid) == 100 and grid[0] == pytest.approx(1e-2) and grid[-1] == pytest.approx(1e6)
+    assert grid[1] / grid[0] == pytest.approx(10 ** (8 / 99))
 
 
 def test_a_run_writes_the_search_csv_and_the_chosen_point(tmp_path: Path, compose_cfg) -> None:
