@@ -76,6 +76,7 @@ from bdl_bench.methods._layerwise_vi import (
 )
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
+from bdl_bench.methods.gmfvi import on_host
 
 _BIAS_FACTOR_SCALE = 0.01  # initial scale of the bias part of v_k (authors' code)
 
@@ -127,9 +128,12 @@ def _lemma2(blocks: list[_Block], alpha: float) -> tuple[Tensor, Tensor]:
     return 0.5 * (total - logdet_gram), torch.cholesky_inverse(chol)
 
 
-def _add_factor_grad(b: _Block, gram_inv: Tensor, scale: float, out: Tensor) -> Tensor:
+def _add_factor_grad(b: _Block, gram_inv: Tensor, scale: float | Tensor, out: Tensor) -> Tensor:
     r"""``out += scale·(λ∘V^T − G^{-1} V^T C^{-1})`` in place, ``(K, D_b)``: Lemma 2's
-    :math:`\partial\mathrm{KL}/\partial V^\top` is this with ``scale`` = α (see :func:`elrg_kl`)."""
+    :math:`\partial\mathrm{KL}/\partial V^\top` is this with ``scale`` = α (see :func:`elrg_kl`). A 0-dim
+    tensor ``scale`` (a weight on the device, never read on the host) scales the unit-weight gradient."""
+    if isinstance(scale, Tensor):
+        return out.add_(_add_factor_grad(b, gram_inv, 1.0, torch.zeros_like(out)).mul_(scale))
     if b.scaled is None and b.lam_factor is None:  # constant diagonal and prior: one (K, K) x (K, D_b) product
         eye = torch.eye(gram_inv.shape[0], dtype=gram_inv.dtype, device=gram_inv.device)
         return out.addmm_((b.lam * eye - gram_inv / b.diag) * scale, b.factor)
@@ -142,7 +146,7 @@ def _add_factor_grad(b: _Block, gram_inv: Tensor, scale: float, out: Tensor) -> 
     return out.add_(b.factor, alpha=scale * b.lam)
 
 
-def _diag_grad(b: _Block, gram_inv: Tensor, alpha: float, g: float) -> Tensor:
+def _diag_grad(b: _Block, gram_inv: Tensor, alpha: float, g: float | Tensor) -> Tensor:
     r"""Lemma 2's :math:`g\,\partial\mathrm{KL}/\partial c = \tfrac g2(\lambda - 1/c + \alpha\,
     \operatorname{diag}(C^{-1} V G^{-1} V^\top C^{-1}))` of a block with a learned diagonal, ``(D_b,)``."""
     curvature = (gram_inv @ b.scaled).mul_(b.scaled).sum(0)
@@ -163,7 +167,8 @@ class _LowRankCovKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        alpha, gram_inv, gk = ctx.alpha, ctx.gram_inv, float(g)
+        alpha, gram_inv = ctx.alpha, ctx.gram_inv
+        gk = float(g) if on_host(g) else g  # on a device a 0-dim tensor: no synchronisation
         grads: list[Tensor | None] = [None]
         for i, b in enumerate(ctx.blocks):
             need_mean, need_factor, need_diag = ctx.needs_input_grad[1 + 4 * i : 4 + 4 * i]
@@ -306,7 +311,10 @@ class _ElrgTerms(torch.autograd.Function):
         plan, sizes = ctx.plan, ctx.sizes
         n_params, n_factors = len(sizes), len(plan.grad_factors)
         g_means, g_factors_in = g_parts[:n_params], g_parts[n_params : n_params + n_factors]
-        gk = 0.0 if g_kl is None else float(g_kl)
+        # the KL's weight: a number on the host; on a device a 0-dim tensor (no synchronisation)
+        gk: Tensor | float = 0.0 if g_kl is None else float(g_kl) if on_host(g_kl) else g_kl
+        on_device = isinstance(gk, Tensor)
+        weighted = on_device or gk != 0.0
         need_mean, need_rho, need_factors = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         g_mean = gather_part_grads(g_means, sizes, plan.grad_mean) if need_mean else None
         g_var = None  # d L / d sigma^2, then d L / d rho
@@ -320,15 +328,17 @@ class _ElrgTerms(torch.autograd.Function):
                 if need_factors[f]:
                     out = plan.grad_factors[f]
                     gather_part_grads((g_factors_in[f],), [out.numel()], out.view(-1))  # the network's part
-                    if gk:
+                    if weighted:
                         _add_factor_grad(b, gram_inv, plan.alpha * gk, out.view(out.shape[0], -1))
                     g_factors[f] = out.view_as(out)  # a fresh view: AccumulateGrad keeps it as .grad
-                if gk and mean_segments is not None:  # + g lambda mu
-                    if isinstance(b.lam, Tensor):
+                if weighted and mean_segments is not None:  # + g lambda mu
+                    if on_device:
+                        mean_segments[p].addcmul_(b.mean, b.lam * gk)
+                    elif isinstance(b.lam, Tensor):
                         mean_segments[p].addcmul_(b.lam, b.mean, value=gk)
                     else:
                         mean_segments[p].add_(b.mean, alpha=gk * b.lam)
-                if gk and var_segments is not None:
+                if weighted and var_segments is not None:
                     var_segments[p].add_(_diag_grad(b, gram_inv, plan.alpha, gk))
         if g_var is not None:  # * d sigma^2 / d rho = 2 sigma sigmoid(rho)
             g_var.mul_(std).mul_(torch.sigmoid(rho, out=plan.buffers.work)).mul_(2.0)

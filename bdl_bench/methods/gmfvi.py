@@ -25,17 +25,17 @@ microseconds of Python and autograd bookkeeping per operation. Fresh ``(D,)`` te
 passes over them (each is mapped anew by the allocator, so every page is faulted in). Hence:
 :func:`mean_field_terms` evaluates :math:`\sigma^2` and the KL together and writes their gradient by
 hand, in four reused buffers (:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``):
-:math:`\sigma` and :math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``exp`` and one ``log1p``
-(:func:`softplus_and_ratio`; ``F.softplus`` alone costs more than both, ``torch.sigmoid`` a quarter of
-that again), :math:`\partial/\partial\rho` is then three passes (:class:`_MeanFieldTerms`), and the KL's
-:math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`_sum_log2`, safe by
+:math:`\sigma` and :math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``torch.sigmoid`` and one
+``log1p`` where :math:`\rho \in [-80, 1]`, else one ``exp`` and one ``log1p`` (:func:`softplus_and_ratio`;
+``F.softplus`` alone costs more than both), :math:`\partial/\partial\rho` is then three passes
+(:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`_sum_log2`, safe by
 the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training step
 the layers' hand-written backward (:func:`local_linear`) writes the gradients of their parameters
 straight into those buffers (``mm(out=...)``), and the parts they run on are plain views kept from step
 to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping per part; where every
 :math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer with a bias skips
 the clamp of its output variance and its mask. A prior precision shared by all parameters is one number.
-What remains beyond the 2× products is one ``exp`` and one ``log1p`` over D, about a dozen cheap passes
+What remains beyond the 2× products is one ``sigmoid`` and one ``log1p`` over D, about a dozen cheap passes
 over D, the noise and (fused) Adam: on the MNIST MLP (784-400-400-10, batch 200, one thread) some
 2.7–2.85× an SGD step (``scripts/bench_step.py``; the noise, ``exp``/``log1p`` and Adam alone take about
 half of the 0.5× above the products' 2×).
@@ -89,6 +89,13 @@ class MeanFieldScratch:
         return cls(*(torch.empty_like(t) for _ in range(4)))
 
 
+def on_host(t: Tensor) -> bool:
+    """Whether ``t`` is in host memory, where reading a number from it (``float``, a branch on a value)
+    costs nothing; elsewhere (CUDA) it would wait for the device, so the training steps keep such numbers
+    as tensors there (tests patch this to check the device path on a CPU)."""
+    return t.device.type == "cpu"
+
+
 def uniform_value(t: Tensor) -> Tensor | float:
     """``t``'s one value as a float if all its entries are equal (a prior precision shared by all
     coordinates, the usual case: the passes then read one tensor fewer), else ``t``."""
@@ -97,26 +104,44 @@ def uniform_value(t: Tensor) -> Tensor | float:
 
 
 _SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x, at or below it log1p(exp(x))
-_EXP_THRESHOLD = math.exp(_SOFTPLUS_THRESHOLD)
+# where every rho lies in this range, sigma and sigmoid/sigma come from torch.sigmoid (a fast exponential):
+# below -80 sigmoid nears float32's subnormals, above 1 the rounding of 1 - sigmoid(rho) grows past 3 ulp
+_SIGMOID_RANGE = (-80.0, 1.0)
+
+
+def _softplus_bound(x: float) -> float:
+    """``F.softplus`` of one number, in double precision (NaN stays NaN, no overflow)."""
+    return x if x > _SOFTPLUS_THRESHOLD else math.log1p(math.exp(x))
 
 
 def softplus_and_ratio(rho: Tensor, std: Tensor, ratio: Tensor, work: Tensor) -> tuple[Tensor, Tensor, float, float]:
     r""":math:`\sigma = \operatorname{softplus}(\rho)` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`,
-    written into ``std`` and ``ratio`` (``work``: scratch), and bounds on :math:`\sigma`, ``(low, high)``.
+    written into ``std`` and ``ratio`` (``work``: scratch), and bounds on :math:`\sigma`, ``(low, high)``
+    (:math:`\operatorname{softplus}` of the range of :math:`\rho`: it is increasing).
 
-    From one exponential :math:`e = \exp\rho` where :math:`\max e < \exp(20)` (``F.softplus``'s threshold:
-    below it, its formula is this one): :math:`\sigma = \operatorname{log1p}(e)` (the two differ by an ulp
-    or two of rounding) and :math:`r = e / (\sigma (1 + e))` (:math:`\operatorname{sigmoid}(\rho) = e/(1+e)`,
-    exact to a few ulp, where ``torch.sigmoid`` underflows to 0 for :math:`\rho < -88` in float32 and this
-    keeps the subnormal :math:`e`). Two transcendental passes where ``F.softplus`` and ``torch.sigmoid``
-    take three times as long; the bounds come from the range of :math:`e` (softplus is increasing), read
-    while it is still in cache. Else ``F.softplus`` and ``torch.sigmoid`` (above the threshold softplus is
-    :math:`\rho` itself, and :math:`e` may overflow).
+    Where every :math:`\rho` lies in :math:`[-80, 1]` (the usual case: :math:`\sigma \le 1.31`), from one
+    ``torch.sigmoid`` :math:`s` (half the time of ``torch.exp``): :math:`\sigma = -\operatorname{log1p}(-s)`
+    (:math:`= \log(1 + e^\rho)`, within 3 ulp of ``F.softplus`` there; below :math:`-80` :math:`s` nears
+    the subnormals, above 1 the rounding of :math:`1 - s` grows) and :math:`r = s/\sigma`. Else, where
+    :math:`\rho \le 20` (``F.softplus``'s threshold: below it, its formula is this one), from one
+    exponential :math:`e = \exp\rho`: :math:`\sigma = \operatorname{log1p}(e)` and
+    :math:`r = e / (\sigma (1 + e))` (``torch.sigmoid`` underflows to 0 for :math:`\rho < -88` in float32;
+    this keeps the subnormal :math:`e`). Else ``F.softplus`` and ``torch.sigmoid`` (above the threshold
+    softplus is :math:`\rho` itself, and :math:`e` may overflow). ``F.softplus`` and ``torch.sigmoid``
+    alone take three times as long as either fast path. Off the host (:func:`on_host`), ``F.softplus`` and
+    ``torch.sigmoid`` with no bounds (NaN), so that nothing waits for the device.
     """
-    e = torch.exp(rho, out=ratio)
-    low, high = (float(v) for v in torch.aminmax(e))
-    bounds = math.log1p(low), math.log1p(high)  # NaN for NaN, inf for inf: no bound then
-    if high < _EXP_THRESHOLD:  # False for NaN too
+    if not on_host(rho):  # no bounds: reading them would wait for the device; its passes are cheap
+        torch.ops.aten.softplus.out(rho, 1.0, _SOFTPLUS_THRESHOLD, out=std)  # F.softplus, into the buffer
+        return std, torch.sigmoid(rho, out=ratio).div_(std), math.nan, math.nan
+    low_rho, high_rho = (float(v) for v in torch.aminmax(rho))
+    bounds = _softplus_bound(low_rho), _softplus_bound(high_rho)  # NaN for NaN: no bound then
+    if _SIGMOID_RANGE[0] <= low_rho and high_rho <= _SIGMOID_RANGE[1]:  # False for NaN too
+        s = torch.sigmoid(rho, out=ratio)
+        torch.log1p(torch.neg(s, out=std), out=std).neg_()  # softplus(rho) = -log(1 - sigmoid(rho))
+        return std, ratio.div_(std), *bounds
+    if high_rho <= _SOFTPLUS_THRESHOLD:
+        e = torch.exp(rho, out=ratio)
         torch.log1p(e, out=std)
         return std, torch.div(e, torch.addcmul(std, std, e, out=work), out=e), *bounds  # e / (sigma (1 + e))
     torch.ops.aten.softplus.out(rho, 1.0, _SOFTPLUS_THRESHOLD, out=std)  # F.softplus, into the buffer
@@ -155,7 +180,7 @@ def _sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
     r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch, or none:
     the logarithms of products of entries (:func:`_sum_log2`, bounded by ``x``'s smallest and largest
     entry); of a few entries (fewer than 4096), one logarithm each."""
-    if x.numel() < _FEW:
+    if x.numel() < _FEW or not on_host(x):  # on a device: no bounds to read (they would wait for it)
         return torch.log(x).sum()
     low, high = torch.aminmax(x)
     if out is None:  # room for the products and their logarithms (x.numel() // 2 >= 2 x.numel() // k)
@@ -225,7 +250,9 @@ class _MeanFieldTerms(torch.autograd.Function):
     def backward(ctx: Any, g_kl: Tensor | None, *g_parts: Tensor | None) -> tuple[Tensor | None, ...]:
         mean, var, ratio = ctx.saved_tensors
         lam, sizes, (grad_mean, grad_rho), sink = ctx.lam, ctx.sizes, ctx.grad_buffers, ctx.sink
-        gk = 0.0 if g_kl is None else float(g_kl)
+        # the KL's weight: a number on the host; on a device a 0-dim tensor (no synchronisation)
+        gk: Tensor | float = 0.0 if g_kl is None else float(g_kl) if on_host(g_kl) else g_kl
+        on_device = isinstance(gk, Tensor)
         if sink is not None:  # the parts' gradients are in the buffers already, where a layer wrote them
             for i, (g_mean_part, g_var_part) in enumerate(zip(sink.grad_mean_parts, sink.grad_var_parts)):
                 if i not in sink.written:
@@ -235,18 +262,23 @@ class _MeanFieldTerms(torch.autograd.Function):
         g_mean = g_rho = None
         if ctx.needs_input_grad[0]:
             g_mean = grad_mean if sink is not None else gather_part_grads(g_mean_parts, sizes, grad_mean)
-            if gk and isinstance(lam, Tensor):
-                g_mean.addcmul_(lam, mean, value=gk)  # + g lam mu
+            if on_device:
+                g_mean.addcmul_(mean, lam * gk)  # + g lam mu
+            elif gk and isinstance(lam, Tensor):
+                g_mean.addcmul_(lam, mean, value=gk)
             elif gk:
                 g_mean.add_(mean, alpha=gk * lam)
         if ctx.needs_input_grad[1]:
             g_rho = grad_rho if sink is not None else gather_part_grads(g_var_parts, sizes, grad_rho)  # d/dvar
-            if gk and isinstance(lam, Tensor):
-                g_rho.add_(lam, alpha=0.5 * gk)  # d/dvar + g lam / 2
+            if on_device:
+                g_rho.add_(lam * (0.5 * gk))  # d/dvar + g lam / 2
+            elif gk and isinstance(lam, Tensor):
+                g_rho.add_(lam, alpha=0.5 * gk)
             elif gk:
                 g_rho.add_(0.5 * gk * lam)
             # ((2 d/dvar + g lam) var - g) * sigmoid / sigma, one pass each
-            torch.addcmul(var.new_full((), -gk), g_rho, var, value=2.0, out=g_rho).mul_(ratio)
+            neg_gk = -gk if on_device else var.new_full((), -gk)
+            torch.addcmul(neg_gk, g_rho, var, value=2.0, out=g_rho).mul_(ratio)
         # fresh views of the buffers: AccumulateGrad then keeps them as .grad instead of copying
         g_mean, g_rho = (None if g is None else g.view_as(g) for g in (g_mean, g_rho))
         return g_mean, g_rho, None, None, None, None, None, None, None, None

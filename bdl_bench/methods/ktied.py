@@ -78,7 +78,7 @@ from bdl_bench.methods._layerwise_vi import (
 )
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import diag_kl, uniform_value
+from bdl_bench.methods.gmfvi import diag_kl, on_host, uniform_value
 
 _INIT_JITTER = 0.1  # log-scale jitter of the initial factors (symmetry breaking)
 
@@ -271,7 +271,8 @@ class KTiedNormalVI(LayerwiseVI):
             var = ktied_variance(a, *terms.factors[pos], bias_var)
             # a bias variance of at least tiny keeps the sum there: sqrt_or_tiny's clamp would do nothing
             tiny = torch.finfo(var.dtype).tiny
-            unclamped = bias_var is not None and float(bias_var.detach().min()) >= tiny
+            # off the host the clamp stays (reading the minimum would wait for the device)
+            unclamped = bias_var is not None and on_host(bias_var) and float(bias_var.detach().min()) >= tiny
             eps = standard_normal(tuple(mean.shape), g, mean)
             return torch.addcmul(mean, var.sqrt() if unclamped else sqrt_or_tiny(var), eps)
         # nn.Conv2d: one more convolution, with the materialised variances (tied or not)

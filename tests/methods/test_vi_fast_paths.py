@@ -1,0 +1,129 @@
+"""The layer-wise VI steps' fast paths against slow twins over several steps (float64): GMFVI's fused step
+against plain autograd and a plain Adam, the sigmoid-based softplus, and the device paths (no host reads)
+against the host paths, checked on the CPU by patching ``on_host``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _vi_helpers import make_method, make_problem
+from torch.testing import assert_close
+
+from bdl_bench.likelihoods import Gaussian
+from bdl_bench.methods import elrg, gmfvi, ktied
+from bdl_bench.methods.bbb import local_reparam_linear
+from bdl_bench.methods.gmfvi import softplus_and_ratio
+
+F64 = torch.float64
+N_STEPS = 5
+
+
+def _data(dtype: torch.dtype = F64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(7, 3, generator=g, dtype=dtype), torch.randn(7, generator=g, dtype=dtype)
+
+
+def _reference_gmfvi_run(method: gmfvi.GaussianMeanFieldVI, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The slow twin of ``N_STEPS`` GMFVI steps from the method's initial state: ``F.softplus``, the
+    closed-form KL with ``log sigma``, ``bbb.local_reparam_linear`` (the same noise, in the same order)
+    and a plain (unfused, per-tensor) ``torch.optim.Adam``. Returns mean and rho after each step."""
+    problem = method.problem
+    mean = method.mean.detach().clone().requires_grad_(True)
+    rho = method.rho.detach().clone().requires_grad_(True)
+    adam = torch.optim.Adam([mean, rho], lr=method.lr, foreach=False, fused=False)
+    lam = problem.prior_precision
+    states = []
+    for step in range(1, N_STEPS + 1):
+        adam.zero_grad()
+        std = F.softplus(rho)
+        means, variances = method.split_params(mean), method.split_params(std**2)
+        h = x.unsqueeze(0).expand(method.n_train_mc_samples, *x.shape)
+        for module in problem.model.children():
+            layer = method._layer_of.get(module)
+            if layer is None:
+                h = module(h)
+                continue
+            w, b = layer.weight_param, layer.bias_param
+            h = local_reparam_linear(h, means[w], variances[w], means[b], variances[b], problem.generator)
+        nll = torch.stack([problem.likelihood.nll(f, y) for f in h]).mean()
+        kl = 0.5 * (lam * (std**2 + mean**2) - 1 - torch.log(lam)).sum() - torch.log(std).sum()
+        (nll + method.kl_weight(step) * kl / problem.n_data).backward()
+        adam.step()
+        states.append(torch.cat([mean.detach(), rho.detach()]))
+    return states
+
+
+def _run(method: object, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    states = []
+    for _ in range(N_STEPS):
+        method.train_step(x, y)
+        states.append(torch.cat([method.mean.detach(), *(v.detach().flatten() for v in method.variational.values())]))
+    return states
+
+
+@pytest.mark.parametrize("n_samples", [1, 2])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_gmfvi_steps_match_the_plain_autograd_twin(
+    monkeypatch: pytest.MonkeyPatch, n_samples: int, device_path: bool
+) -> None:
+    """Five fused GMFVI steps (sigmoid-based softplus, hand-written backwards, fused Adam) follow the plain
+    twin in float64; so does the device path (no bounds read, the KL weight kept as a tensor)."""
+    if device_path:
+        monkeypatch.setattr(gmfvi, "on_host", lambda t: False)
+    problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=F64, n_data=40)
+    method = make_method("gmfvi", init_std=0.05, n_train_mc_samples=n_samples, kl_annealing_steps=3, lr=0.05)
+    method.setup(problem)
+    x, y = _data()
+    problem.generator.manual_seed(11)
+    reference = _reference_gmfvi_run(method, x, y)
+    problem.generator.manual_seed(11)
+    for got, expected in zip(_run(method, x, y), reference, strict=True):
+        assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(reference[0], reference[-1])  # the steps moved
+
+
+@pytest.mark.parametrize("kind", ["ktied", "elrg", "elrg_d"])
+def test_device_paths_of_ktied_and_elrg_match_their_host_paths(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """k-tied and ELRG(-D) with every host read replaced by tensor arithmetic (as on a GPU) take the
+    same five steps as on the host, in float64."""
+    x, y = _data()
+
+    def run(device_path: bool) -> list[torch.Tensor]:
+        if device_path:
+            for module in (gmfvi, ktied, elrg):
+                monkeypatch.setattr(module, "on_host", lambda t: False)
+        problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=F64, n_data=40)
+        method = make_method(kind, kl_annealing_steps=3, lr=0.05)
+        method.setup(problem)
+        problem.generator.manual_seed(11)
+        states = _run(method, x, y)
+        monkeypatch.undo()
+        return states
+
+    host, device = run(False), run(True)
+    for got, expected in zip(device, host, strict=True):
+        assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(host[0], host[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sigmoid_path_of_softplus_matches_torch(dtype: torch.dtype) -> None:
+    """Where every rho is in [-80, 1] sigma comes from torch.sigmoid (-log1p(-sigmoid)); it agrees with
+    F.softplus and sigmoid / sigma with torch.sigmoid to a few ulp, and the bounds hold."""
+    rho = torch.linspace(-80.0, 1.0, 200_001, dtype=dtype)
+    std, ratio, low, high = softplus_and_ratio(rho, *(torch.empty_like(rho) for _ in range(3)))
+    eps = torch.finfo(dtype).eps
+    assert_close(std, F.softplus(rho), rtol=4 * eps, atol=0.0)
+    assert_close(ratio * std, torch.sigmoid(rho), rtol=8 * eps, atol=0.0)
+    assert low <= float(std.min()) * (1 + 8 * eps) and float(std.max()) <= high * (1 + 8 * eps)
+
+
+def test_softplus_off_the_host_reads_no_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the host softplus_and_ratio is F.softplus and torch.sigmoid, with NaN bounds (nothing read)."""
+    monkeypatch.setattr(gmfvi, "on_host", lambda t: False)
+    rho = torch.linspace(-90.0, 30.0, 1001, dtype=F64)
+    std, ratio, low, high = softplus_and_ratio(rho, *(torch.empty_like(rho) for _ in range(3)))
+    assert torch.equal(std, F.softplus(rho))
+    assert_close(ratio * std, torch.sigmoid(rho))
+    assert low != low and high != high
