@@ -3,14 +3,17 @@
 1. The experiment's sweep (``hydra.sweeper.params`` of ``conf/experiment/<experiment>.yaml``, with any
    ``key=values`` given on the command line in place of the experiment's) is expanded into jobs; a
    dataset's splits beyond its ``protocol.n_splits`` are dropped.
-2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``),
-   each job's Optuna study runs first, into ``<results_root>/<experiment_name>_tuning/<job folder>``;
-   a finished study of the same config is not run again.
+2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``):
+   a tune config with a ``search`` node (``slang_table2``) makes every job search its splits' values
+   itself, the trials of all its splits stacked (:mod:`bdl_bench.search`), before its test runs; a tune
+   config of the Optuna sweeper runs each job's study first, into
+   ``<results_root>/<experiment_name>_tuning/<job folder>``. A finished search or study of the same config
+   is not run again.
 3. The test runs run as Hydra sweeps (one per group of datasets with the same sweep), with the joblib launcher on ``--jobs`` cores
    unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
    killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
-   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`) unless they are tuned (each
-   split then has its own precisions).
+   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`) unless they are tuned by an
+   Optuna sweeper study (a stacked search's test runs stack, each split with its own values).
 4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
    printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
@@ -47,12 +50,14 @@ from bdl_bench.results import (
     read_failure,
     stored_config_hash,
 )
+from bdl_bench.search import apply_searched
 from bdl_bench.sweep import summarise, version_warnings
 from bdl_bench.tuning import STUDY_RESULTS_FILE, apply_tuned, override_dirname
 
 QUICK_SPLITS = 2
 QUICK_EPOCHS = 3
 QUICK_TRIALS = 4
+QUICK_SEARCH = {"n_random": 2, "n_guided": 2, "round_size": 2}  # --quick: 4 trials per split, in 2 rounds
 STUDY_RECORD_FILE = "study.json"
 
 
@@ -166,9 +171,19 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
         raise SystemExit(f"bdl-bench reproduce: the sweep of {experiment} {dict(params)} expands to no run")
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
+    if tuned and _stacked_search(experiment):  # every job searches its own splits (bdl_bench.search)
+        fixed.append(f"tune={experiment}")
+        fixed += [f"search.{k}={v}" for k, v in QUICK_SEARCH.items()] if quick else []
+        tuned = False
     tuning_dir = sweep_dir.with_name(f"{sweep_dir.name}_tuning") if tuned else None
     stack = values.get("data.split") == ["all"]
     return Plan(experiment, config, fixed, launcher, sweeper, keys, jobs, sweep_dir, tuning_dir, stack_splits=stack)
+
+
+def _stacked_search(experiment: str) -> bool:
+    """Whether ``conf/tune/<experiment>.yaml`` is a stacked search (a ``search`` node, :mod:`bdl_bench.search`)
+    rather than an Optuna sweeper (one Hydra job per trial)."""
+    return "search" in (yaml.safe_load((CONF_DIR / "tune" / f"{experiment}.yaml").read_text()) or {})
 
 
 def _quoted(key: str, path: Path) -> str:
@@ -279,7 +294,8 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
             continue
         try:
             cfg = _load(overrides, multirun=False)
-            current = config_hash(_task_container(apply_tuned(cfg, overrides, plan.dirname_settings)))
+            cfg = apply_searched(apply_tuned(cfg, overrides, plan.dirname_settings), run_dir)
+            current = config_hash(_task_container(cfg))
         except Exception as error:  # noqa: BLE001 - any failure to recompose means it cannot be vouched for
             found.append((run_dir, f"its overrides no longer compose ({type(error).__name__}: {error})"))
             continue

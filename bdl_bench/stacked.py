@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,21 +93,27 @@ def member_config(cfg: DictConfig, split: int) -> DictConfig:
 
 def run_stack(
     cfg: DictConfig,
-    member_dirs: Mapping[int, Path],
+    member_dirs: Mapping[Hashable, Path],
     stack_dir: Path,
     *,
+    member_configs: Mapping[Hashable, DictConfig] | None = None,
     epoch_hook: EpochHook | None = None,
-) -> dict[int, RunResult]:
+) -> dict[Hashable, RunResult]:
     """Fit ``cfg``'s method on the splits ``member_dirs`` names, stacked; write each split's run folder.
 
     Args:
         cfg: the job's config (its ``data.split`` is ignored: the splits are ``member_dirs``' keys).
-        member_dirs: split → its run folder.
+        member_dirs: split → its run folder (any key → run folder with ``member_configs``).
         stack_dir: the job's folder (the stack's checkpoint).
+        member_configs: the config of each member, where members are not just splits of ``cfg``: the
+            trials of a stacked search (:mod:`bdl_bench.search`), or tuned test runs, whose noise
+            precision, prior precision and the method's ``replica_options`` may differ (all else must be
+            ``cfg``'s).
         epoch_hook: called with the epoch number after each epoch's rows and checkpoint are written.
 
     Raises:
-        ValueError: when the splits differ in size or width or the data are augmented.
+        ValueError: when the splits differ in size or width or the data are augmented, or the members in
+            a shared setting (model, trainer, seeds).
         NotImplementedError: when the method cannot stack.
     """
     splits = list(member_dirs)
@@ -115,8 +121,9 @@ def run_stack(
     if trainer.threads is not None:
         torch.set_num_threads(int(trainer.threads))
     device, dtype, seed = resolve_device(str(trainer.device)), resolve_dtype(str(trainer.dtype)), int(trainer.seed)
-    members = {k: member_config(cfg, k) for k in splits}
+    members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in splits}
     configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
+    _check_shared(cfg, configs)
     hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
     stack_hash = config_hash({"members": [hashes[k] for k in splits]})
     stack_dir = Path(stack_dir)
@@ -145,8 +152,13 @@ def run_stack(
         out_features=first.n_outputs,
     ).to(device, dtype)
     likelihoods = {k: build_likelihood(datasets[k], _cfg_get(members[k], "noise_precision")) for k in splits}
-    prior = prior_precision_vector(model, float(cfg.prior_precision), _cfg_get(cfg, "bias_prior_precision"))
-    method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
+    priors = {
+        k: prior_precision_vector(model, float(m.prior_precision), _cfg_get(m, "bias_prior_precision"))
+        for k, m in members.items()
+    }
+    method = build_method(configs[splits[0]]["method"])  # type: ignore[index]
+    if member_configs is not None:
+        method.configure_replicas([configs[k]["method"] for k in splits])  # type: ignore[index]
     method_generator = torch.Generator(device=device).manual_seed(seed + 1)
     data_generator = torch.Generator().manual_seed(seed + 2)
     eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in splits}
@@ -155,7 +167,7 @@ def run_stack(
             model=model,
             likelihood=likelihoods[k],
             n_data=first.n_train,
-            prior_precision=prior,
+            prior_precision=priors[k],
             generator=method_generator,
         )
         for k in splits
@@ -233,7 +245,7 @@ def run_stack(
             method.replica(r),
             likelihood=likelihoods[k],
             dataset=datasets[k],
-            prior=prior,
+            prior=priors[k],
             config_hash_=hashes[k],
             train_time=train_time,
             eval_generator=eval_generators[k],
@@ -241,6 +253,18 @@ def run_stack(
         )
     checkpoint_path.unlink(missing_ok=True)
     return results
+
+
+_SHARED = ("model", "trainer", "likelihood")  # what every member of a stack shares (one network, one loop)
+
+
+def _check_shared(cfg: DictConfig, configs: Mapping[Hashable, Any]) -> None:
+    """Refuse members that differ from ``cfg`` in what the stack shares, naming the key."""
+    job = OmegaConf.to_container(cfg, resolve=True)
+    for key in _SHARED:
+        for member, config in configs.items():
+            if config.get(key) != job.get(key):  # type: ignore[union-attr]
+                raise ValueError(f"stacked member {member}: its {key} differs from the job's; a stack shares {key}")
 
 
 def _check_stackable(datasets: Mapping[int, Any], cfg: DictConfig) -> None:

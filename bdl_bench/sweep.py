@@ -48,6 +48,7 @@ from bdl_bench.results import (
     write_failure,
 )
 from bdl_bench.runner import EpochHook, run
+from bdl_bench.search import has_search, tuned_members, write_split_trials
 from bdl_bench.stacked import member_config, run_stack, stacked_splits
 from bdl_bench.tuning import apply_tuned
 
@@ -100,7 +101,7 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = _task_overrides()
-    if stacked_splits(cfg) is not None:
+    if stacked_splits(cfg) is not None or has_search(cfg):  # a search stacks its trials, even of one split
         return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
     force = bool(OmegaConf.select(cfg, "force", default=False))
     config: dict[str, Any] = {}
@@ -217,9 +218,13 @@ def run_stacked_job(
     force = bool(OmegaConf.select(cfg, "force", default=False))
     if OmegaConf.select(cfg, "tuned_from") is not None:
         raise ValueError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
-    splits = stacked_splits(cfg) or []
+    splits = stacked_splits(cfg) or [int(cfg.data.split)]
     dirs = member_dirs(run_dir, overrides, splits)
-    hashes = {k: config_hash(OmegaConf.to_container(member_config(cfg, k), resolve=True)) for k in splits}  # type: ignore[arg-type]
+    members = {k: member_config(cfg, k) for k in splits}
+    if has_search(cfg):  # each split's test run with its own best values (bdl_bench.search)
+        members = tuned_members(cfg, run_dir, splits)
+        write_split_trials(run_dir, dirs)
+    hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
     todo = {}
     conflicts: list[ConfigVersionError] = []
     for k, d in dirs.items():
@@ -227,7 +232,7 @@ def run_stacked_job(
             if not _finished(d, hashes[k], force):
                 todo[k] = d
         except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
-            _record_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), _with_split(overrides, k))  # type: ignore[arg-type]
+            _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
             conflicts.append(error)
     if conflicts:
         raise conflicts[0]
@@ -237,13 +242,13 @@ def run_stacked_job(
             if overrides:  # what a single run's Hydra folder records (reproduce re-composes runs from it)
                 atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
         try:
-            run_stack(cfg, todo, run_dir, epoch_hook=epoch_hook)
+            run_stack(cfg, todo, run_dir, member_configs={k: members[k] for k in todo}, epoch_hook=epoch_hook)
         except CannotStack as reason:
             print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
-            _run_one_by_one(cfg, todo, overrides, epoch_hook)
+            _run_one_by_one(members, todo, overrides, epoch_hook)
         except Exception as error:
             for k, d in todo.items():
-                _record_failure(d, error, OmegaConf.to_container(member_config(cfg, k)), overrides)  # type: ignore[arg-type]
+                _record_failure(d, error, OmegaConf.to_container(members[k]), overrides)  # type: ignore[arg-type]
             if os.environ.get("SUBMITIT_EXECUTOR"):
                 _exit_with_failure_status()
             raise
@@ -256,13 +261,15 @@ def run_stacked_job(
     return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
 
 
-def _run_one_by_one(cfg: DictConfig, todo: dict[int, Path], overrides: list[str], epoch_hook: EpochHook | None) -> None:
+def _run_one_by_one(
+    members: dict[int, DictConfig], todo: dict[int, Path], overrides: list[str], epoch_hook: EpochHook | None
+) -> None:
     """The splits of a job whose method cannot stack, each as its single run in its own folder (as a sweep
     of single jobs would run them: a failed split is recorded and the others still run; the first failure
     is raised at the end)."""
     first_error: Exception | None = None
     for k, d in todo.items():
-        member = member_config(cfg, k)
+        member = members[k]
         try:
             run(member, d, epoch_hook=epoch_hook)
         except Exception as error:

@@ -27,7 +27,10 @@ def test_plan_expands_the_sweep_and_drops_splits_a_dataset_lacks() -> None:
     assert plan.keys == ["method", "data", "data.split"]
     assert len(plan.jobs) == 6 + 5  # protein has 5 splits
     assert ["method=bbb", "data=uci/protein", "data.split=4"] in plan.jobs
-    assert plan.tuning_dir is not None and plan.tuning_dir.name == "slang_table2_tuning"
+    # slang_table2's tuning is a stacked search inside each job (bdl_bench/search.py), not a study per job
+    assert plan.tuning_dir is None and "tune=slang_table2" in plan.fixed
+    fixed = make_plan("slang_table2", ["method=bbb", "data=uci/yacht"], quick=False, tune=False)
+    assert not any(o.startswith("tune=") for o in fixed.fixed)
     quick = make_plan("slang_table2", ["method=bbb,dropout", "data=uci/yacht"], quick=True, tune=False)
     assert len(quick.jobs) == 2 * 2 and quick.tuning_dir is None
     assert "trainer.n_epochs=3" in quick.fixed and quick.sweep_dir.name == "slang_table2_quick"
@@ -87,20 +90,19 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     runs = tmp_path / "slang_table2_quick"
     assert (runs / "reproduce.md").read_text().startswith("# slang_table2 (--quick")
     assert "agrees_rmse" in (runs / "reproduce.csv").read_text()
-    run_dir = runs / "data.split=0,data=uci/boston,method=bbb,trainer.n_epochs=3"
-    study = tmp_path / "slang_table2_quick_tuning" / run_dir.relative_to(runs)
-    best = yaml.safe_load((study / "optimization_results.yaml").read_text())["best_params"]
+    search = "search.n_guided=2,search.n_random=2,search.round_size=2"
+    run_dir = runs / f"data.split=0,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
+    trials = pd.read_csv(run_dir / "search.csv")  # the stacked search's 4 trials, the best marked
+    assert len(trials) == 4 and trials["best"].sum() == 1
+    best = trials[trials["best"]].iloc[0]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["noise_precision"] == best["noise_precision"] and config["data"]["val_fraction"] == 0.0
 
     # a finished run outside this sweep whose config today's code no longer reproduces
-    foreign = runs / "data.split=1,data=uci/boston,method=bbb,trainer.n_epochs=3"
+    foreign = runs / f"data.split=1,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
     shutil.copytree(run_dir, foreign)
     overrides = (foreign / ".hydra" / "overrides.yaml").read_text().replace("data.split=0", "data.split=1")
     (foreign / ".hydra" / "overrides.yaml").write_text(overrides)
-    shutil.copytree(
-        study, tmp_path / "slang_table2_quick_tuning" / foreign.relative_to(runs)
-    )  # its study, so that its tuned values resolve
     config = (foreign / "config.yaml").read_text().replace("split: 0", "split: 1")
     (foreign / "config.yaml").write_text(config.replace("n_test_mc_samples: 20", "n_test_mc_samples: 21"))
     with pytest.raises(SystemExit, match=r"holds 1 run\(s\) of another config version, so no table(.|\n)*config hash"):

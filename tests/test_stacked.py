@@ -58,13 +58,15 @@ METHODS = {
 SPLITS = (0, 3, 7)
 
 
-def _problem(split: int, model: torch.nn.Module, generator: torch.Generator) -> tuple[Problem, object]:
+def _problem(
+    split: int, model: torch.nn.Module, generator: torch.Generator, noise: float = 2.0, prior_precision: float = 1.0
+) -> tuple[Problem, object]:
     """Yacht split ``split`` in float64 (so that stacked and single fits agree far below float32 rounding: to ~1e-7, set by the
     stopping rule of the iterative eigensolver of the stacked SLANG update)."""
     data = build_dataset({"name": "uci/yacht", "split": split})
     data = dataclasses.replace(data, **{k: getattr(data, k).double() for k in ("x_train", "y_train")})
-    likelihood = build_likelihood(data, 2.0)
-    prior = prior_precision_vector(model, 1.0, 1e-6)
+    likelihood = build_likelihood(data, noise)
+    prior = prior_precision_vector(model, prior_precision, 1e-6)
     return Problem(
         model=model, likelihood=likelihood, n_data=data.n_train, prior_precision=prior, generator=generator
     ), data
@@ -121,6 +123,57 @@ def test_stacked_fit_equals_single_fits(name: str) -> None:
     # the copies were really fitted on different data: their states differ
     key = next(iter(_state(singles[0])))
     assert (_state(singles[0])[key] - _state(singles[1])[key]).norm() > 1e-3 * _state(singles[0])[key].norm()
+
+
+# search trials as copies: (split, noise precision, prior precision, dropout rate) of each copy
+TRIALS = [(0, 2.0, 1.0, 0.1), (0, 0.5, 10.0, 0.01), (3, 8.0, 0.1, 0.3)]
+
+
+@pytest.mark.parametrize("name", ["bbb", "dropout", "slang", "vogn_diag_ef", "vogn_full_hessian"])
+def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: str) -> None:
+    """Copies that differ in noise precision, prior precision (and dropout's rate), as the trials of a
+    stacked hyperparameter search do, each equal the single run with the same values."""
+    options = [{**METHODS[name], "dropout_rate": rate} if name == "dropout" else METHODS[name] for *_, rate in TRIALS]
+    singles = []
+    for (split, noise, prior, _), option in zip(TRIALS, options):
+        model = _model()
+        problem, data = _problem(split, model, torch.Generator().manual_seed(1), noise, prior)
+        method = build_method(option)
+        method.setup(problem)
+        method.fit(
+            data.x_train, data.y_train, n_epochs=2, batch_size=16, data_generator=torch.Generator().manual_seed(2)
+        )
+        singles.append(method)
+    model, generator = _model(), torch.Generator().manual_seed(1)
+    problems, datasets = zip(*(_problem(s, model, generator, n, p) for s, n, p, _ in TRIALS))
+    stacked = build_method(METHODS[name])
+    stacked.configure_replicas([{k: v for k, v in o.items() if k != "name"} for o in options])
+    stacked.setup_replicas(list(problems))
+    stacked.fit_replicas(
+        torch.stack([d.x_train for d in datasets]),
+        torch.stack([d.y_train for d in datasets]),
+        n_epochs=2,
+        batch_size=16,
+        data_generator=torch.Generator().manual_seed(2),
+    )
+    for r, single in enumerate(singles):
+        copy = stacked.replica(r)
+        for key, value in _state(single).items():
+            error = (_state(copy)[key] - value).norm() / value.norm()
+            assert error < 1e-6, f"{name} trial {r}: {key} differs by {float(error):.2e} (relative, Frobenius)"
+    # trials 0 and 1 share a split: only their hyperparameters differ, and so do their fits
+    key = next(iter(_state(singles[0])))
+    assert (_state(singles[0])[key] - _state(singles[1])[key]).norm() > 1e-3 * _state(singles[0])[key].norm()
+
+
+def test_only_replica_options_may_differ_between_copies() -> None:
+    from bdl_bench.methods.base import CannotStack
+
+    method = build_method(METHODS["slang"])
+    with pytest.raises(CannotStack, match="method.rank"):
+        method.configure_replicas([{"rank": 2}, {"rank": 3}])
+    dropout = build_method(METHODS["dropout"])
+    dropout.configure_replicas([{"dropout_rate": 0.1}, {"dropout_rate": 0.2}])  # allowed
 
 
 def test_stacked_nll_matches_each_likelihood() -> None:

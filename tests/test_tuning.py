@@ -25,7 +25,7 @@ def test_tune_config_searches_the_dataset_bounds_for_this_job_only() -> None:
             "config",
             overrides=[
                 "experiment=slang_table2",
-                "tune=slang_table2",
+                "tune=slang_table2_sweeper",
                 "method=bbb",
                 "data=uci/concrete",
                 "data.split=3",
@@ -68,7 +68,16 @@ def test_optuna_study_finds_a_better_than_default_value(tmp_path: Path, compose_
     ]
     study = tmp_path / "study"
     out = subprocess.run(
-        [sys.executable, "-m", "bdl_bench.cli", "run", "-m", "tune=slang_table2", *job, "hydra.sweeper.n_trials=8"]
+        [
+            sys.executable,
+            "-m",
+            "bdl_bench.cli",
+            "run",
+            "-m",
+            "tune=slang_table2_sweeper",
+            *job,
+            "hydra.sweeper.n_trials=8",
+        ]
         + ["data.protocol.search.noise_precision=[0.01,1.0]", f"hydra.sweep.dir={study}"],
         cwd=tmp_path,
         capture_output=True,

@@ -9,10 +9,13 @@ overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of 
 
 **Stacked splits.** A method with ``supports_replicas = True`` can also fit R independent copies of
 itself at once, one per data split (:mod:`bdl_bench.stacked`): ``setup_replicas`` receives one problem
-per split (same model, prior and N; their own likelihood), ``train_step_replicas`` takes minibatches
+per split (same model and N; their own likelihood and prior precision, so that the copies can also be
+trials of a hyperparameter search, :mod:`bdl_bench.search`), ``train_step_replicas`` takes minibatches
 ``(R, M, ...)`` and ``replica(r)`` returns an ordinary, set-up method holding copy r's state (for
 evaluation). Copy r draws exactly the noise a single run of the same seed draws (one draw broadcast
-over the copies), so a stacked fit equals R single runs up to floating-point rounding.
+over the copies), so a stacked fit equals R single runs up to floating-point rounding. The options in
+``replica_options`` (dropout's ``dropout_rate``) may differ between copies too
+(:meth:`Method.configure_replicas`).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class Method(ABC):
 
     name: ClassVar[str]
     supports_replicas: ClassVar[bool] = False
+    replica_options: ClassVar[tuple[str, ...]] = ()
+    """Constructor options whose value may differ between stacked copies (:meth:`configure_replicas`)."""
     problem: Problem
     extra_metrics: Mapping[str, float] = MappingProxyType({})
     """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ)); none by default."""
@@ -168,6 +173,30 @@ class Method(ABC):
                 on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in totals.items()})
 
     # ------------------------------------------------------------------ stacked splits (module docstring)
+    def configure_replicas(self, options: Sequence[Mapping[str, Any]]) -> None:
+        """Give the next :meth:`setup_replicas` each copy's method options (its config); only the keys of
+        ``replica_options`` may differ between copies (the others are this method's, built from the first).
+
+        Raises:
+            CannotStack: naming an option that differs between copies but cannot.
+        """
+        keys = {k for o in options for k in o}
+        differing = sorted(k for k in keys if len({repr(o.get(k)) for o in options}) > 1)
+        fixed = [k for k in differing if k not in self.replica_options]
+        if fixed:
+            raise CannotStack(
+                f"method {self.name!r}: stacked copies must share {', '.join(f'method.{k}' for k in fixed)}"
+            )
+        self._replica_options = [dict(o) for o in options]
+
+    def replica_option(self, key: str) -> list[Any]:
+        """Each copy's value of option ``key`` (this method's own where :meth:`configure_replicas` gave none)."""
+        n_copies = len(self._replica_problems)
+        options = getattr(self, "_replica_options", None) or [{}] * n_copies
+        if len(options) != n_copies:
+            raise ValueError(f"configure_replicas got {len(options)} option sets for {n_copies} copies")
+        return [o.get(key, getattr(self, key)) for o in options]
+
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """Create the fitting state of ``len(problems)`` independent copies (one per split).
 
@@ -221,6 +250,11 @@ class Method(ABC):
                 means = {k: (v / n_batches).tolist() for k, v in totals.items()}
                 n_copies = x.shape[0]
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
+
+
+def stacked_prior(problems: Sequence[Problem]) -> Tensor:
+    """The copies' prior precisions, ``(R, D)``."""
+    return torch.stack([p.prior_precision for p in problems])
 
 
 def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:

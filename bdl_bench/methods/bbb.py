@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import CannotStack, Method, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -223,6 +223,7 @@ class BayesByBackprop(Method):
             raise CannotStack("bbb: stacked splits need estimator=local_reparam")
         self.setup(problems[0])
         self._replica_problems = list(problems)
+        self._replica_prior = stacked_prior(problems).to(self.mean)  # (R, D)
         n_copies = len(problems)
         self.mean = self.mean.detach().expand(n_copies, -1).clone().requires_grad_(True)  # (R, D)
         self.rho = self.rho.detach().expand(n_copies, -1).clone().requires_grad_(True)
@@ -255,7 +256,7 @@ class BayesByBackprop(Method):
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs_local_replicas(x, self.n_train_mc_samples)
         nll = stacked_nll(likelihoods, f, y).mean(dim=(1, 2))  # (R,)
-        kl = kl_diag_to_prior(self.mean, self.std(), self.problem.prior_precision) / self.problem.n_data
+        kl = kl_diag_to_prior(self.mean, self.std(), self._replica_prior) / self.problem.n_data
         loss = nll + kl
         loss.sum().backward()
         self.optimizer.step()

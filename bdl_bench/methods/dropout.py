@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import CannotStack, Method, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
@@ -73,6 +73,7 @@ class MCDropout(Method):
     """
 
     supports_replicas = True  # stacked splits: models of nn.Linear layers (UCI MLPs)
+    replica_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         if not lr > 0:
@@ -221,6 +222,12 @@ class MCDropout(Method):
         if not self._linear_only:
             raise CannotStack("dropout: stacked splits need a model of nn.Linear layers")
         self._replica_problems = list(problems)
+        self._replica_prior = stacked_prior(problems).to(self.theta)  # (R, D)
+        rates = self.replica_option("dropout_rate")
+        if not all(0 < p < 1 for p in rates):
+            raise ValueError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
+        self._replica_rate_values = [float(p) for p in rates]
+        self._replica_rates = torch.tensor(rates, dtype=self.theta.dtype, device=self.theta.device)  # (R,)
         self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
         self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
 
@@ -234,7 +241,7 @@ class MCDropout(Method):
         for name, module in self.problem.model.named_children():
             if isinstance(module, nn.Linear):
                 if not first or self.dropout_inputs:
-                    h = self._drop(h.view(n_copies, n_samples, n_examples, -1), shared_dims=1).view(h.shape)
+                    h = self._drop_replicas(h.view(n_copies, n_samples, n_examples, -1)).view(h.shape)
                 first = False
                 weight_t, bias = params[f"{name}.weight"].mT, params.get(f"{name}.bias")
                 h = h @ weight_t if bias is None else torch.baddbmm(bias.unsqueeze(1), h, weight_t)
@@ -242,13 +249,21 @@ class MCDropout(Method):
                 h = module(h)
         return h.view(n_copies, n_samples, n_examples, -1)
 
+    def _drop_replicas(self, h: Tensor) -> Tensor:
+        """:meth:`_drop` of stacked copies ``h`` ``(R, ...)``: one uniform draw with a single run's shape,
+        shared by the copies, copy r keeping the units whose draw is at least its own rate."""
+        g = self.problem.generator
+        u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
+        rate = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
+        return h * (u >= rate).to(h.dtype) / (1 - rate)
+
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs_replicas(x, self.n_train_mc_samples)
         nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=(1, 2))  # (R,)
-        penalty = 0.5 * (p.prior_precision * self.theta**2).sum(-1) / p.n_data
+        penalty = 0.5 * (self._replica_prior * self.theta**2).sum(-1) / p.n_data
         loss = nll + penalty
         loss.sum().backward()
         self.optimizer.step()
@@ -256,6 +271,7 @@ class MCDropout(Method):
 
     def replica(self, index: int) -> MCDropout:
         single = copy.copy(self)
+        single.dropout_rate = self._replica_rate_values[index]
         single.setup(self._replica_problems[index])
         with torch.no_grad():
             single.theta.copy_(self.theta[index])

@@ -71,7 +71,7 @@ from bdl_bench.curvature.gram import low_rank_update, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitance_cholesky, sample_noise, weighted_gram
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
-from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -356,6 +356,10 @@ class Slang(Method):
 
         self.setup(problems[0])
         self._replica_problems = list(problems)
+        self.prior_precision = stacked_prior(problems).to(self.state.mean)  # (R, D): each copy its own
+        if not bool((self.prior_precision > 0).all()):
+            raise ValueError("slang: every copy's prior_precision must be positive")
+        self._log_prior_det = self.prior_precision.log().sum(-1)  # (R,)
         n_copies, s = len(problems), self.state
         stacked = {
             f: getattr(s, f).expand(n_copies, *getattr(s, f).shape).clone() for f in ("mean", "prec_diag", "momentum")
@@ -380,7 +384,7 @@ class Slang(Method):
         thetas = state.mean[:, None] + noise
         factors = stacked_factors(problem.model, self.layout, thetas, x, y, likelihoods, share_first_input=True)
         logdet = state.prec_diag.log().sum(-1) + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        trace = (noise.square() @ self.prior_precision).mean(-1)
+        trace = (noise.square() @ self.prior_precision[..., None]).squeeze(-1).mean(-1)  # per copy
         penalty = ((self.prior_precision * state.mean) * state.mean).sum(-1)
         kl_est = 0.5 * (trace + penalty - state.mean.shape[-1] + logdet - self._log_prior_det)
         nll = factors.losses.mean(dim=(1, 2))

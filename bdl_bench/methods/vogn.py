@@ -61,7 +61,7 @@ from torch.func import grad, hessian, jacrev, vmap
 from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_diag
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.methods.slang import decayed_rate
 from bdl_bench.models.params import flat_params, forward_with
 
@@ -154,10 +154,10 @@ def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor,
             eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(chol)
             trace = (lam * torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(-2)).sum(-1)
         else:
-            trace = (noise.square() @ lam).mean(-1)
+            trace = (noise.square() @ lam[..., None]).squeeze(-1).mean(-1)
         logdet = 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
     quad = trace + (lam * mean * mean).sum(-1)
-    return 0.5 * (quad - mean.shape[-1] - lam.log().sum() + logdet)
+    return 0.5 * (quad - mean.shape[-1] - lam.log().sum(-1) + logdet)
 
 
 def output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
@@ -446,7 +446,7 @@ class VOGN(Method):
         alpha = decayed_rate(self.lr, self.decay, step)
         beta = decayed_rate(self.beta, self.decay, step)
         if self._full:
-            new = (1 - beta) * precision + beta * (h_hat + torch.diag(lam))
+            new = (1 - beta) * precision + beta * (h_hat + torch.diag_embed(lam))
             return 0.5 * (new + new.mT), alpha
         return (1 - beta) * precision + beta * (h_hat + lam), alpha
 
@@ -466,10 +466,12 @@ class VOGN(Method):
         if self._layout is None:
             raise CannotStack("method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp)")
         self._replica_problems = list(problems)
+        self._replica_prior = stacked_prior(problems).to(self.state.mean)  # (R, D): each copy its own
         n_copies, s = len(problems), self.state
+        prec_diag = self._replica_prior + self.init_prec  # setup's initial precision, per copy
         self.state = VognState(
             mean=s.mean.expand(n_copies, *s.mean.shape).clone(),
-            precision=s.precision.expand(n_copies, *s.precision.shape).clone(),
+            precision=torch.diag_embed(prec_diag) if self._full else prec_diag,
             step=0,
         )
 
@@ -485,7 +487,7 @@ class VOGN(Method):
 
         p, state = self.problem, self.state
         assert self._layout is not None and state.mean.dim() == 2, "setup_replicas first"
-        lam = p.prior_precision.to(state.mean)
+        lam = self._replica_prior
         n_copies, n_params = state.mean.shape
         n_samples = self.n_train_mc_samples
         chol = None

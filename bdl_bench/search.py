@@ -1,0 +1,470 @@
+"""Hyperparameter search as stacked replicas: the trials of every split of a stacked job train as one stack.
+
+A stacked job (``data.split=all`` or a list) whose config has a ``search`` node (``tune=uci``,
+``tune=slang_table2``) first searches, per split, the keys of ``search.params`` on a validation part of
+the split's training rows (``search.val_fraction``), then trains its test runs on the whole training
+part with each split's best values (:func:`tuned_members`, used by :func:`bdl_bench.sweep.run_stacked_job`).
+
+**Bayesian optimisation** (SLANG Table 2, Mishkin et al. 2018, App. F.3: per split 5 random and 25 guided
+evaluations of log noise precision and log prior precision, objective the validation log-likelihood):
+one Optuna study per split (ask/tell, TPE on a log scale between the bounds of ``search.params``; the
+authors used a GP with expected improvement). The evaluations run in rounds: first ``n_random`` random
+trials per split, then ``round_size`` guided trials per split per round (TPE with the constant liar, so
+the trials of a round differ) until ``n_random + n_guided``. All trials of a round, over all splits,
+train as one stack (:func:`bdl_bench.stacked.run_stack` with per-member precisions). Each round's sampler
+is seeded from ``search.seed``, the split and the number of trials before the round, so a search is
+deterministic, and a resumed one continues as the uninterrupted one would.
+
+**Grid search** (``search.grids``, per method: Gal & Ghahramani's dropout protocol): every combination of
+the values listed in the dataset's grid files (``data/uci/<set>/dropout_rates.txt``, ``tau_values.txt``)
+is one trial, all in one stack.
+
+Storage: ``<job folder>/.search/journal.jsonl``, one line per asked and per told trial, replayed into
+the in-memory Optuna studies when the job starts again (optuna 2.10's SQLite storage does not work with
+SQLAlchemy 2, which this environment has): a killed search resumes; trials asked but not told are
+trained again, with the same stack, so its checkpoint resumes too. Every trial's run folder is
+``.search/split=<k>/trial=<n>`` (hidden from ``bdl-bench table``). A trial whose training diverges is
+recorded as failed (``state FAIL`` and its error, never a made-up score) and the round goes on without it.
+Every trial is listed in ``.search/trials.csv`` and, per split, in ``search.csv`` of the split's test
+run folder (the chosen trial marked ``best``); the test run's ``config.yaml`` holds the chosen values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from bdl_bench.errors import ConfigError, DataFileError
+from bdl_bench.methods.base import CannotStack, NonFiniteLossError
+from bdl_bench.results import METRICS_FILE, atomic_write_text
+from bdl_bench.stacked import member_config, run_stack
+
+SEARCH_DIR = ".search"
+JOURNAL_FILE = "journal.jsonl"
+TRIALS_FILE = "trials.csv"
+SPLIT_TRIALS_FILE = "search.csv"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A searched config key, on a log scale between ``low`` and ``high``."""
+
+    key: str
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    params: tuple[Param, ...]
+    grid: Mapping[str, tuple[float, ...]] | None  # key → values: a grid search instead of BO
+    n_random: int
+    n_guided: int
+    round_size: int
+    val_fraction: float
+    objective: str
+    seed: int
+
+    @property
+    def budget(self) -> int:
+        return math.prod(len(v) for v in self.grid.values()) if self.grid else self.n_random + self.n_guided
+
+    def round_end(self, n_done: int) -> int:
+        """How many trials a split has once the round after ``n_done`` trials is over."""
+        if self.grid or n_done < self.n_random:
+            return self.budget if self.grid else self.n_random
+        return min(self.budget, n_done + self.round_size)
+
+
+def _int_at_least(search: DictConfig, key: str, low: int) -> int:
+    value = search.get(key)
+    if not isinstance(value, int) or value < low:
+        raise ConfigError(f"search.{key}={value!r}: give an integer >= {low}")
+    return value
+
+
+def read_grid_file(path: Path, key: str) -> tuple[float, ...]:
+    """The values of a grid file (numbers separated by white space).
+
+    Raises:
+        DataFileError: when the file is missing or lists no value, naming it.
+    """
+    if not path.is_file():
+        raise DataFileError(f"search grid for {key}: {path} does not exist; give an existing file in search.grids")
+    try:
+        values = tuple(float(v) for v in path.read_text().split())
+    except ValueError:
+        raise DataFileError(f"search grid for {key}: {path} holds something other than numbers") from None
+    if not values:
+        raise DataFileError(f"search grid for {key}: {path} is empty; list the values to try, one per line")
+    return values
+
+
+def _data_folder(cfg: DictConfig) -> Path:
+    """The dataset's folder (``data/uci/<set>``), where its grid files lie."""
+    from bdl_bench.data.base import default_data_root
+    from bdl_bench.data.uci import UCI_FOLDERS
+
+    root = OmegaConf.select(cfg, "data.root")
+    name = str(cfg.data.name).removeprefix("uci/")
+    return (default_data_root() if root is None else Path(str(root))) / "uci" / UCI_FOLDERS.get(name, name)
+
+
+def read_spec(cfg: DictConfig) -> SearchSpec:
+    """The search of ``cfg`` (its ``search`` node), checked.
+
+    Raises:
+        ConfigError: on inverted or non-positive bounds, a budget below 1 or a bad fraction, naming the key.
+        DataFileError: on a missing or empty grid file.
+    """
+    search = cfg.search
+    method = str(cfg.method.name)
+    grid_files = (search.get("grids") or {}).get(method)
+    grid = None
+    if grid_files:
+        folder = _data_folder(cfg)
+        grid = {str(k): read_grid_file(folder / str(f), str(k)) for k, f in grid_files.items()}
+    params = []
+    for key, bounds in ({} if grid else search.get("params") or {}).items():  # a grid replaces the search
+        if not OmegaConf.is_list(bounds) or len(bounds) != 2:
+            raise ConfigError(f"search.params.{key}={bounds}: give [low, high]")
+        low, high = float(bounds[0]), float(bounds[1])
+        if not 0 < low < high:
+            raise ConfigError(
+                f"search.params.{key}=[{low}, {high}]: bounds must satisfy 0 < low < high (searched on a log scale)"
+            )
+        params.append(Param(str(key), low, high))
+    if not grid and not params:
+        raise ConfigError("search.params is empty: name at least one key to search, e.g. noise_precision: [0.5, 2]")
+    n_random, n_guided = _int_at_least(search, "n_random", 0), _int_at_least(search, "n_guided", 0)
+    if grid is None and n_random + n_guided < 1:
+        raise ConfigError(f"search.n_random + search.n_guided = {n_random + n_guided}: the budget must be >= 1")
+    val_fraction = float(search.val_fraction)
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"search.val_fraction={val_fraction}: give a fraction in (0, 1)")
+    return SearchSpec(
+        params=tuple(params),
+        grid=grid,
+        n_random=n_random,
+        n_guided=n_guided,
+        round_size=_int_at_least(search, "round_size", 1),
+        val_fraction=val_fraction,
+        objective=str(search.objective),
+        seed=int(search.seed),
+    )
+
+
+def _trial_config(cfg: DictConfig, split: int, values: Mapping[str, Any], val_fraction: float) -> DictConfig:
+    """The config of the run of ``split`` with ``values`` set (and ``val_fraction`` of its rows held out)."""
+    member = member_config(cfg, split)
+    with open_dict(member):
+        member.data.val_fraction = val_fraction
+        for key, value in values.items():
+            OmegaConf.update(member, key, value, merge=False)
+    return member
+
+
+def _copy_index(error: BaseException) -> int | None:
+    """The stacked copy a divergence names (``... in stacked copy 3 ...``), if any."""
+    match = re.search(r"copy (\d+)", str(error))
+    return int(match.group(1)) if match else None
+
+
+class Search:
+    """The studies of one stacked job (module docstring)."""
+
+    def __init__(self, cfg: DictConfig, job_dir: Path, splits: Sequence[int]) -> None:
+        import optuna
+
+        self.cfg, self.spec, self.splits = cfg, read_spec(cfg), list(splits)
+        self.root = Path(job_dir) / SEARCH_DIR
+        self.root.mkdir(parents=True, exist_ok=True)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # ask/tell, enqueue
+        self.studies = {k: optuna.create_study(study_name=f"split={k}", direction="maximize") for k in self.splits}
+        self.journal = self.root / JOURNAL_FILE
+        self._replay()
+
+    def _distributions(self) -> dict[str, Any]:
+        from optuna.distributions import CategoricalDistribution, LogUniformDistribution
+
+        grid = {k: CategoricalDistribution(list(v)) for k, v in (self.spec.grid or {}).items()}
+        return {**grid, **{p.key: LogUniformDistribution(p.low, p.high) for p in self.spec.params}}
+
+    def _suggest(self, trial: Any) -> None:
+        for key, values in (self.spec.grid or {}).items():
+            trial.suggest_categorical(key, list(values))
+        for p in self.spec.params:
+            trial.suggest_float(p.key, p.low, p.high, log=True)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        with self.journal.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _replay(self) -> None:
+        """Rebuild the studies from the journal: told trials as they ended, asked ones asked again."""
+        import optuna
+        from optuna.trial import TrialState
+
+        if not self.journal.exists():
+            return
+        asked: dict[tuple[int, int], dict[str, Any]] = {}
+        told: dict[tuple[int, int], dict[str, Any]] = {}
+        for line in self.journal.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if record["event"] == "ask":  # one line per round: its trials are asked all or none
+                asked.update({(t["split"], t["trial"]): t for t in record["trials"]})
+            else:
+                told[(record["split"], record["trial"])] = record
+        distributions = self._distributions()
+        for (k, number), record in sorted(asked.items()):
+            study = self.studies.get(k)
+            if study is None:
+                continue
+            if number != len(study.trials):
+                raise RuntimeError(f"{self.journal}: trial {number} of split {k} out of order; move the folder away")
+            end = told.get((k, number))
+            if end is None:
+                study.enqueue_trial(record["params"])
+                self._suggest(study.ask())
+                continue
+            state = TrialState[end["state"]]
+            study.add_trial(
+                optuna.trial.create_trial(
+                    params=record["params"],
+                    distributions={key: distributions[key] for key in record["params"]},
+                    value=end["value"] if state is TrialState.COMPLETE else None,
+                    state=state,
+                    user_attrs={"error": end["error"]} if end.get("error") else None,
+                )
+            )
+
+    def _sampler(self, split: int, n_done: int) -> Any:
+        import optuna
+
+        seed = (self.spec.seed * 1_000_003 + split * 1009 + n_done) % 2**31
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.spec.n_random, constant_liar=True)
+
+    def _ask(self, split: int) -> list[Any]:
+        """New trials of ``split`` up to the end of its next round."""
+        study = self.studies[split]
+        n_done = len(study.trials)
+        n_new = self.spec.round_end(n_done) - n_done if n_done < self.spec.budget else 0
+        if self.spec.grid:
+            combos = list(itertools.product(*self.spec.grid.values()))
+            for combo in combos[n_done : n_done + n_new]:
+                study.enqueue_trial(dict(zip(self.spec.grid, combo)))
+        study.sampler = self._sampler(split, n_done)
+        trials = []
+        for _ in range(n_new):
+            trial = study.ask()
+            self._suggest(trial)
+            trials.append(trial)
+        return trials
+
+    def trial_dir(self, split: int, number: int) -> Path:
+        return self.root / f"split={split}" / f"trial={number:03d}"
+
+    def _tell(self, split: int, number: int, value: float | None, error: str | None = None) -> None:
+        from optuna.trial import TrialState
+
+        study = self.studies[split]
+        failed = value is None or not math.isfinite(value)
+        if failed and error is None:
+            error = f"{self.spec.objective} = {value}"
+        if error is not None:
+            study._storage.set_trial_user_attr(study.trials[number]._trial_id, "error", error)
+        if failed:
+            study.tell(number, state=TrialState.FAIL)
+        else:
+            study.tell(number, value)
+        self._log(
+            {
+                "event": "tell",
+                "split": split,
+                "trial": number,
+                "state": "FAIL" if failed else "COMPLETE",
+                "value": None if failed else value,
+                "error": error,
+            }
+        )
+
+    def _pending(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """Asked but not told trials (a killed round): told now if their run finished, else to train."""
+        from optuna.trial import TrialState
+
+        pending = {}
+        for k, study in self.studies.items():
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if (self.trial_dir(k, t.number) / METRICS_FILE).exists():
+                    self._tell(k, t.number, self._score(k, t.number))
+                else:
+                    pending[(k, t.number)] = dict(t.params)
+        return pending
+
+    def _score(self, split: int, number: int) -> float:
+        metrics = pd.read_json(self.trial_dir(split, number) / METRICS_FILE, typ="series")
+        if self.spec.objective not in metrics:
+            raise KeyError(f"search.objective={self.spec.objective!r} is not among the trial's metrics")
+        return float(metrics[self.spec.objective])
+
+    def run(self) -> dict[int, dict[str, Any]]:
+        """Every round until each split's budget is spent; the best values per split.
+
+        Raises:
+            RuntimeError: when every trial of a split failed (no best value).
+        """
+        while True:
+            members = self._pending()
+            if not members:
+                for k in self.splits:
+                    members.update({(k, t.number): dict(t.params) for t in self._ask(k)})
+                asks = [{"split": k, "trial": n, "params": values} for (k, n), values in members.items()]
+                if asks:
+                    self._log({"event": "ask", "trials": asks})
+            if not members:
+                break
+            self._train(members)
+            self.write_trials()
+        return self.best()
+
+    def _train(self, members: dict[tuple[int, int], dict[str, Any]]) -> None:
+        """Train the trials ``members`` as one stack (one by one for a method that cannot stack) and tell
+        each its validation score; a diverging copy fails alone and the others train again without it."""
+        todo = dict(members)
+        while todo:
+            configs = {
+                key: _trial_config(self.cfg, key[0], values, self.spec.val_fraction) for key, values in todo.items()
+            }
+            dirs = {key: self.trial_dir(*key) for key in todo}
+            try:
+                run_stack(self.cfg, dirs, self.root, member_configs=configs)
+            except CannotStack as reason:
+                self._train_one_by_one(configs, dirs, str(reason))
+                return
+            except NonFiniteLossError as error:
+                index = _copy_index(error)
+                if index is None:
+                    raise
+                key = list(todo)[index]
+                self._tell(*key, None, error=f"{type(error).__name__}: {error}")
+                del todo[key]
+                continue
+            for key in todo:
+                self._tell(*key, self._score(*key))
+            return
+
+    def _train_one_by_one(self, configs: Mapping[tuple[int, int], DictConfig], dirs: Mapping, reason: str) -> None:
+        from bdl_bench.runner import run
+
+        print(f"{reason}: the {len(configs)} trials run one after another", flush=True)
+        for key, member in configs.items():
+            try:
+                run(member, dirs[key])
+            except NonFiniteLossError as error:
+                self._tell(*key, None, error=f"{type(error).__name__}: {error}")
+                continue
+            self._tell(*key, self._score(*key))
+
+    def trials(self) -> pd.DataFrame:
+        """Every trial of every split: split, number, state, the searched values, the score, any error."""
+        rows = []
+        for k, study in self.studies.items():
+            best = _best_number(study)
+            for t in study.get_trials(deepcopy=False):
+                rows.append(
+                    {
+                        "split": k,
+                        "trial": t.number,
+                        "state": t.state.name,
+                        **t.params,
+                        self.spec.objective: t.value,
+                        "best": t.number == best,
+                        "error": t.user_attrs.get("error", ""),
+                    }
+                )
+        return pd.DataFrame(rows)
+
+    def write_trials(self) -> None:
+        atomic_write_text(self.root / TRIALS_FILE, self.trials().to_csv(index=False))
+
+    def best(self) -> dict[int, dict[str, Any]]:
+        best = {}
+        for k, study in self.studies.items():
+            if _best_number(study) is None:
+                raise RuntimeError(
+                    f"search of {self.cfg.method.name} on {self.cfg.data.name} split {k}: every trial failed "
+                    f"(see {self.root / TRIALS_FILE}); narrow search.params"
+                )
+            best[k] = dict(study.best_trial.params)
+        return best
+
+
+def _best_number(study: Any) -> int | None:
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    return max(complete, key=lambda t: t.value).number if complete else None
+
+
+def tuned_members(cfg: DictConfig, job_dir: Path, splits: Sequence[int]) -> dict[int, DictConfig]:
+    """Run (or resume) the search of the stacked job ``cfg`` and return each split's test-run config: its
+    single run's config with the split's best values (on the whole training part)."""
+    search = Search(cfg, job_dir, splits)
+    best = search.run()
+    return {k: _trial_config(cfg, k, best[k], float(cfg.data.val_fraction)) for k in splits}
+
+
+def write_split_trials(job_dir: Path, member_dirs: Mapping[int, Path]) -> None:
+    """Each split's trials (``search.csv``) into its test run's folder."""
+    path = Path(job_dir) / SEARCH_DIR / TRIALS_FILE
+    if not path.exists():
+        return
+    trials = pd.read_csv(path)
+    for k, d in member_dirs.items():
+        Path(d).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(d) / SPLIT_TRIALS_FILE, trials[trials["split"] == k].to_csv(index=False))
+
+
+def has_search(cfg: DictConfig) -> bool:
+    return OmegaConf.select(cfg, "search") is not None
+
+
+def apply_searched(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """``cfg`` (a test run's config as its overrides compose it) with the values its search chose, read
+    from the run folder's ``search.csv``; ``cfg`` itself when it has no search."""
+    path = Path(run_dir) / SPLIT_TRIALS_FILE
+    if not has_search(cfg) or not path.exists():
+        return cfg
+    trials = pd.read_csv(path)
+    best = trials[trials["best"].astype(bool)]
+    if best.empty:
+        return cfg
+    tuned = cfg.copy()
+    keys = [
+        c for c in trials.columns if c not in ("split", "trial", "state", "best", "error", str(cfg.search.objective))
+    ]
+    for key in keys:
+        value = best.iloc[0][key]
+        OmegaConf.update(tuned, key, value.item() if hasattr(value, "item") else value, merge=False)
+    return tuned

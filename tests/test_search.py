@@ -1,0 +1,122 @@
+"""Hyperparameter search as stacked replicas (bdl_bench/search.py): batched BO and Gal's dropout grid on
+tiny problems (yacht, 2 splits, 2 epochs), resuming after a kill, failed trials, bad input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from bdl_bench.errors import ConfigError, DataFileError
+from bdl_bench.methods.dropout import MCDropout
+from bdl_bench.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec
+from bdl_bench.sweep import run_job
+
+BO = ["search.n_random=2", "search.n_guided=2", "search.round_size=2"]
+
+
+def _cfg(compose_cfg, method: str, *extra: str):
+    return compose_cfg(
+        [f"method={method}", "data=uci/yacht", "data.split=[0,1]", "tune=slang_table2", "trainer.n_epochs=2", *extra]
+    )
+
+
+def _trials(job: Path) -> pd.DataFrame:
+    return pd.read_csv(job / SEARCH_DIR / TRIALS_FILE)
+
+
+def test_batched_search_beats_the_default_and_resumes_after_a_kill(tmp_path: Path, compose_cfg) -> None:
+    # wide bounds around yacht's default precisions (noise 1.14, prior 1)
+    bounds = ["search.params.noise_precision=[0.01,100]", "search.params.prior_precision=[0.01,100]"]
+    cfg = _cfg(compose_cfg, "bbb", *BO, *bounds)
+    run_job(cfg, tmp_path / "full")
+    trials = _trials(tmp_path / "full")
+    assert len(trials) == 8 and (trials["state"] == "COMPLETE").all()  # 2 splits x (2 random + 2 guided)
+    # the default precisions, scored the same way (a stack of the splits on the same validation rows)
+    run_job(
+        compose_cfg(
+            ["method=bbb", "data=uci/yacht", "data.split=[0,1]", "trainer.n_epochs=2", "data.val_fraction=0.2"]
+        ),
+        tmp_path / "default",
+    )
+    for split in (0, 1):
+        best = trials[(trials["split"] == split) & trials["best"]].iloc[0]
+        default_val = yaml.safe_load((tmp_path / "default" / f"split={split}" / "metrics.json").read_text())
+        assert best["val_test_ll"] > default_val["val_test_ll"]
+        # the test run holds the split's best values and trained on the whole training part
+        config = yaml.safe_load((tmp_path / "full" / f"split={split}" / "config.yaml").read_text())
+        assert config["noise_precision"] == pytest.approx(best["noise_precision"])
+        assert config["prior_precision"] == pytest.approx(best["prior_precision"])
+        assert config["data"]["val_fraction"] == 0.0
+        assert (tmp_path / "full" / f"split={split}" / "search.csv").exists()
+    # a kill after the second round's trials were asked and one of them told: cut the journal there
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)
+    lines = (killed / SEARCH_DIR / JOURNAL_FILE).read_text().splitlines()
+    asks = [i for i, line in enumerate(lines) if '"ask"' in line]
+    assert len(asks) == 2  # one line per round
+    cut = asks[1] + 2  # round 2's asks and one tell
+    (killed / SEARCH_DIR / JOURNAL_FILE).write_text("\n".join(lines[:cut]) + "\n")
+    for split in (0, 1):
+        shutil.rmtree(killed / f"split={split}")
+    for trial_dir in (killed / SEARCH_DIR).glob("split=*/trial=00[23]"):
+        if trial_dir != killed / SEARCH_DIR / "split=0" / "trial=002":  # the one told before the kill
+            (trial_dir / "metrics.json").unlink()
+    run_job(cfg, killed)
+    resumed = _trials(killed)
+    pd.testing.assert_frame_equal(resumed.drop(columns="val_test_ll"), trials.drop(columns="val_test_ll"))
+    assert resumed["val_test_ll"].to_numpy() == pytest.approx(trials["val_test_ll"].to_numpy(), rel=1e-6)
+
+
+def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails(
+    tmp_path: Path, compose_cfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = MCDropout.train_step_replicas
+
+    def diverge_at_rate_01(self, x, y):  # every trial with dropout rate 0.1 diverges
+        out = step(self, x, y)
+        out["loss"] = torch.where(self._replica_rates == 0.1, torch.nan, out["loss"])
+        return out
+
+    monkeypatch.setattr(MCDropout, "train_step_replicas", diverge_at_rate_01)
+    run_job(_cfg(compose_cfg, "dropout"), tmp_path / "job")
+    trials = _trials(tmp_path / "job")
+    assert len(trials) == 2 * 4 * 3  # 2 splits x Gal's 4 rates x 3 taus for yacht
+    failed = trials[trials["state"] == "FAIL"]
+    assert set(failed["method.dropout_rate"]) == {0.1} and len(failed) == 6
+    assert failed["val_test_ll"].isna().all() and failed["error"].str.contains("non-finite").all()
+    for split in (0, 1):
+        ok = trials[(trials["split"] == split) & (trials["state"] == "COMPLETE")]
+        best = ok.loc[ok["val_test_ll"].idxmax()]
+        assert bool(best["best"]) and ok["best"].sum() == 1
+        config = yaml.safe_load((tmp_path / "job" / f"split={split}" / "config.yaml").read_text())
+        assert config["method"]["dropout_rate"] == best["method.dropout_rate"]
+        assert config["noise_precision"] == best["noise_precision"]
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "named"),
+    [
+        ("search.params.noise_precision=[2.0,1.0]", ConfigError, "search.params.noise_precision"),
+        ("search.params.prior_precision=[0,1.0]", ConfigError, "search.params.prior_precision"),
+        ("search.n_random=0", ConfigError, "budget"),
+        ("+search.grids.bbb={noise_precision:no_such_file.txt}", DataFileError, "no_such_file.txt"),
+    ],
+)
+def test_bad_search_input_names_the_key_or_file(compose_cfg, override: str, error: type, named: str) -> None:
+    extra = [override, "search.n_guided=0"] if "n_random" in override else [override]
+    with pytest.raises(error, match=named.replace(".", r"\.")) as info:
+        read_spec(_cfg(compose_cfg, "bbb", *extra))
+    assert "\n" not in str(info.value)
+
+
+def test_an_empty_grid_file_is_refused(tmp_path: Path, compose_cfg) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "uci" / "yacht", root / "uci" / "yacht")
+    (root / "uci" / "yacht" / "tau_values.txt").write_text("\n")
+    with pytest.raises(DataFileError, match="tau_values.txt is empty"):
+        read_spec(_cfg(compose_cfg, "dropout", f"data.root={root}"))
