@@ -6,7 +6,9 @@ so it holds only tensors, numbers, strings and plain containers. It stores the m
 ``state_dict()``, the state of every ``torch.Generator`` the runner made, torch's global RNG state (the
 runner seeds it once, for ``nn.init``; anything drawing from it later continues the same stream), the
 epoch reached, how many rows of ``history.csv`` belong to it and the training time spent, plus the config
-hash so that a checkpoint is never applied to another config. The rows themselves stay in
+hash so that a checkpoint is never applied to another config, and the device type it was written on: the
+generators' states differ between CPU and CUDA, so a checkpoint is refused on another device type (one line
+naming the fix) rather than resumed. The rows themselves stay in
 ``history.csv``, which holds them before the checkpoint is written (storing them in every checkpoint made a
 long run's checkpoints cost O(epochs²)); a resumed run reads them back
 (:func:`bdl_bench.results.read_history`) and drops any rows written after the checkpoint.
@@ -41,6 +43,7 @@ class Checkpoint:
     elapsed_s: float
     history_rows: int | list[int] | None = None  # rows of history.csv (one count per split for a stack)
     history: list[Any] = field(default_factory=list)  # the rows themselves: only in checkpoints before history_rows
+    device: str | None = None  # the device type it was written on (cpu, cuda); None in older checkpoints
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:

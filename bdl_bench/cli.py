@@ -120,6 +120,8 @@ def table_command(args: list[str]) -> None:
     for warning in version_warnings(ns.folder):
         print(f"warning: {warning}", file=sys.stderr)
     table = build_table(ns.folder, paper=ns.paper, metrics=metrics, relative_to=ns.relative_to)
+    for warning in table.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     csv_path = ns.csv or ns.folder / "table.csv"
     table.frame.to_csv(csv_path, index=False)
     print(table.markdown)

@@ -279,6 +279,8 @@ def load_runs(root: Path, *, include_unfinished: bool = False) -> pd.DataFrame:
             row.update(json.loads(metrics_path.read_text()))
         row["run_dir"] = str(run_dir)
         row["finished"] = finished
-        row["code_version"] = read_run_record(run_dir).get("code_version")
+        record = read_run_record(run_dir)
+        row["code_version"] = record.get("code_version")
+        row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.runner.device_record
         rows.append(row)
     return pd.DataFrame(rows)

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_params
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
+from bdl_bench.errors import UserError
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
@@ -48,9 +49,14 @@ from bdl_bench.results import (
     HistoryWriter,
     config_hash,
     read_history,
+    update_run_record,
     write_config,
     write_metrics,
 )
+
+
+class CheckpointDeviceError(UserError, ValueError):
+    """A checkpoint written on one device type (``cpu``, ``cuda``) found by a run on another."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,19 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"trainer.device={name!r} but no CUDA device is available; use trainer.device=auto or cpu")
     return device
+
+
+def device_record(device: torch.device) -> dict[str, Any]:
+    """What ``run.json`` records of the device a run used: its type (``cpu``, ``cuda``), the GPU's name,
+    and the torch and CUDA versions (results of different devices differ in the last digits)."""
+    record: dict[str, Any] = {
+        "device": device.type,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+    }
+    if device.type == "cuda":
+        record["device_name"] = torch.cuda.get_device_name(device)
+    return record
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -247,6 +266,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         )
     checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
     write_config(run_dir, config)  # type: ignore[arg-type]
+    update_run_record(run_dir, **device_record(device))
 
     dataset = _to_device(load_dataset(config["data"]), device, dtype)  # type: ignore[index]
     torch.manual_seed(seed)  # the one global seed: nn.init of the model
@@ -362,6 +382,7 @@ def make_checkpoint(
     return Checkpoint(
         epoch=epoch,
         config_hash=chash,
+        device=device.type,
         method=method.state_dict(),
         generators={name: gen.get_state() for name, gen in generators.items()},
         torch_rng=torch.get_rng_state(),
@@ -382,7 +403,18 @@ def checkpoint_history(checkpoint: Checkpoint, path: Path) -> list[dict[str, Any
 def restore_checkpoint(
     checkpoint: Checkpoint, method: Method, generators: Mapping[str, torch.Generator], device: torch.device
 ) -> None:
-    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's)."""
+    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's).
+
+    Raises:
+        CheckpointDeviceError: when the checkpoint was written on another device type (its generators'
+            states do not fit this device's; the run is not resumed but refused, naming the fix).
+    """
+    if checkpoint.device is not None and checkpoint.device != device.type:
+        raise CheckpointDeviceError(
+            f"the run's {CHECKPOINT_FILE} was written on {checkpoint.device} and this run is on {device.type}: "
+            f"a checkpoint resumes only on its own device type; re-run with trainer.device={checkpoint.device}, "
+            "or with force=true to start over"
+        )
     method.load_state_dict(checkpoint.method)
     for name, gen in generators.items():
         gen.set_state(checkpoint.generators[name])

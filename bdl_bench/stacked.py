@@ -46,12 +46,21 @@ from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.results import CHECKPOINT_FILE, HISTORY_FILE, HistoryWriter, config_hash, read_history, write_config
+from bdl_bench.results import (
+    CHECKPOINT_FILE,
+    HISTORY_FILE,
+    HistoryWriter,
+    config_hash,
+    read_history,
+    update_run_record,
+    write_config,
+)
 from bdl_bench.runner import (
     EpochHook,
     RunResult,
     _cfg_get,
     _to_device,
+    device_record,
     epoch_row,
     finish_run,
     load_dataset,
@@ -144,6 +153,7 @@ def run_stack(
     for k in splits:
         Path(member_dirs[k]).mkdir(parents=True, exist_ok=True)
         write_config(Path(member_dirs[k]), configs[k])  # type: ignore[arg-type]
+        update_run_record(Path(member_dirs[k]), **device_record(device))
 
     torch.manual_seed(seed)  # nn.init: the initial network of every single run of these splits
     model = build_model(

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from bdl_bench.checkpoint import load_checkpoint
+from bdl_bench.errors import UserError
 from bdl_bench.results import read_run_record
-from bdl_bench.runner import checkpoint_history, run
+from bdl_bench.runner import CheckpointDeviceError, checkpoint_history, run
 from bdl_bench.sweep import run_job
 
 
@@ -73,6 +74,24 @@ def test_checkpoint_of_another_config_is_not_applied(tmp_path: Path, compose_cfg
         )
     with pytest.raises(ValueError, match="belongs to another config .*force=true"):
         run(compose_cfg(["method=map", "trainer.n_epochs=3", "method.lr=0.02"]), tmp_path)
+
+
+def test_checkpoint_names_its_device_and_is_refused_on_another(tmp_path: Path, compose_cfg) -> None:
+    """A GPU run's checkpoint is not resumed by a CPU re-run (the generator states differ in size): one line
+    naming both devices and the fix. run.json records the device and versions."""
+    cfg = compose_cfg(["method=map", "trainer.n_epochs=3", "trainer.checkpoint_every=1", "trainer.device=cpu"])
+    with pytest.raises(Crash):
+        run(cfg, tmp_path, epoch_hook=_crash_after(1))
+    record = read_run_record(tmp_path)
+    assert record["device"] == "cpu" and record["torch_version"] == torch.__version__
+    assert "cuda_version" in record
+    checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert checkpoint is not None and checkpoint.device == "cpu"
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    torch.save({**state, "device": "cuda"}, tmp_path / "checkpoint.pt")  # as a GPU run leaves it
+    with pytest.raises(CheckpointDeviceError, match="written on cuda and this run is on cpu.*trainer.device=cuda"):
+        run(cfg, tmp_path)
+    assert isinstance(CheckpointDeviceError("x"), UserError)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error
 class Table:
     frame: pd.DataFrame  # one row per dataset × method
     markdown: str
+    warnings: tuple[str, ...] = ()  # e.g. the runs of one row come from different devices
 
 
 def _method_labels(runs: pd.DataFrame) -> pd.Series:
@@ -173,9 +174,12 @@ def build_table(
         runs, chosen = select_on_validation(runs, spec.selection)
     if relative_to is not None:
         runs = paired_differences(runs, metrics, relative_to)
-    rows = []
+    rows, warnings = [], []
     for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
         row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
+        devices = sorted(group["device"].dropna().unique()) if "device" in group else []
+        if len(devices) > 1:
+            warnings.append(f"{dataset} / {method}: its runs come from different devices ({', '.join(devices)})")
         if chosen:
             row["chosen_on_validation"] = chosen.get((dataset, method), "")
         for metric in metrics:
@@ -210,7 +214,7 @@ def build_table(
     markdown = _markdown(frame, spec, metrics, digits=3 if relative_to is None else 4)  # differences are small
     if relative_to is not None:
         markdown = f"Differences to {relative_to} on the same split (paired standard errors)\n\n{markdown}"
-    return Table(frame=frame, markdown=markdown)
+    return Table(frame=frame, markdown=markdown, warnings=tuple(warnings))
 
 
 def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str], digits: int = 3) -> str:

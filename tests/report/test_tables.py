@@ -10,7 +10,7 @@ import pytest
 
 from bdl_bench.report.paper import get_paper_table
 from bdl_bench.report.tables import build_table
-from bdl_bench.results import write_config, write_metrics
+from bdl_bench.results import update_run_record, write_config, write_metrics
 
 
 def _fake_run(root: Path, name: str, config: dict, metrics: dict) -> None:
@@ -50,6 +50,19 @@ def test_generic_labels_name_the_varying_option(tmp_path: Path) -> None:
         )
     table = build_table(tmp_path, metrics=["nll"])
     assert set(table.frame["method"]) == {"slang rank=1", "slang rank=5"}
+
+
+def test_a_row_of_runs_from_different_devices_is_warned_about(tmp_path: Path) -> None:
+    for split, device in enumerate(["cpu", "cuda", "cpu"]):
+        _fake_run(
+            tmp_path, f"map{split}", {"data": {"name": "uci/boston", "split": split}, "method": {"name": "map"}}, {}
+        )
+        update_run_record(tmp_path / f"map{split}", device=device)
+    _fake_run(tmp_path, "bbb", {"data": {"name": "uci/boston"}, "method": {"name": "bbb"}}, {"rmse": 3.0})
+    for name in ("map0", "map1", "map2"):
+        write_metrics(tmp_path / name, {"rmse": 3.0})
+    table = build_table(tmp_path)
+    assert table.warnings == ("boston / map: its runs come from different devices (cpu, cuda)",)
 
 
 def test_table1_columns_scale_and_sign() -> None:
