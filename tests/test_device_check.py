@@ -13,6 +13,8 @@ from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.metrics import expected_calibration_error, predictive_metrics
 from bdl_bench.models import build_model
+from bdl_bench.results import read_run_record
+from bdl_bench.runner import run
 from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
 
 # --- the check itself ---------------------------------------------------------------------------------------
@@ -26,6 +28,8 @@ def test_device_tensors_compute_the_cpu_numbers() -> None:
         out = (d * 2 + torch.ones(3, device=DEVICE)).sum(0)
         assert out.device == DEVICE
         assert_close(out.cpu(), (x * 2 + 1).sum(0))
+        assert torch.tensor([1.0, 2.0], device=DEVICE).tolist() == [1.0, 2.0]  # data made below the dispatcher
+        assert d[1].data_ptr() == d.data_ptr() + 3 * 4 and d.untyped_storage().nbytes() == 6 * 4
 
 
 def test_mixing_a_cpu_tensor_raises() -> None:
@@ -157,3 +161,22 @@ def test_kron_factors_of_lenets_second_conv_run_on_the_device() -> None:
         for a, b in zip(eigs, eigs_d):
             assert_close(b.cpu(), a)
         assert_close(diag_d.cpu(), diag)
+
+
+# --- the runner and every method's training step, on the device ----------------------------------------------
+
+METHODS = ["map", "bbb", "dropout", "slang", "vogn", "gmfvi", "ktied", "elrg", "ensemble", "laplace"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_run_trains_and_evaluates_on_the_device(method: str, tmp_path, compose_cfg) -> None:
+    """The whole run — data and model moved to the device, every training step, per-epoch and final
+    evaluation (ECE included), the ELBO — on australian (binary classification, 345 training rows), with the
+    same metrics as on the CPU."""
+    overrides = [f"method={method}", "data=libsvm/australian", "model=mlp", "trainer.checkpoint_every=0"]
+    on_cpu = run(compose_cfg([*overrides, "trainer.device=cpu"]), tmp_path / "cpu").metrics
+    with fake_device():
+        on_device = run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path / "device").metrics
+    assert read_run_record(tmp_path / "device")["device"] == DEVICE.type
+    on_cpu.pop("train_time_s"), on_device.pop("train_time_s")
+    assert on_device == pytest.approx(on_cpu, rel=1e-6, abs=1e-9)

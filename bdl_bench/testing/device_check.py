@@ -100,6 +100,17 @@ class DeviceTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"DeviceTensor({self.elem!r})"
 
+    def data_ptr(self) -> int:  # the wrapper has no storage; code comparing pointers sees the data's
+        return self.elem.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.elem.untyped_storage()
+
+    def tolist(self) -> Any:  # PyTorch refuses it for subclasses; on a GPU it copies to the host
+        if _active:
+            _active[-1].syncs += 1
+        return self.elem.tolist()
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return _dispatch(func, args, kwargs or {})
@@ -201,12 +212,19 @@ def _op_on_device(args: Any, kwargs: Any) -> bool:
     return any(isinstance(t, DeviceTensor) for t in tree_flatten((args, kwargs))[0])
 
 
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}  # they copy their data below the dispatcher
+
+
 class _CheckGenerators(TorchFunctionMode):
     """Refuses a generator on one device filling tensors on the other (checked here, before dispatch,
-    where the generator is still the object the code made)."""
+    where the generator is still the object the code made); makes ``torch.tensor(data, device="meta")``
+    on the CPU and wraps it (PyTorch copies the data to the device below the dispatcher)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _FROM_DATA and _is_device(kwargs.get("device")):
+            made = func(*args, **{**kwargs, "device": _CPU})
+            return DeviceTensor(made.detach(), requires_grad=made.requires_grad)
         generator = kwargs.get("generator")
         if generator is None:
             generator = next((a for a in args if isinstance(a, torch._C.Generator)), None)
