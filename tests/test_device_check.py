@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from bdl_bench.curvature import kron
 from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads
 from bdl_bench.likelihoods import Categorical
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Method, NonFiniteLossError, Problem
 from bdl_bench.metrics import expected_calibration_error, predictive_metrics
 from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.results import read_run_record
 from bdl_bench.runner import run
 from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
@@ -180,3 +184,68 @@ def test_a_run_trains_and_evaluates_on_the_device(method: str, tmp_path, compose
     assert read_run_record(tmp_path / "device")["device"] == DEVICE.type
     on_cpu.pop("train_time_s"), on_device.pop("train_time_s")
     assert on_device == pytest.approx(on_cpu, rel=1e-6, abs=1e-9)
+
+
+# --- no host syncs in a training step -----------------------------------------------------------------------
+
+STEP_METHODS = {  # each method's conf/method/<name>.yaml with these changes
+    "map": {},
+    "dropout": {},
+    "bbb": {},
+    "ensemble": {"n_members": 3},
+    "vogn": {"covariance": "diag"},
+    "gmfvi": {},
+    "elrg": {},
+}
+
+
+def _method_config(name: str, compose_cfg) -> dict:
+    config = OmegaConf.to_container(compose_cfg([f"method={name}"]).method, resolve=True)
+    return {**config, **STEP_METHODS[name]}
+
+
+def _device_problem(method: dict) -> tuple[Method, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    model = build_model({"name": "mlp", "hidden": [8], "activation": "relu"}, in_features=3, out_features=2)
+    model.to(DEVICE)
+    prior = prior_precision_vector(model, 1.0, None)
+    problem = Problem(model=model, likelihood=Categorical(), n_data=40, prior_precision=prior, generator=gen)
+    built = build_method(method)
+    built.setup(problem)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 3, generator=data), torch.randint(0, 2, (40,), generator=data)
+    return built, x.to(DEVICE), y.to(DEVICE)
+
+
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_training_steps_do_not_wait_for_the_device(method: str, compose_cfg) -> None:
+    """No step reads the device (``.item()``, ``float``, ``bool`` of a tensor); the fit loop reads its
+    losses and means twice per epoch."""
+    config = _method_config(method, compose_cfg)
+    with fake_device() as check:
+        built, x, y = _device_problem(config)
+        built.train_step(x[:10], y[:10])  # the first step may set things up
+        check.syncs = 0
+        for start in (10, 20, 30):
+            out = built.train_step(x[start : start + 10], y[start : start + 10])
+        assert check.syncs == 0
+        assert out["loss"].device == DEVICE
+        seen = []
+        built.fit(
+            x,
+            y,
+            n_epochs=2,
+            batch_size=10,
+            data_generator=torch.Generator().manual_seed(0),
+            on_epoch_end=lambda epoch, stats: seen.append((epoch, check.syncs)),
+        )
+        assert seen == [(1, 2), (2, 4)]  # two reads per epoch: its losses' check and its means
+
+
+def test_a_diverging_loss_is_still_caught_at_its_step(compose_cfg) -> None:
+    with fake_device():
+        built, x, y = _device_problem(_method_config("map", compose_cfg))
+        x = x.clone()
+        x[25] = float("nan")  # the third step of the epoch's second permutation slice is poisoned
+        with pytest.raises(NonFiniteLossError, match=r"method 'map': non-finite loss nan at epoch 1, step \d"):
+            built.fit(x, y, n_epochs=2, batch_size=10, data_generator=torch.Generator().manual_seed(0))

@@ -531,7 +531,7 @@ class LayerwiseVI(Method):
         """The KL annealing factor :math:`\\beta_t` of step ``step`` (1-based)."""
         return kl_annealing_weight(step, self.kl_annealing_steps)
 
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         p = self.problem
         self.n_steps += 1
         beta = self.kl_weight(self.n_steps)
@@ -552,7 +552,7 @@ class LayerwiseVI(Method):
         if self.snr is not None:
             self.snr.update(self.n_steps, {f"l{layer.index}": self._snr_grads(layer) for layer in self.layers})
         self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item(), "kl": terms.kl.item() / p.n_data, "kl_weight": beta}
+        return {"loss": loss.detach(), "nll": nll.detach(), "kl": terms.kl.detach() / p.n_data, "kl_weight": beta}
 
     def fit(
         self,

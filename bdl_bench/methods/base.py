@@ -95,13 +95,15 @@ class Method(ABC):
         del x_val, y_val, run_dir
 
     @abstractmethod
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float | Tensor]:
         """One update on a minibatch.
 
         Returns:
             At least ``{"loss": ...}``, the per-example objective the step descends (for VI methods
             the minibatch estimate of the negative ELBO divided by N), and where available
-            ``"nll"``, the minibatch estimate of the expected negative log-likelihood per example.
+            ``"nll"``, the minibatch estimate of the expected negative log-likelihood per example; numbers
+            or 0-dim tensors (detached, on the model's device: :meth:`fit` reads them once per epoch, so a
+            step need not wait for the GPU).
         """
 
     @abstractmethod
@@ -150,27 +152,35 @@ class Method(ABC):
         """Default loop: ``n_epochs`` passes over shuffled minibatches of ``(x, y)``.
 
         Raises:
-            NonFiniteLossError: naming the method, epoch and step, as soon as a loss is not finite.
+            NonFiniteLossError: naming the method, epoch and the first step whose loss is not finite. A
+                loss returned as a tensor is checked at the end of its epoch (or when a later step of the
+                epoch raises), not after every step: reading it would make every step wait for the GPU.
         """
         n_batches = math.ceil(x.shape[0] / min(batch_size, x.shape[0]))
         for epoch in range(start_epoch, n_epochs):
-            totals: dict[str, float] = {}
+            totals: dict[str, float | Tensor] = {}
+            losses: list[float | Tensor] = []
             batches = _minibatches(x.shape[0], batch_size, data_generator, x.device)
-            for step, idx in enumerate(_step_bar(batches, epoch, self.step_progress)):
-                x_batch = x[idx]
-                if self.problem.augmentation is not None:
-                    x_batch = self.problem.augmentation(x_batch, data_generator)
-                out = self.train_step(x_batch, y[idx])
-                loss = out["loss"]
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"method {self.name!r}: non-finite loss {loss} at epoch {epoch + 1}, step {step + 1}"
-                        " — lower the learning rate or check the precisions"
-                    )
-                for k, v in out.items():
-                    totals[k] = totals.get(k, 0.0) + v
+            try:
+                for idx in _step_bar(batches, epoch, self.step_progress):
+                    x_batch = x[idx]
+                    if self.problem.augmentation is not None:
+                        x_batch = self.problem.augmentation(x_batch, data_generator)
+                    out = self.train_step(x_batch, y[idx])
+                    losses.append(out["loss"])
+                    if not isinstance(out["loss"], Tensor):  # a number: checked now, at no cost
+                        _check_losses(self.name, epoch, losses)
+                    for k, v in out.items():
+                        totals[k] = totals[k] + v if k in totals else v
+            except NonFiniteLossError:
+                raise
+            except Exception as error:  # e.g. a Cholesky of a diverged precision: name the divergence
+                _check_losses(self.name, epoch, losses, cause=error)
+                raise
+            _check_losses(self.name, epoch, losses)
             if on_epoch_end is not None:
-                on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in totals.items()})
+                means = dict(zip(totals, _to_floats(list(totals.values()))))
+                on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in means.items()})
 
     # ------------------------------------------------------------------ stacked splits (module docstring)
     def configure_replicas(self, options: Sequence[Mapping[str, Any]]) -> None:
@@ -229,23 +239,26 @@ class Method(ABC):
         its own data in the order a single run of the same seed uses (one permutation for all).
 
         Raises:
-            NonFiniteLossError: naming the copy, epoch and step, as soon as a loss is not finite.
+            NonFiniteLossError: naming the copy, epoch and first step whose loss is not finite (checked at
+                the end of each epoch, or when a later step raises: see :meth:`fit`).
         """
         n_batches = math.ceil(x.shape[1] / min(batch_size, x.shape[1]))
         for epoch in range(start_epoch, n_epochs):
             totals: dict[str, Tensor] = {}
+            losses: list[Tensor] = []
             batches = _minibatches(x.shape[1], batch_size, data_generator, x.device)
-            for step, idx in enumerate(_step_bar(batches, epoch, self.step_progress)):
-                out = self.train_step_replicas(x[:, idx], y[:, idx])
-                finite = torch.isfinite(out["loss"])
-                if not bool(finite.all()):
-                    bad = int((~finite).nonzero()[0, 0])
-                    raise NonFiniteLossError(
-                        f"method {self.name!r}: non-finite loss {float(out['loss'][bad])} in stacked copy {bad} at"
-                        f" epoch {epoch + 1}, step {step + 1} — lower the learning rate or check the precisions"
-                    )
-                for k, v in out.items():
-                    totals[k] = totals[k] + v if k in totals else v.clone()
+            try:
+                for idx in _step_bar(batches, epoch, self.step_progress):
+                    out = self.train_step_replicas(x[:, idx], y[:, idx])
+                    losses.append(out["loss"].detach())
+                    for k, v in out.items():
+                        totals[k] = totals[k] + v if k in totals else v.clone()
+            except NonFiniteLossError:
+                raise
+            except Exception as error:
+                _check_replica_losses(self.name, epoch, losses, cause=error)
+                raise
+            _check_replica_losses(self.name, epoch, losses)
             if on_epoch_end is not None:
                 means = {k: (v / n_batches).tolist() for k, v in totals.items()}
                 n_copies = x.shape[0]
@@ -255,6 +268,39 @@ class Method(ABC):
 def stacked_prior(problems: Sequence[Problem]) -> Tensor:
     """The copies' prior precisions, ``(R, D)``."""
     return torch.stack([p.prior_precision for p in problems])
+
+
+def _check_losses(name: str, epoch: int, losses: Sequence[float | Tensor], cause: BaseException | None = None) -> None:
+    """Raise :class:`NonFiniteLossError` naming the first of an epoch's step losses that is not finite (one
+    read of the device for all the tensors among them)."""
+    values = _to_floats(list(losses))
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise NonFiniteLossError(
+            f"method {name!r}: non-finite loss {values[bad]} at epoch {epoch + 1}, step {bad + 1}"
+            " — lower the learning rate or check the precisions"
+        ) from cause
+
+
+def _check_replica_losses(name: str, epoch: int, losses: Sequence[Tensor], cause: BaseException | None = None) -> None:
+    """:func:`_check_losses` for stacked copies: ``losses`` holds one ``(R,)`` tensor per step."""
+    if not losses:
+        return
+    finite = torch.isfinite(torch.stack(list(losses)))  # (steps, R)
+    if bool(finite.all()):
+        return
+    step, copy = (int(i) for i in (~finite).nonzero()[0])
+    raise NonFiniteLossError(
+        f"method {name!r}: non-finite loss {float(losses[step][copy])} in stacked copy {copy} at"
+        f" epoch {epoch + 1}, step {step + 1} — lower the learning rate or check the precisions"
+    ) from cause
+
+
+def _to_floats(values: list[float | Tensor]) -> list[float]:
+    """``values`` as numbers, the tensors among them read from their device at once."""
+    tensors = [v.detach().reshape(()) for v in values if isinstance(v, Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
 
 
 def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:

@@ -271,7 +271,7 @@ class BayesByBackprop(Method):
         return single
 
     # ------------------------------------------------------------------ single run
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
         if self.estimator is Estimator.LOCAL_REPARAM:
@@ -283,7 +283,7 @@ class BayesByBackprop(Method):
         loss = nll + kl
         loss.backward()
         self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item(), "kl": kl.item()}
+        return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:

@@ -278,7 +278,7 @@ class MCDropout(Method):
         return single
 
     # ------------------------------------------------------------------ fitting and prediction
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs(self.theta, x, self.n_train_mc_samples)
@@ -287,7 +287,7 @@ class MCDropout(Method):
         loss = nll + penalty
         loss.backward()
         self.optimizer.step()
-        return {"loss": loss.item(), "nll": nll.item()}
+        return {"loss": loss.detach(), "nll": nll.detach()}
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:

@@ -83,7 +83,7 @@ class DeepEnsemble(Method):
         model = self.problem.model
         return torch.stack([forward_with(model, theta, x) for theta in thetas])
 
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         """One Adam step of every member; reports the members' mean loss and nll."""
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
@@ -93,7 +93,7 @@ class DeepEnsemble(Method):
         losses = nll + penalty  # (M,)
         losses.sum().backward()
         self.optimizer.step()
-        return {"loss": losses.mean().item(), "nll": nll.mean().item()}
+        return {"loss": losses.detach().mean(), "nll": nll.detach().mean()}
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:

@@ -18,7 +18,7 @@ from bdl_bench.models.params import flat_params, forward_with
 
 def map_step(
     problem: Problem, theta: Tensor, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
-) -> dict[str, float]:
+) -> dict[str, Tensor]:
     """One optimiser step on the per-example MAP objective (module docstring) at ``theta`` (``(D,)``,
     a leaf tensor that ``optimizer`` updates); shared by the methods that start from a MAP fit."""
     optimizer.zero_grad(set_to_none=True)
@@ -26,7 +26,7 @@ def map_step(
     loss = nll + 0.5 * (problem.prior_precision * theta**2).sum() / problem.n_data
     loss.backward()
     optimizer.step()
-    return {"loss": loss.item(), "nll": nll.item()}
+    return {"loss": loss.detach(), "nll": nll.detach()}
 
 
 @register_method("map")
@@ -41,7 +41,7 @@ class MAP(Method):
         self.theta = flat_params(problem.model).requires_grad_(True)
         self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
 
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         return map_step(self.problem, self.theta, self.optimizer, x, y)
 
     @torch.no_grad()

@@ -49,6 +49,7 @@ stores a D × D precision and refuses D > 5000.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -386,58 +387,66 @@ class VOGN(Method):
         return mean + torch.linalg.solve_triangular(chol, eps, upper=False, left=False)
 
     # ----------------------------------------------------------------------------- update
-    def update(self, state: VognState, x: Tensor, y: Tensor) -> tuple[VognState, dict[str, float]]:
+    def update(self, state: VognState, x: Tensor, y: Tensor) -> tuple[VognState, dict[str, Tensor]]:
         """One natural-gradient step on the minibatch ``(x, y)`` (module docstring).
 
         Returns:
-            The new state and ``{"loss", "nll"}``: the minibatch estimate of −ELBO/N at the
+            The new state and ``{"loss", "nll"}`` (0-dim tensors): the minibatch estimate of −ELBO/N at the
             current q (expected NLL per example plus KL/N; for ``covariance=full`` the KL's trace term
             is estimated from the step's samples, :func:`_kl_to_prior`) and of the expected NLL per example.
+            With a diagonal precision, a step whose new mean or precision would not be finite, or whose
+            precision would not be positive, keeps the old ones and reports a NaN loss, found without
+            reading the device (:meth:`Method.fit` raises at the end of the epoch).
 
         Raises:
-            NonFiniteLossError: if the new mean or precision is not finite, or the precision is
-                not positive definite.
+            NonFiniteLossError: ``covariance=full``: if the new mean or precision is not finite, or the
+                precision is not positive definite (its Cholesky reads the device anyway).
         """
         p = self.problem
         lam = p.prior_precision.to(state.mean)
         chol = self._sampling_cholesky(state)
         thetas = self._sample(state, chol, self.n_train_mc_samples)
         if self._layout is not None:
-            nll, g_sum, h_sum = factored_terms(
+            nll_mean, g_sum, h_sum = factored_terms(
                 p.model, p.likelihood, thetas, x, y, curvature=self.curvature, full=self._full, layout=self._layout
             )
-            nll_mean = float(nll)
         else:
-            g_sum, h_sum, nll_mean = torch.zeros_like(state.mean), torch.zeros_like(state.precision), 0.0
+            g_sum, h_sum = torch.zeros_like(state.mean), torch.zeros_like(state.precision)
+            nll_mean = torch.zeros((), dtype=state.mean.dtype, device=state.mean.device)
             for theta in thetas:
                 nll, grads, curv = per_example_terms(
                     p.model, p.likelihood, theta, x, y, curvature=self.curvature, full=self._full
                 )
-                nll_mean += float(nll.mean()) / self.n_train_mc_samples
+                nll_mean = nll_mean + nll.mean() / self.n_train_mc_samples
                 g_sum += grads.sum(0)
                 h_sum += curv
+        nll_mean = nll_mean.detach().reshape(())
         scale = p.n_data / (x.shape[0] * self.n_train_mc_samples)
         g_hat, h_hat = scale * g_sum, scale * h_sum
 
         step = state.step + 1
         precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
-        if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
-            raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
         direction = g_hat + lam * state.mean
         new_chol = None
         if self._full:
+            if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
+                raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
             new_chol = _cholesky(precision, step)
             delta = torch.cholesky_solve(direction[:, None], new_chol)[:, 0]
+            mean = state.mean - alpha * delta
+            if not bool(torch.isfinite(mean).all()):
+                raise NonFiniteLossError(f"method 'vogn': non-finite mean at step {step}")
+            ok = None
         else:
-            if not bool((precision > 0).all()):
-                raise NonFiniteLossError(f"method 'vogn': non-positive precision at step {step}")
-            delta = direction / precision
-        mean = state.mean - alpha * delta
-        if not bool(torch.isfinite(mean).all()):
-            raise NonFiniteLossError(f"method 'vogn': non-finite mean at step {step}")
+            mean = state.mean - alpha * (direction / precision)
+            ok = (precision > 0).all() & torch.isfinite(precision).all() & torch.isfinite(mean).all()
+            mean, precision = torch.where(ok, mean, state.mean), torch.where(ok, precision, state.precision)
 
-        kl = float(_kl_to_prior(state, chol, lam, noise=None if chol is None else thetas - state.mean))
-        out = {"loss": nll_mean + kl / p.n_data, "nll": nll_mean}
+        kl = _kl_to_prior(state, chol, lam, noise=None if chol is None else thetas - state.mean).detach()
+        loss = nll_mean + kl / p.n_data
+        if ok is not None:
+            loss = torch.where(ok, loss, torch.full_like(loss, math.nan))
+        out = {"loss": loss, "nll": nll_mean}
         return VognState(mean=mean, precision=precision, step=step, chol=new_chol), out
 
     def _precision_step(self, precision: Tensor, h_hat: Tensor, lam: Tensor, step: int) -> tuple[Tensor, float]:
@@ -450,7 +459,7 @@ class VOGN(Method):
             return 0.5 * (new + new.mT), alpha
         return (1 - beta) * precision + beta * (h_hat + lam), alpha
 
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         self.state, out = self.update(self.state, x, y)
         return out
 
