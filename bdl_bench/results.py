@@ -48,8 +48,10 @@ HASH_EXCLUDED_KEYS = (
     "trainer.device",
     "trainer.progress",
     "trainer.threads",
+    "trainer.deterministic",  # the same numbers on the CPU; on a GPU, the same up to kernel non-determinism
     "trainer.checkpoint_every",
     "data.protocol.search",
+    "data.protocol.device",  # where it runs, like trainer.device
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""

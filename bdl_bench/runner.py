@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -86,6 +87,20 @@ def device_record(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(device)
     return record
+
+
+def use_deterministic(on: bool) -> None:
+    """``trainer.deterministic``: with ``on``, PyTorch's deterministic algorithms only (an op without one
+    raises), TF32 off for matrix products and convolutions, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (what
+    cuBLAS needs to repeat itself). A CPU run with one thread repeats bit for bit either way; this makes a GPU
+    run repeat too, at some cost in speed. Process-wide; ``on=False`` does nothing."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -162,9 +177,29 @@ def elbo_per_example(method: Method, likelihood: Likelihood, dataset: Dataset, n
     if exact is not None:
         expected_loglik = exact
     else:
-        f_samples = method.predict(dataset.x_train, n_samples)
-        expected_loglik = float(torch.stack([-likelihood.nll(f, dataset.y_train).sum() for f in f_samples]).mean())
+        expected_loglik = _chunked_expected_loglik(method, likelihood, dataset.x_train, dataset.y_train, n_samples)
     return (expected_loglik - float(kl)) / dataset.n_train
+
+
+ELBO_CHUNK_ELEMENTS = 2**26
+"""Rows of the training set per forward pass of the ELBO: at most this many (samples × rows × widest layer)
+activations (256 MB in float32), instead of the whole set at once (≈ 1.6 GB per activation on MNIST)."""
+
+
+def _chunked_expected_loglik(method: Method, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor, n: int) -> float:
+    """``(1/S) Σ_s Σ_i log p(y_i | x_i, θ_s)`` over memory-bounded chunks of rows. Every chunk replays the
+    method generator's state, so the S posterior samples are the same for every chunk (a method that draws
+    whole parameter vectors gives the one-pass value)."""
+    widest = max((p.shape[0] for p in method.problem.model.parameters()), default=1)
+    rows = max(1, ELBO_CHUNK_ELEMENTS // (n * widest))
+    generator = method.problem.generator
+    start_state = generator.get_state()
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.shape[0], rows):
+        generator.set_state(start_state)
+        f_samples = method.predict(x[start : start + rows], n)  # (S, rows, out)
+        total += torch.stack([-likelihood.nll(f, y[start : start + rows]).sum() for f in f_samples]).double().sum()
+    return float(total) / n
 
 
 def elbo_without_bias_logdet(elbo: float, model: torch.nn.Module, prior: torch.Tensor, n_train: int) -> float | None:
@@ -253,6 +288,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     if trainer.threads is not None:
         torch.set_num_threads(int(trainer.threads))
     device = resolve_device(str(trainer.device))
+    use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
     dtype = resolve_dtype(str(trainer.dtype))
     seed = int(trainer.seed)
     config = OmegaConf.to_container(cfg, resolve=True)

@@ -68,6 +68,7 @@ from bdl_bench.runner import (
     resolve_device,
     resolve_dtype,
     restore_checkpoint,
+    use_deterministic,
 )
 
 
@@ -130,6 +131,7 @@ def run_stack(
     if trainer.threads is not None:
         torch.set_num_threads(int(trainer.threads))
     device, dtype, seed = resolve_device(str(trainer.device)), resolve_dtype(str(trainer.dtype)), int(trainer.seed)
+    use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
     members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in splits}
     configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
     _check_shared(cfg, configs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from bdl_bench.data.download import DownloadError
 from bdl_bench.methods import METHODS, build_method
 from bdl_bench.methods import import_all as import_all_methods
 from bdl_bench.models import build_model
+from bdl_bench.results import config_hash
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SHARED_DATA = CONF.parents[1] / "shared" / "data"  # the offline test mirror beside the checkout
@@ -100,3 +102,15 @@ def test_epochs_to_steps_refuses_bad_values() -> None:
     for args, name in (((-1, 10, 3), "n_epochs"), ((2, 0, 3), "n_train"), ((2, 10, 0), "batch_size")):
         with pytest.raises(ValueError, match=name):
             epochs_to_steps(*args)
+
+
+def test_small_data_sets_default_to_the_cpu_and_large_ones_to_auto(compose_cfg) -> None:
+    for data in ("uci/boston", "libsvm/australian", "toy/cubic"):
+        assert compose_cfg([f"data={data}"]).trainer.device == "cpu"
+    assert compose_cfg(["data=vision/mnist"]).trainer.device == "auto"
+    assert compose_cfg(["data=uci/boston", "trainer.device=auto"]).trainer.device == "auto"
+    with_key = OmegaConf.to_container(compose_cfg(["data=uci/boston"]), resolve=True)
+    without = copy.deepcopy(with_key)
+    del without["data"]["protocol"]["device"]
+    without["trainer"]["device"] = "auto"
+    assert config_hash(with_key) == config_hash(without)  # where a run goes is not what it computes

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from bdl_bench.methods.base import NonFiniteLossError
 from bdl_bench.runner import run
@@ -71,3 +73,32 @@ def test_logistic_regression_run_reports_the_authors_elbo(tmp_path: Path, compos
     metrics = run(cfg, tmp_path / "run").metrics
     n_train = 341  # 683 points, 50/50 split
     assert metrics["elbo_no_bias_logdet"] - metrics["elbo"] == pytest.approx(0.5 * math.log(1e5) / n_train, rel=1e-3)
+
+
+def test_the_elbo_in_chunks_equals_the_one_pass_value(tmp_path: Path, compose_cfg, monkeypatch) -> None:
+    """Chunks of rows replay the generator, so every chunk sees the same posterior samples."""
+    import bdl_bench.runner as runner_module
+
+    cfg = compose_cfg(["method=bbb", "data=uci/boston", "model=mlp", "trainer.checkpoint_every=0"])
+    one_pass = run(cfg, tmp_path / "one").metrics["elbo"]
+    monkeypatch.setattr(runner_module, "ELBO_CHUNK_ELEMENTS", 2 * 50 * 7)  # 7 rows of 2 samples x 50 units
+    chunked = run(cfg, tmp_path / "chunked").metrics["elbo"]
+    assert chunked == pytest.approx(one_pass, rel=1e-6)
+
+
+def test_deterministic_mode_is_opt_in_and_gives_the_same_cpu_numbers(tmp_path: Path, compose_cfg, monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    overrides = ["method=map", "data=uci/boston", "trainer.checkpoint_every=0"]
+    plain = run(compose_cfg(overrides), tmp_path / "plain").metrics
+    assert not torch.are_deterministic_algorithms_enabled()  # opt-in: the default leaves PyTorch as it is
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        strict = run(compose_cfg([*overrides, "trainer.deterministic=true"]), tmp_path / "strict").metrics
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    plain.pop("train_time_s"), strict.pop("train_time_s")
+    assert strict == plain  # CPU, one thread: bit for bit either way
