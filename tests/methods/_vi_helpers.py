@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from bdl_bench.likelihoods import Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
+from bdl_bench.methods.bbb import local_reparam_linear
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 
@@ -61,6 +62,23 @@ def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     x = torch.rand(200, 1, generator=g) * 2 - 1
     y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g)
     return x[:100], y[:100], x[100:], y[100:]
+
+
+def plain_local_outputs(method: Method, mean: Tensor, var: Tensor, x: Tensor, n_samples: int) -> Tensor:
+    """The slow twin of a dense network's locally reparameterised forward at flat ``mean`` and ``var``:
+    ``bbb.local_reparam_linear`` layer by layer, drawing from the problem's generator in the method's
+    order; ``(S, N, out)``."""
+    problem = method.problem
+    means, variances = method.split_params(mean), method.split_params(var)
+    h = x.unsqueeze(0).expand(n_samples, *x.shape)
+    for module in problem.model.children():
+        layer = method._layer_of.get(module)
+        if layer is None:
+            h = module(h)
+            continue
+        w, b = layer.weight_param, layer.bias_param
+        h = local_reparam_linear(h, means[w], variances[w], means[b], variances[b], problem.generator)
+    return h
 
 
 def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 100, **kwargs: object) -> None:

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _vi_helpers import make_method, make_problem
+from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
-from bdl_bench.methods.bbb import kl_diag_to_prior, local_reparam_linear, softplus_inverse
+from bdl_bench.methods.bbb import kl_diag_to_prior, softplus_inverse
 from bdl_bench.methods.gmfvi import (
     MeanFieldScratch,
     _sum_log,
@@ -165,15 +165,7 @@ def test_train_step_gradients_match_plain_autograd(n_samples: int, init_std: flo
 
     problem.generator.manual_seed(11)
     std = F.softplus(rho)
-    means, variances = method.split_params(mean), method.split_params(std**2)
-    h = x.unsqueeze(0).expand(n_samples, *x.shape)
-    for module in problem.model.children():
-        layer = method._layer_of.get(module)
-        if layer is None:
-            h = module(h)
-            continue
-        w, b = layer.weight_param, layer.bias_param
-        h = local_reparam_linear(h, means[w], variances[w], means[b], variances[b], problem.generator)
+    h = plain_local_outputs(method, mean, std**2, x, n_samples)
     nll = torch.stack([problem.likelihood.nll(f, y) for f in h]).mean()
     lam = problem.prior_precision  # the closed form with log(sigma), finite where sigma^2 underflows
     kl = (0.5 * (lam * (std**2 + mean**2) - 1 - torch.log(lam)).sum() - torch.log(std).sum()) / problem.n_data

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _vi_helpers import make_method, make_problem
+from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods import elrg, gmfvi, ktied
-from bdl_bench.methods.bbb import local_reparam_linear
+from bdl_bench.methods.base import Problem
 from bdl_bench.methods.gmfvi import softplus_and_ratio
+from bdl_bench.testing.device_check import DEVICE, fake_device
 
 F64 = torch.float64
 N_STEPS = 5
@@ -37,15 +38,7 @@ def _reference_gmfvi_run(method: gmfvi.GaussianMeanFieldVI, x: torch.Tensor, y: 
     for step in range(1, N_STEPS + 1):
         adam.zero_grad()
         std = F.softplus(rho)
-        means, variances = method.split_params(mean), method.split_params(std**2)
-        h = x.unsqueeze(0).expand(method.n_train_mc_samples, *x.shape)
-        for module in problem.model.children():
-            layer = method._layer_of.get(module)
-            if layer is None:
-                h = module(h)
-                continue
-            w, b = layer.weight_param, layer.bias_param
-            h = local_reparam_linear(h, means[w], variances[w], means[b], variances[b], problem.generator)
+        h = plain_local_outputs(method, mean, std**2, x, method.n_train_mc_samples)
         nll = torch.stack([problem.likelihood.nll(f, y) for f in h]).mean()
         kl = 0.5 * (lam * (std**2 + mean**2) - 1 - torch.log(lam)).sum() - torch.log(std).sum()
         (nll + method.kl_weight(step) * kl / problem.n_data).backward()
@@ -127,3 +120,41 @@ def test_softplus_off_the_host_reads_no_bounds(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(std, F.softplus(rho))
     assert_close(ratio * std, torch.sigmoid(rho))
     assert low != low and high != high
+
+
+@pytest.mark.parametrize("kind", ["gmfvi", "ktied", "elrg", "elrg_d"])
+def test_forward_and_backward_make_no_host_syncs_on_a_device(kind: str) -> None:
+    """With ``meta`` standing in for a GPU (bdl_bench.testing.device_check), the step's terms, the
+    network's forward and the backward (the methods' own code: KL, layers, hand-written backwards) read
+    nothing back to the host, and their gradients are those of the CPU run."""
+    x, y = _data(torch.float32)
+
+    def grads(on_device: bool) -> list[torch.Tensor]:
+        problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, n_data=40)
+        method = make_method(kind, n_train_mc_samples=1)
+        xs, ys = x, y
+        if on_device:
+            problem.model.to(DEVICE)
+            gen = torch.Generator(device=DEVICE).manual_seed(0)
+            prior = problem.prior_precision.to(DEVICE)
+            problem = Problem(problem.model, problem.likelihood, problem.n_data, prior, gen)
+            xs, ys = x.to(DEVICE), y.to(DEVICE)
+        problem.generator.manual_seed(5)  # the same initial factors (k-tied, ELRG draw them)
+        method.setup(problem)
+        problem.generator.manual_seed(11)
+        syncs = check.syncs if on_device else 0
+        terms = method._step_terms(with_kl=True)
+        nll = problem.likelihood.nll(method._local_forward(terms, xs, 1), ys).mean()
+        torch.add(nll, terms.kl, alpha=0.5 / problem.n_data).backward()
+        if on_device:
+            assert check.syncs == syncs, f"{kind}: {check.syncs - syncs} host syncs in a step's forward/backward"
+        return [leaf.grad.cpu() for leaf in (method.mean, *method.variational.values())]
+
+    host = grads(False)
+    with fake_device() as check:
+        device = grads(True)
+    if kind == "ktied":  # its mean's gradient is gathered by _layerwise_vi.gather_part_grads, which skips a
+        # part whose data_ptr is the segment's: the stand-in's tensors all report data_ptr 0 (+ offset)
+        device, host = device[1:], host[1:]
+    for got, expected in zip(device, host, strict=True):
+        assert_close(got, expected)
