@@ -173,10 +173,10 @@ def _sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
     return torch.log2(x, out=out if out.numel() == n else None).sum()
 
 
-_FEW = 4096  # below this many entries, _sum_log takes one logarithm each (fewer operations)
+_FEW = 4096  # below this many entries, sum_log takes one logarithm each (fewer operations)
 
 
-def _sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
+def sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
     r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch, or none:
     the logarithms of products of entries (:func:`_sum_log2`, bounded by ``x``'s smallest and largest
     entry); of a few entries (fewer than 4096), one logarithm each."""
@@ -511,7 +511,7 @@ class _DiagKL(torch.autograd.Function):
             ctx.save_for_backward(std, mean)
         ctx.lam = lam
         # (quad - D - sum log lam) / 2 - sum log sigma
-        return quad.mul_(0.5).sub_(_sum_log(std.reshape(-1))).sub_(0.5 * (mean.numel() + log_lam_sum))
+        return quad.mul_(0.5).sub_(sum_log(std.reshape(-1))).sub_(0.5 * (mean.numel() + log_lam_sum))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:

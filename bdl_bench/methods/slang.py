@@ -72,6 +72,7 @@ from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitanc
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
+from bdl_bench.methods.gmfvi import sum_log, uniform_value
 from bdl_bench.models.params import flat_params, forward_with
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -279,6 +280,7 @@ class Slang(Method):
                 f"slang: prior_precision must be positive with shape ({n_params},), got {tuple(prior.shape)}"
             )
         self.prior_precision = prior
+        self._prior = uniform_value(prior)  # one number when all coordinates share it (fewer passes per step)
         self._log_prior_det = float(prior.log().sum())
         self.state = SlangState(
             mean=mean,
@@ -321,15 +323,15 @@ class Slang(Method):
         factors = linear_factors(problem.model, thetas, x, y, problem.likelihood, self.layout)
         # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
         scratch = workspace_buffer(work, "slang_dir", like.shape, like)  # free until slang_update
-        logdet = torch.log(state.prec_diag, out=scratch).sum() + 2.0 * cache.capacitance_chol.diagonal().log().sum()
-        trace = (noise.square_() @ self.prior_precision).mean()  # noise is not needed any more
-        kl_est = 0.5 * (
-            trace
-            + torch.dot(torch.mul(self.prior_precision, state.mean, out=scratch), state.mean)
-            - state.mean.numel()
-            + logdet
-            - self._log_prior_det
-        )
+        logdet = sum_log(state.prec_diag, scratch) + 2.0 * cache.capacitance_chol.diagonal().log().sum()
+        lam = self._prior
+        if isinstance(lam, float):  # trace and Mahalanobis term as dot products, no lambda-weighted pass
+            trace = torch.linalg.vecdot(noise, noise).mean().mul_(lam)
+            maha = torch.dot(state.mean, state.mean).mul_(lam)
+        else:
+            trace = (noise.square_() @ lam).mean()  # noise is not needed any more
+            maha = torch.dot(torch.mul(lam, state.mean, out=scratch), state.mean)
+        kl_est = 0.5 * (trace + maha - state.mean.numel() + logdet - self._log_prior_det)
         nll = float(factors.losses.mean())
         kl_per_example = float(kl_est) / problem.n_data
         new_state, new_cache = slang_update(

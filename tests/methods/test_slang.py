@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 
@@ -424,3 +425,22 @@ def test_runs_on_cuda(generator: torch.Generator) -> None:
     for _ in range(3):
         method.train_step(x.cuda(), y.cuda())
     assert method.state.mean.is_cuda and method.predict(x.cuda(), 4).shape == (4, x.shape[0], 2)
+
+
+def test_reported_kl_with_a_shared_prior_precision_matches_the_per_coordinate_terms() -> None:
+    """With one prior precision for all D >= 4096 coordinates the step's KL estimate takes dot products and
+    the logarithms of products of prec_diag's entries (gmfvi.sum_log); the per-coordinate twin (the
+    lambda-weighted passes, one logarithm per entry) reports the same loss over three steps, same states."""
+    g = torch.Generator().manual_seed(3)
+    model = mlp(in_features=30, out_features=2, hidden=[64, 64], activation="tanh").to(F64)  # D = 6274
+    x, y = torch.randn(16, 30, generator=g, dtype=F64), torch.randint(0, 2, (16,), generator=g)
+    prior = torch.full((6274,), 1.5, dtype=F64)
+    fast, plain = (
+        _setup(copy.deepcopy(model), Categorical(), 50, torch.Generator().manual_seed(1), prior) for _ in "ab"
+    )
+    plain._prior = plain.prior_precision  # the per-coordinate terms
+    assert isinstance(fast._prior, float)
+    for _ in range(3):
+        got, expected = fast.train_step(x, y), plain.train_step(x, y)
+        assert got["kl"] == pytest.approx(expected["kl"], rel=1e-12) and got["nll"] == expected["nll"]
+    assert torch.equal(fast.state.prec_diag, plain.state.prec_diag) and fast.state.prec_diag.std() > 0
