@@ -78,7 +78,7 @@ from bdl_bench.methods._layerwise_vi import (
 )
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import diag_kl, on_host, uniform_value
+from bdl_bench.methods.gmfvi import diag_kl, on_host, prior_quadratic, uniform_value
 
 _INIT_JITTER = 0.1  # log-scale jitter of the initial factors (symmetry breaking)
 
@@ -209,6 +209,8 @@ class KTiedNormalVI(LayerwiseVI):
         lam_parts = self.split_params(self.prior_precision)
         self.log_prior_parts = [float(torch.log(p).sum()) for p in lam_parts]
         self.prior_parts = [uniform_value(p) for p in lam_parts]  # one number where shared (the usual case)
+        self._prior = uniform_value(self.prior_precision)
+        self._kl_scratch = self.mean.new_empty(max(self.param_sizes) // 2 + 1)  # sum_log's, from step to step
         self.factor_keys: dict[int, tuple[str, str]] = {}  # tied weight position -> (U key, V key)
         self.rho_keys: dict[int, str] = {}  # every other parameter's position -> its rho key
         tensors: dict[str, Tensor] = {}
@@ -245,14 +247,12 @@ class KTiedNormalVI(LayerwiseVI):
         terms = _Terms(factors=factors, stds=stds, kl=None)
         if not with_kl:
             return terms
-        means = self.mean_parts()  # shared with the network: one gradient gather for the mean
-        kl = torch.stack(
-            [
-                diag_kl(mean, self._param_std(terms, pos), self.prior_parts[pos], self.log_prior_parts[pos])
-                for pos, mean in enumerate(means)
-            ]
-        ).sum()
-        return _Terms(factors=factors, stds=stds, kl=kl, mean_parts=means)
+        # the KL's term in the mean on the flat mean (its gradient added to .grad in place), the rest per part
+        parts = range(len(self.param_sizes))
+        scratch, priors, log_priors = self._kl_scratch, self.prior_parts, self.log_prior_parts
+        kl = torch.stack([diag_kl(None, self._param_std(terms, p), priors[p], log_priors[p], scratch) for p in parts])
+        kl = kl.sum() + prior_quadratic(self.mean, self._prior)
+        return _Terms(factors=factors, stds=stds, kl=kl, mean_parts=self.mean_parts())
 
     def _param_std(self, terms: _Terms, position: int) -> Tensor:
         """The standard deviations of the parameter at ``position``, in its shape (:math:`VU^\\top` if tied)."""
