@@ -56,6 +56,17 @@ def _run(method: object, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]
     return states
 
 
+def _assert_follows_the_twin(method: object, reference_run: object) -> None:
+    """``N_STEPS`` of ``method`` and of its slow twin ``reference_run`` from the same state and noise agree."""
+    x, y = _data()
+    method.problem.generator.manual_seed(11)
+    reference = reference_run(method, x, y)
+    method.problem.generator.manual_seed(11)
+    for got, expected in zip(_run(method, x, y), reference, strict=True):
+        assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(reference[0], reference[-1])  # the steps moved
+
+
 @pytest.mark.parametrize("n_samples", [1, 2])
 @pytest.mark.parametrize("device_path", [False, True])
 def test_gmfvi_steps_match_the_plain_autograd_twin(
@@ -68,13 +79,7 @@ def test_gmfvi_steps_match_the_plain_autograd_twin(
     problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=F64, n_data=40)
     method = make_method("gmfvi", init_std=0.05, n_train_mc_samples=n_samples, kl_annealing_steps=3, lr=0.05)
     method.setup(problem)
-    x, y = _data()
-    problem.generator.manual_seed(11)
-    reference = _reference_gmfvi_run(method, x, y)
-    problem.generator.manual_seed(11)
-    for got, expected in zip(_run(method, x, y), reference, strict=True):
-        assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    assert not torch.equal(reference[0], reference[-1])  # the steps moved
+    _assert_follows_the_twin(method, _reference_gmfvi_run)
 
 
 def _reference_ktied_run(method: ktied.KTiedNormalVI, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -118,13 +123,7 @@ def test_ktied_steps_match_the_plain_autograd_twin(prior_precision: float | None
     problem.generator.manual_seed(5)
     method.setup(problem)
     assert isinstance(method._prior, float) == (prior_precision is not None)
-    x, y = _data()
-    problem.generator.manual_seed(11)
-    reference = _reference_ktied_run(method, x, y)
-    problem.generator.manual_seed(11)
-    for got, expected in zip(_run(method, x, y), reference, strict=True):
-        assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    assert not torch.equal(reference[0], reference[-1])
+    _assert_follows_the_twin(method, _reference_ktied_run)
 
 
 @pytest.mark.parametrize("kind", ["ktied", "elrg", "elrg_d"])
