@@ -393,7 +393,8 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         cfg,
         run_dir,
         method,
-        likelihood=likelihood,
+        # a method that fitted the noise (Laplace's method.search=marglik) is scored with it
+        likelihood=getattr(method, "fitted_likelihood", None) or likelihood,
         dataset=dataset,
         prior=prior,
         config_hash_=chash,

@@ -86,6 +86,7 @@ from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.io import load_gaussian
 from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
+from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
 from bdl_bench.methods.map import map_step
 from bdl_bench.methods.vogn import parse_choice
@@ -160,6 +161,73 @@ class SearchSettings:
         return settings
 
 
+@dataclasses.dataclass(frozen=True)
+class MarglikSettings:
+    """``method.search=marglik``: maximise the Laplace log marginal likelihood (MacKay 1992; Immer et al. 2021)
+
+    .. math::
+
+        \\log p(\\mathcal D\\mid\\tau,\\gamma) \\approx \\log p(\\mathcal D\\mid\\theta_*,\\gamma)
+        - \\tfrac12\\textstyle\\sum_d\\tau_d\\theta_{*d}^2 + \\tfrac12\\sum_d\\log\\tau_d - \\tfrac12\\log|P(\\tau,\\gamma)|
+
+    over the prior precision τ (one per layer, weights and bias alike, or one scalar) and, for a Gaussian
+    likelihood, the noise precision γ, at the MAP :math:`\\theta_*`, with the posterior's own precision
+    :math:`P = N(\\gamma/\\gamma_0)\\mathbf I + \\operatorname{diag}(\\tau)` in the chosen ``structure``: the curvature of a
+    Gaussian likelihood is linear in γ (GGN and Fisher alike), so its eigenvalues scale with it and the gradient
+    of :math:`\\log|P|` in γ is exact (KFAC's included, through its factors' eigenvalues or Choleskys). Adam on
+    :math:`\\log\\tau`, :math:`\\log\\gamma` from the run's values, one curvature pass; no validation data.
+
+    Attributes:
+        prior: ``layer`` (one τ per weight layer) or ``scalar``.
+        noise: also fit γ (regression; ignored for classification).
+        n_steps: Adam steps.
+        lr: Adam learning rate (on the logarithms).
+    """
+
+    prior: str = "layer"
+    noise: bool = True
+    n_steps: int = 300
+    lr: float = 0.1
+
+    @classmethod
+    def parse(cls, cfg: Mapping[str, Any] | None) -> MarglikSettings:
+        """Settings from ``method.search.marglik`` (``None``: the defaults).
+
+        Raises:
+            ValueError: on an unknown key or a bad value (named).
+        """
+        cfg = dict(cfg or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(
+                f"laplace: unknown method.search.marglik keys {unknown}; known: {', '.join(sorted(known))}"
+            )
+        settings = cls(**cfg)
+        if settings.prior not in ("layer", "scalar"):
+            raise ValueError(f"laplace: method.search.marglik.prior must be layer or scalar, got {settings.prior!r}")
+        if int(settings.n_steps) != settings.n_steps or settings.n_steps < 1 or not settings.lr > 0:
+            raise ValueError(
+                f"laplace: method.search.marglik needs n_steps >= 1 and lr > 0, got {settings.n_steps}, {settings.lr}"
+            )
+        return settings
+
+
+def _parse_search(search: Mapping[str, Any] | str | None) -> SearchSettings | MarglikSettings | None:
+    """``method.search``: ``null``, ``marglik``, ``{marglik: {...}}`` or a validation grid (:class:`SearchSettings`)."""
+    if search is None:
+        return None
+    if isinstance(search, str):
+        if search != "marglik":
+            raise ValueError(
+                f"laplace: method.search must be null, marglik, {{marglik: {{...}}}} or a grid mapping, got {search!r}"
+            )
+        return MarglikSettings.parse(None)
+    if set(search) == {"marglik"}:
+        return MarglikSettings.parse(search["marglik"])
+    return SearchSettings.parse(search)
+
+
 def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
     """``{logspace: [a, b, n]}``: n values from 10^a to 10^b, evenly spaced in the logarithm.
 
@@ -196,9 +264,9 @@ class KfacPrior(str, Enum):
     r"""How ``structure=kfac`` adds the prior to :math:`NG\otimes A` (module docstring)."""
 
     DAMPED = "damped"
-    """Lee et al. eq. 3: :math:`(\\sqrt N G + \\sqrt\tau I)\\otimes(\\sqrt N A + \\sqrt\tau I)` (exact where τ varies in a layer)."""
+    r"""Lee et al. eq. 3: :math:`(\sqrt N G + \sqrt\tau I)\otimes(\sqrt N A + \sqrt\tau I)` (exact where τ varies in a layer)."""
     EXACT = "exact"
-    """:math:`NG\\otimes A + \\operatorname{diag}(\tau)`, in the Kronecker eigenbasis."""
+    r""":math:`NG\otimes A + \operatorname{diag}(\tau)`, in the Kronecker eigenbasis."""
 
 
 class Predictive(str, Enum):
@@ -420,13 +488,15 @@ class Laplace(Method):
         self.curvature_cache_mib = int(curvature_cache_mib)
         self.lr = lr
         self.map_dir = map_dir
-        self.search = None if search is None else SearchSettings.parse(search)
+        self.search = _parse_search(search)
         self._posterior: StructuredGaussian | None = None
         self.fit_info: dict[str, float] = {}
         self.extra_metrics: dict[str, float] = {}  # metrics.json entries of the search (runner: finish_run)
         self.search_rows: list[dict[str, Any]] = []
         self._val: tuple[Tensor, Tensor] | None = None
         self._run_dir: Path | None = None
+        self.fitted_likelihood: Gaussian | None = None  # the noise method.search=marglik chose (runner: final metrics)
+        self.last_evidence: LaplaceEvidence | None = None
 
     # ------------------------------------------------------------------ MAP part
     def setup(self, problem: Problem) -> None:
@@ -502,6 +572,7 @@ class Laplace(Method):
         self.fit_info, self.extra_metrics = {}, {}
         self._check_validation()
         theta = self.theta.detach().double()
+        x_all, y_all = x, y
         x, y = self._curvature_data(x, y)
         theta_c = theta.to(self.curvature_dtype or self.theta.dtype)
 
@@ -525,7 +596,10 @@ class Laplace(Method):
         started = time.perf_counter()
         curvature = self._curvature(theta, batches)
         self.fit_info["n_curvature_examples"] = x.shape[0]
-        if self.search is None:
+        if isinstance(self.search, MarglikSettings):
+            self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
+            self._posterior = self._marglik(theta, curvature, x_all, y_all)
+        elif self.search is None:
             scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
             tau = (
                 p.prior_precision.detach().double()
@@ -577,8 +651,8 @@ class Laplace(Method):
         shapes: Tensor,
     ) -> StructuredGaussian:
         """KFAC's posterior (module docstring): eq. 3 as a ``KroneckerGaussian`` where that is exact for every layer,
-        else a ``ScaledEigenKroneckerGaussian`` with eq. 3's eigenvalues :math:`(\\sqrt Ns_G + \\sqrt\tau)(\\sqrt Ns_A +
-        \\sqrt\tau)` in the damped layers and :math:`Ns_Gs_{A'} + 1` with scale :math:`t^{1/2}` in the exact ones."""
+        else a ``ScaledEigenKroneckerGaussian`` with eq. 3's eigenvalues :math:`(\\sqrt Ns_G + \\sqrt\\tau)(\\sqrt Ns_A +
+        \\sqrt\\tau)` in the damped layers and :math:`Ns_Gs_{A'} + 1` with scale :math:`t^{1/2}` in the exact ones."""
         factors = curvature["factors"]
         scale = torch.as_tensor(scale, dtype=theta.dtype, device=theta.device)
         grids = [tau[block_index(f.slot, theta.device)].view(f.slot.shape) for f in factors]
@@ -724,7 +798,7 @@ class Laplace(Method):
         self._run_dir = None if run_dir is None else Path(run_dir)
 
     def _check_validation(self) -> None:
-        if self.search is not None and (self._val is None or self._val[0].shape[0] == 0):
+        if isinstance(self.search, SearchSettings) and (self._val is None or self._val[0].shape[0] == 0):
             raise ValueError(
                 "laplace: method.search chooses (N, τ) on the validation set, but this run has none; give the data "
                 "one (data.n_val=10000 for vision/mnist, data.val_fraction=0.1 for UCI) or set method.search=null"
@@ -736,7 +810,7 @@ class Laplace(Method):
         of the MAP's. For each N, τ goes from large to small and, once accuracy falls more than
         ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``)."""
         self._check_validation()
-        assert self._val is not None and self.search is not None
+        assert self._val is not None and isinstance(self.search, SearchSettings)
         cfg, p = self.search, self.problem
         x_val, y_val = self._val
         if cfg.max_val_examples is not None:
@@ -829,6 +903,79 @@ class Laplace(Method):
             writer.writeheader()
             writer.writerows({**r, "chosen": r.get("chosen", False)} for r in rows)
 
+    # ------------------------------------------------------------------ marginal likelihood (method.search=marglik)
+    def evidence(self, theta: Tensor, curvature: dict[str, Any], x: Tensor, y: Tensor) -> LaplaceEvidence:
+        """The log marginal likelihood of :class:`MarglikSettings` as a function of (log τ per group, log γ)."""
+        p = self.problem
+        settings = self.search if isinstance(self.search, MarglikSettings) else MarglikSettings()
+        groups = torch.zeros(theta.shape[0], dtype=torch.long, device=theta.device)
+        if settings.prior == "layer":
+            for k, slot in enumerate(self._layout.slots):
+                groups[block_index(slot, theta.device)] = k
+        with torch.no_grad():
+            rows = max(1, _PREDICT_BUDGET // _widest_activation(p.model, self.theta.detach(), x[:1]))
+            f = torch.cat([forward_with(p.model, self.theta.detach(), xs) for xs in x.split(rows)]).double()
+        gaussian = isinstance(p.likelihood, Gaussian)
+        if gaussian:
+            data_term = ((f.squeeze(-1) - y.double()) ** 2).sum()
+        else:
+            data_term = p.likelihood.nll(f, y).sum()
+        return LaplaceEvidence(self, theta, curvature, groups, data_term, y.shape[0], gaussian)
+
+    def _marglik(self, theta: Tensor, curvature: dict[str, Any], x: Tensor, y: Tensor) -> StructuredGaussian:
+        """Adam on :meth:`evidence` from the run's prior (mean per group) and noise; the posterior at the optimum."""
+        settings = self.search
+        assert isinstance(settings, MarglikSettings)
+        p, started = self.problem, time.perf_counter()
+        objective = self.evidence(theta, curvature, x, y)
+        self.last_evidence = objective  # for inspection (tests: gradients against finite differences)
+        prior = p.prior_precision.detach().double() if self.prior_precision is None else None
+        if prior is None:
+            prior = torch.full_like(theta, float(self.prior_precision))
+        n_groups = int(objective.groups.max()) + 1
+        start = torch.zeros(n_groups, dtype=theta.dtype, device=theta.device).index_add_(0, objective.groups, prior)
+        counts = torch.bincount(objective.groups, minlength=n_groups).to(theta)
+        log_tau = (start / counts).log().requires_grad_(True)
+        log_gamma = torch.tensor(math.log(objective.noise0), dtype=theta.dtype, device=theta.device)
+        fit_noise = objective.gaussian and settings.noise
+        params = [log_tau, log_gamma.requires_grad_(True)] if fit_noise else [log_tau]
+        optimizer = torch.optim.Adam(params, lr=settings.lr)
+        with torch.no_grad():
+            initial = float(objective(log_tau, log_gamma))
+        for _ in range(settings.n_steps):
+            optimizer.zero_grad()
+            loss = -objective(log_tau, log_gamma)
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            value = float(objective(log_tau, log_gamma))
+            tau = log_tau.exp()
+            posterior = self._cast(objective.posterior(log_tau, log_gamma))
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                "laplace: the marginal likelihood is not finite at the end of method.search=marglik"
+            )
+        metrics: dict[str, float] = {
+            "marglik": value / objective.n_data,
+            "marglik_initial": initial / objective.n_data,
+            "search_time_s": time.perf_counter() - started,
+        }
+        metrics.update({f"chosen_prior_precision_{k}": float(t) for k, t in enumerate(tau)})
+        if fit_noise:
+            gamma = float(log_gamma.exp())
+            metrics["chosen_noise_precision"] = gamma  # standardised targets
+            self.fitted_likelihood = Gaussian(gamma)
+        self.extra_metrics.update(metrics)
+        logger.info(
+            "laplace marglik: log p(D)/n %.4g -> %.4g, τ %s%s in %.1f s",
+            metrics["marglik_initial"],
+            metrics["marglik"],
+            [f"{float(t):.3g}" for t in tau],
+            f", γ {metrics['chosen_noise_precision']:.3g}" if fit_noise else "",
+            metrics["search_time_s"],
+        )
+        return posterior
+
     # ------------------------------------------------------------------ prediction
     def posterior(self) -> StructuredGaussian | None:
         return self._posterior
@@ -910,3 +1057,49 @@ class Laplace(Method):
         self.optimizer.load_state_dict(state["optimizer"])
         fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
         self._posterior = _posterior_class(self.structure, set(fields))(**fields) if fields else None
+
+
+class LaplaceEvidence:
+    """:class:`MarglikSettings`' log marginal likelihood at a fitted MAP and curvature, differentiable in
+    (log τ per group, log γ); built by :meth:`Laplace.evidence`.
+
+    Attributes:
+        groups: ``(D,)`` the prior group of each parameter.
+        n_data: the number of training examples in the data term.
+        gaussian: whether the likelihood is Gaussian (then γ enters; else it is ignored).
+        noise0: the noise precision γ₀ the curvature was computed at (1 for classification).
+    """
+
+    def __init__(
+        self,
+        method: Laplace,
+        theta: Tensor,
+        curvature: dict[str, Any],
+        groups: Tensor,
+        data_term: Tensor,
+        n_data: int,
+        gaussian: bool,
+    ) -> None:
+        self._method, self._theta, self._curvature = method, theta, curvature
+        self.groups, self._data_term, self.n_data, self.gaussian = groups, data_term, n_data, gaussian
+        likelihood = method.problem.likelihood
+        self.noise0 = float(likelihood.noise_precision) if isinstance(likelihood, Gaussian) else 1.0
+        p = method.problem
+        self._scale = float(p.n_data) if method.dataset_scale is None else method.dataset_scale
+
+    def posterior(self, log_tau: Tensor, log_gamma: Tensor) -> StructuredGaussian:
+        """The float64 posterior of precision :math:`N(\\gamma/\\gamma_0)\\mathbf I + \\operatorname{diag}(\\tau)`."""
+        ratio = (log_gamma - math.log(self.noise0)).exp() if self.gaussian else 1.0
+        return self._method._assemble(self._theta, self._curvature, self._scale * ratio, log_tau.exp()[self.groups])
+
+    def __call__(self, log_tau: Tensor, log_gamma: Tensor) -> Tensor:
+        """:math:`\\log p(\\mathcal D\\mid\\theta_*,\\gamma) - \\frac12\\sum\\tau_d\\theta_d^2 + \\frac12\\sum\\log\\tau_d
+        - \\frac12\\log|P|` (the 2π of prior and posterior cancel)."""
+        tau = log_tau.exp()[self.groups]
+        if self.gaussian:
+            n = self.n_data
+            log_lik = 0.5 * n * (log_gamma - math.log(2 * math.pi)) - 0.5 * log_gamma.exp() * self._data_term
+        else:
+            log_lik = -self._data_term
+        prior = -0.5 * (tau * self._theta.square()).sum() + 0.5 * log_tau[self.groups].sum()
+        return log_lik + prior - 0.5 * self.posterior(log_tau, log_gamma).logdet_precision()
