@@ -962,7 +962,7 @@ class Laplace(Method):
         }
         metrics.update({f"chosen_prior_precision_{k}": float(t) for k, t in enumerate(tau)})
         if fit_noise:
-            gamma = float(log_gamma.exp())
+            gamma = float(log_gamma.detach().exp())
             metrics["chosen_noise_precision"] = gamma  # standardised targets
             self.fitted_likelihood = Gaussian(gamma)
         self.extra_metrics.update(metrics)
