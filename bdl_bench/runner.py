@@ -255,6 +255,21 @@ def _cached_dataset(data_json: str) -> Dataset:
     return build_dataset(json.loads(data_json))
 
 
+def run_prior(model: torch.nn.Module, cfg: DictConfig, dataset: Dataset) -> torch.Tensor:
+    """The run's prior precision per parameter: ``prior_precision`` (``bias_prior_precision`` on biases).
+
+    With ``gal_lengthscale`` l (set by Gal & Ghahramani's dropout protocol, ``tune=slang_table2``), the
+    weights' precision is instead l²(1 − p) s_y² / 2 (p = ``method.dropout_rate``, s_y the training
+    targets' std): then our objective is their Keras loss, mean squared error on standardised targets plus
+    the l2 weight decay l²(1 − p) / (2 N τ), times τ s_y² / 2 (``bdl_bench.methods.dropout``).
+    """
+    precision = float(cfg.prior_precision)
+    lengthscale = _cfg_get(cfg, "gal_lengthscale")
+    if lengthscale is not None:
+        precision = float(lengthscale) ** 2 * (1 - float(cfg.method.dropout_rate)) * float(dataset.y_std) ** 2 / 2
+    return prior_precision_vector(model, precision, _cfg_get(cfg, "bias_prior_precision"))
+
+
 def load_dataset(data_cfg: Mapping[str, Any]) -> Dataset:
     """The dataset of a ``data`` config, loaded once per process (a sweep worker runs many splits of a
     few datasets); every call returns fresh copies of the tensors, so no run can alter another's data."""
@@ -312,7 +327,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         out_features=dataset.n_outputs,
     ).to(device, dtype)
     likelihood = build_likelihood(dataset, _cfg_get(cfg, "noise_precision"))
-    prior = prior_precision_vector(model, float(cfg.prior_precision), _cfg_get(cfg, "bias_prior_precision"))
+    prior = run_prior(model, cfg, dataset)
     method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
     method_generator = torch.Generator(device=device).manual_seed(seed + 1)
     data_generator = torch.Generator().manual_seed(seed + 2)

@@ -31,6 +31,7 @@ run folder (the chosen trial marked ``best``); the test run's ``config.yaml`` ho
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -448,6 +449,19 @@ def write_split_trials(job_dir: Path, member_dirs: Mapping[int, Path]) -> None:
 
 def has_search(cfg: DictConfig) -> bool:
     return OmegaConf.select(cfg, "search") is not None
+
+
+def with_method_settings(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``search.method_settings.<method>`` applied (key → value; the protocol a method's
+    search and test runs follow, e.g. Gal's epochs, batch size and learning rate for dropout)."""
+    settings = (OmegaConf.select(cfg, "search.method_settings") or {}).get(str(cfg.method.name))
+    if not settings:
+        return cfg
+    tuned = copy.deepcopy(cfg)
+    with open_dict(tuned):
+        for key, value in settings.items():
+            OmegaConf.update(tuned, str(key), value, merge=False, force_add=True)
+    return tuned
 
 
 def apply_searched(cfg: DictConfig, run_dir: Path) -> DictConfig:

@@ -45,7 +45,6 @@ from bdl_bench.checkpoint import load_checkpoint, save_checkpoint
 from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.results import (
     CHECKPOINT_FILE,
     HISTORY_FILE,
@@ -68,6 +67,7 @@ from bdl_bench.runner import (
     resolve_device,
     resolve_dtype,
     restore_checkpoint,
+    run_prior,
     use_deterministic,
 )
 
@@ -164,10 +164,7 @@ def run_stack(
         out_features=first.n_outputs,
     ).to(device, dtype)
     likelihoods = {k: build_likelihood(datasets[k], _cfg_get(members[k], "noise_precision")) for k in splits}
-    priors = {
-        k: prior_precision_vector(model, float(m.prior_precision), _cfg_get(m, "bias_prior_precision"))
-        for k, m in members.items()
-    }
+    priors = {k: run_prior(model, m, datasets[k]) for k, m in members.items()}
     method = build_method(configs[splits[0]]["method"])  # type: ignore[index]
     if member_configs is not None:
         method.configure_replicas([configs[k]["method"] for k in splits])  # type: ignore[index]

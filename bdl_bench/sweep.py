@@ -48,7 +48,7 @@ from bdl_bench.results import (
     write_failure,
 )
 from bdl_bench.runner import EpochHook, run
-from bdl_bench.search import has_search, tuned_members, write_split_trials
+from bdl_bench.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.stacked import member_config, run_stack, stacked_splits
 from bdl_bench.tuning import apply_tuned
 
@@ -218,6 +218,8 @@ def run_stacked_job(
     force = bool(OmegaConf.select(cfg, "force", default=False))
     if OmegaConf.select(cfg, "tuned_from") is not None:
         raise ValueError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
+    if has_search(cfg):
+        cfg = with_method_settings(cfg)
     splits = stacked_splits(cfg) or [int(cfg.data.split)]
     dirs = member_dirs(run_dir, overrides, splits)
     members = {k: member_config(cfg, k) for k in splits}

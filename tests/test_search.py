@@ -83,7 +83,7 @@ def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails
         return out
 
     monkeypatch.setattr(MCDropout, "train_step_replicas", diverge_at_rate_01)
-    run_job(_cfg(compose_cfg, "dropout"), tmp_path / "job")
+    run_job(_cfg(compose_cfg, "dropout", "~search.method_settings"), tmp_path / "job")  # 2 epochs, not Gal's 40
     trials = _trials(tmp_path / "job")
     assert len(trials) == 2 * 4 * 3  # 2 splits x Gal's 4 rates x 3 taus for yacht
     failed = trials[trials["state"] == "FAIL"]
@@ -120,3 +120,24 @@ def test_an_empty_grid_file_is_refused(tmp_path: Path, compose_cfg) -> None:
     (root / "uci" / "yacht" / "tau_values.txt").write_text("\n")
     with pytest.raises(DataFileError, match="tau_values.txt is empty"):
         read_spec(_cfg(compose_cfg, "dropout", f"data.root={root}"))
+
+
+def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
+    """tune=slang_table2's dropout runs follow Gal's code: 40 epochs of batch 128 at Adam's 0.001, and a weight
+    prior precision l²(1 − p) s_y² / 2 that makes our objective their Keras loss times τ s_y² / 2."""
+    from bdl_bench.data import build_dataset
+    from bdl_bench.models import build_model
+    from bdl_bench.runner import run_prior
+    from bdl_bench.search import with_method_settings
+
+    cfg = with_method_settings(_cfg(compose_cfg, "dropout", "method.dropout_rate=0.05", "bias_prior_precision=1e-6"))
+    assert (cfg.trainer.n_epochs, cfg.trainer.batch_size, cfg.method.lr, cfg.gal_lengthscale) == (40, 128, 0.001, 0.01)
+    assert with_method_settings(_cfg(compose_cfg, "slang")).trainer.n_epochs == 2  # other methods untouched
+    data = build_dataset({"name": "uci/yacht", "split": 0})
+    model = build_model({"name": "mlp", "hidden": [50], "activation": "relu"}, in_features=6, out_features=1)
+    prior = run_prior(model, cfg, data)
+    weights = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith("weight")]).numel()
+    expected = 0.01**2 * (1 - 0.05) * data.y_std**2 / 2
+    assert prior[:300].tolist() == pytest.approx([expected] * 300)  # the first layer's weights
+    on_weights = torch.isclose(prior, torch.tensor(expected, dtype=prior.dtype))
+    assert int(on_weights.sum()) == weights and bool((prior[~on_weights] == 1e-6).all())
