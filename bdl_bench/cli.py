@@ -111,9 +111,21 @@ def table_command(args: list[str]) -> None:
         metavar="METHOD",
         help="show each metric as the difference to METHOD's run on the same split (and the paper's likewise)",
     )
+    parser.add_argument(
+        "--search", action="store_true", help="list the values each tuned run's search chose (its search.csv)"
+    )
     ns = parser.parse_args(args)
     if not ns.folder.is_dir():
         raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
+    if ns.search:
+        from bdl_bench.search import search_summary
+
+        summary = search_summary(ns.folder)
+        if summary.empty:
+            raise SystemExit(f"bdl-bench table --search: no tuned run (search.csv) below {ns.folder}")
+        summary.to_csv(ns.csv or ns.folder / "search_table.csv", index=False)
+        print(summary.to_string(index=False))
+        return
     metrics = ns.metrics.split(",") if ns.metrics else None
     from bdl_bench.sweep import version_warnings
 

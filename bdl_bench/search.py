@@ -447,6 +447,35 @@ def write_split_trials(job_dir: Path, member_dirs: Mapping[int, Path]) -> None:
         atomic_write_text(Path(d) / SPLIT_TRIALS_FILE, trials[trials["split"] == k].to_csv(index=False))
 
 
+def search_summary(folder: Path) -> pd.DataFrame:
+    """One row per tuned run below ``folder`` (a ``search.csv`` beside its ``metrics.json``): dataset, method,
+    split, the values its search chose, their validation score, and how many trials ran and failed."""
+    import yaml
+
+    from bdl_bench.results import find_run_dirs
+
+    rows = []
+    for run_dir in find_run_dirs(Path(folder)):
+        path = run_dir / SPLIT_TRIALS_FILE
+        if not path.exists():
+            continue
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        trials = pd.read_csv(path)
+        best = trials[trials["best"].astype(bool)]
+        chosen = best.drop(columns=["split", "trial", "state", "best", "error"]).iloc[0].to_dict() if len(best) else {}
+        rows.append(
+            {
+                "dataset": str(config["data"]["name"]).rsplit("/", 1)[-1],
+                "method": config["method"]["name"],
+                "split": config["data"]["split"],
+                **chosen,
+                "trials": len(trials),
+                "failed": int((trials["state"] == "FAIL").sum()),
+            }
+        )
+    return pd.DataFrame(rows).sort_values(["dataset", "method", "split"]) if rows else pd.DataFrame()
+
+
 def has_search(cfg: DictConfig) -> bool:
     return OmegaConf.select(cfg, "search") is not None
 

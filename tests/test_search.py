@@ -141,3 +141,17 @@ def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
     assert prior[:300].tolist() == pytest.approx([expected] * 300)  # the first layer's weights
     on_weights = torch.isclose(prior, torch.tensor(expected, dtype=prior.dtype))
     assert int(on_weights.sum()) == weights and bool((prior[~on_weights] == 1e-6).all())
+
+
+def test_table_lists_what_each_split_search_chose(tmp_path: Path, compose_cfg, capsys) -> None:
+    from bdl_bench.cli import table_command
+
+    run_job(_cfg(compose_cfg, "slang", "search.n_random=2", "search.n_guided=0"), tmp_path / "job")
+    table_command([str(tmp_path), "--search"])
+    out = capsys.readouterr().out
+    summary = pd.read_csv(tmp_path / "search_table.csv")
+    assert list(summary["split"]) == [0, 1] and (summary["trials"] == 2).all() and (summary["failed"] == 0).all()
+    for split in (0, 1):
+        best = _trials(tmp_path / "job").query(f"split == {split} and best").iloc[0]
+        assert summary.loc[split, "noise_precision"] == pytest.approx(best["noise_precision"])
+    assert "noise_precision" in out and "yacht" in out
