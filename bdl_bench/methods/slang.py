@@ -326,7 +326,8 @@ class Slang(Method):
         logdet = sum_log(state.prec_diag, scratch) + 2.0 * cache.capacitance_chol.diagonal().log().sum()
         lam = self._prior
         if isinstance(lam, float):  # trace and Mahalanobis term as dot products, no lambda-weighted pass
-            trace = torch.linalg.vecdot(noise, noise).mean().mul_(lam)
+            flat = noise.reshape(-1)  # (S D,): one dot product, no temporary
+            trace = torch.dot(flat, flat).mul_(lam / noise.shape[0])
             maha = torch.dot(state.mean, state.mean).mul_(lam)
         else:
             trace = (noise.square_() @ lam).mean()  # noise is not needed any more
