@@ -37,8 +37,10 @@ to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping
 the clamp of its output variance and its mask. A prior precision shared by all parameters is one number.
 What remains beyond the 2× products is one ``sigmoid`` and one ``log1p`` over D, about a dozen cheap passes
 over D, the noise and (fused) Adam: on the MNIST MLP (784-400-400-10, batch 200, one thread) some
-2.7–2.85× an SGD step (``scripts/bench_step.py``; the noise, ``exp``/``log1p`` and Adam alone take about
-half of the 0.5× above the products' 2×).
+2.6× an SGD step (``scripts/bench_step.py``, a loaded machine; the noise, ``sigmoid``/``log1p`` and Adam
+alone take about half of the 0.6× above the products' 2×). On a device (:func:`on_host` false) the
+forward and backward read nothing back to the host: no bounds (plain ``F.softplus``, the clamp kept),
+the KL's weight kept as a tensor.
 """
 
 from __future__ import annotations
