@@ -249,3 +249,36 @@ def test_a_diverging_loss_is_still_caught_at_its_step(compose_cfg) -> None:
         x[25] = float("nan")  # the third step of the epoch's second permutation slice is poisoned
         with pytest.raises(NonFiniteLossError, match=r"method 'map': non-finite loss nan at epoch 1, step \d"):
             built.fit(x, y, n_epochs=2, batch_size=10, data_generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("method", ["bbb", "dropout", "vogn"])
+def test_stacked_training_steps_do_not_wait_for_the_device(method: str, compose_cfg) -> None:
+    config = _method_config(method, compose_cfg)
+    with fake_device() as check:
+        single, x, y = _device_problem(config)
+        stacked = build_method(config)
+        stacked.setup_replicas([single.problem, single.problem])
+        xs, ys = torch.stack([x, x.flip(0)]), torch.stack([y, y.flip(0)])
+        stacked.train_step_replicas(xs[:, :10], ys[:, :10])
+        check.syncs = 0
+        out = stacked.train_step_replicas(xs[:, 10:20], ys[:, 10:20])
+        assert check.syncs == 0 and out["loss"].shape == (2,) and out["loss"].device == DEVICE
+
+
+def test_a_diverging_stacked_copy_is_named(compose_cfg) -> None:
+    """Diagonal VOGN reports a copy's divergence as a NaN loss (its state kept) and the loop names the copy."""
+    with fake_device():
+        single, x, y = _device_problem(_method_config("vogn", compose_cfg))
+        stacked = build_method(_method_config("vogn", compose_cfg))
+        stacked.setup_replicas([single.problem, single.problem])
+        poisoned = x.clone()
+        poisoned[:, 0] = float("nan")
+        with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan in stacked copy 1 at epoch 1, step 1"):
+            stacked.fit_replicas(
+                torch.stack([x, poisoned]),
+                torch.stack([y, y]),
+                n_epochs=1,
+                batch_size=10,
+                data_generator=torch.Generator().manual_seed(0),
+            )
+        assert torch.isfinite(stacked.state.mean).all() and torch.isfinite(stacked.state.precision).all()

@@ -527,29 +527,30 @@ class VOGN(Method):
 
         step = state.step + 1
         precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
-        bad = stacked.first_bad_copy(precision, g_hat)
-        if bad is not None:
-            raise NonFiniteLossError(
-                f"method 'vogn': non-finite precision or gradient in stacked copy {bad} at step {step}"
-            )
         direction = g_hat + lam * state.mean
-        new_chol = None
+        new_chol, ok = None, None
         if self._full:
+            bad = stacked.first_bad_copy(precision, g_hat)
+            if bad is not None:
+                raise NonFiniteLossError(
+                    f"method 'vogn': non-finite precision or gradient in stacked copy {bad} at step {step}"
+                )
             new_chol = stacked.cholesky_or_raise(precision, step)
-            delta = torch.cholesky_solve(direction[..., None], new_chol)[..., 0]
-        else:
-            positive = (precision > 0).all(1)
-            if not bool(positive.all()):
-                bad = int((~positive).nonzero()[0, 0])
-                raise NonFiniteLossError(f"method 'vogn': non-positive precision in stacked copy {bad} at step {step}")
-            delta = direction / precision
-        mean = state.mean - alpha * delta
-        bad = stacked.first_bad_copy(mean)
-        if bad is not None:
-            raise NonFiniteLossError(f"method 'vogn': non-finite mean in stacked copy {bad} at step {step}")
+            mean = state.mean - alpha * torch.cholesky_solve(direction[..., None], new_chol)[..., 0]
+            bad = stacked.first_bad_copy(mean)
+            if bad is not None:
+                raise NonFiniteLossError(f"method 'vogn': non-finite mean in stacked copy {bad} at step {step}")
+        else:  # as the single run's diagonal step: a bad copy keeps its state and reports NaN, unread
+            mean = state.mean - alpha * (direction / precision)
+            ok = (precision > 0).all(1) & torch.isfinite(precision).all(1) & torch.isfinite(mean).all(1)  # (R,)
+            mean = torch.where(ok[:, None], mean, state.mean)
+            precision = torch.where(ok[:, None], precision, state.precision)
         kl = _kl_to_prior(state, chol, lam, noise)
         self.state = VognState(mean=mean, precision=precision, step=step, chol=new_chol)
-        return {"loss": nll + kl / p.n_data, "nll": nll}
+        loss = nll + kl / p.n_data
+        if ok is not None:
+            loss = torch.where(ok, loss, torch.full_like(loss, math.nan))
+        return {"loss": loss, "nll": nll}
 
     def replica(self, index: int) -> VOGN:
         single = copy.copy(self)
