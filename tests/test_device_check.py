@@ -169,15 +169,31 @@ def test_kron_factors_of_lenets_second_conv_run_on_the_device() -> None:
 
 # --- the runner and every method's training step, on the device ----------------------------------------------
 
-METHODS = ["map", "bbb", "dropout", "slang", "vogn", "gmfvi", "ktied", "elrg", "ensemble", "laplace"]
+METHODS = [
+    "map",
+    "bbb",
+    "dropout",
+    "slang",
+    "vogn",
+    "vogn method.covariance=diag",
+    "gmfvi",
+    "ktied",
+    "elrg",
+    "ensemble",
+    "laplace",  # kfac
+    "laplace method.structure=def method.rank=4 method.curvature=fisher",
+    "laplace method.structure=efb",  # (predictive=linearised: torch.func.jvp under vmap does not take the check's tensors)
+    "laplace method.structure=diag",
+]
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_run_trains_and_evaluates_on_the_device(method: str, tmp_path, compose_cfg) -> None:
     """The whole run — data and model moved to the device, every training step, per-epoch and final
-    evaluation (ECE included), the ELBO — on australian (binary classification, 345 training rows), with the
-    same metrics as on the CPU."""
-    overrides = [f"method={method}", "data=libsvm/australian", "model=mlp", "trainer.checkpoint_every=0"]
+    evaluation (ECE included), the ELBO, a Laplace fit — on australian (binary classification, 345 training
+    rows), with the same metrics as on the CPU."""
+    name, *options = method.split()
+    overrides = [f"method={name}", *options, "data=libsvm/australian", "model=mlp", "trainer.checkpoint_every=0"]
     on_cpu = run(compose_cfg([*overrides, "trainer.device=cpu"]), tmp_path / "cpu").metrics
     with fake_device():
         on_device = run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path / "device").metrics

@@ -22,10 +22,12 @@ The rules follow PyTorch's for CUDA:
 
 What it cannot catch: anything decided by ``device.type == "cuda"`` (the ``meta`` stand-in takes the
 non-CUDA branch: ``torch.cuda.*`` calls, CUDA RNG state); kernels that exist on the CPU only or behave
-differently on CUDA (dtype support, non-determinism, TF32, out-of-memory); mixes inside operations that
-PyTorch allows for 0-dim CPU tensors here but a particular CUDA kernel rejects; and device tensors
-saved with ``torch.save`` (not supported by the wrapper). Autograd runs as usual, except that moving a
-non-leaf tensor onto the device (``x.to("meta")`` of a tensor with a graph) cuts its graph.
+differently on CUDA (dtype support, non-determinism, TF32, out-of-memory, speed); mixes inside operations
+that PyTorch allows for 0-dim CPU tensors here but a particular CUDA kernel rejects; CPU tensors reaching a
+device op through a path that bypasses the dispatcher (a custom C++ extension). And some code cannot run
+under it at all: ``torch.func`` transforms (``vmap``/``jvp``) over device tensors (Laplace's linearised
+predictive) and ``torch.save`` of device tensors (checkpoints) fail inside the wrapper. Autograd, optimisers
+(non-fused), ``nn.Module.to`` and indexing work as on a GPU.
 """
 
 from __future__ import annotations
