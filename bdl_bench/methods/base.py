@@ -172,9 +172,7 @@ class Method(ABC):
                         _check_losses(self.name, epoch, losses)
                     for k, v in out.items():
                         totals[k] = totals[k] + v if k in totals else v
-            except NonFiniteLossError:
-                raise
-            except Exception as error:  # e.g. a Cholesky of a diverged precision: name the divergence
+            except Exception as error:  # e.g. a Cholesky of a diverged precision: name the first divergence
                 _check_losses(self.name, epoch, losses, cause=error)
                 raise
             _check_losses(self.name, epoch, losses)
@@ -253,8 +251,6 @@ class Method(ABC):
                     losses.append(out["loss"].detach())
                     for k, v in out.items():
                         totals[k] = totals[k] + v if k in totals else v.clone()
-            except NonFiniteLossError:
-                raise
             except Exception as error:
                 _check_replica_losses(self.name, epoch, losses, cause=error)
                 raise
