@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
+from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.curvature import kron
 from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads
@@ -18,7 +19,7 @@ from bdl_bench.metrics import expected_calibration_error, predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.results import read_run_record
-from bdl_bench.runner import run
+from bdl_bench.runner import CheckpointDeviceError, run
 from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
 
 # --- the check itself ---------------------------------------------------------------------------------------
@@ -298,3 +299,22 @@ def test_a_diverging_stacked_copy_is_named(compose_cfg) -> None:
                 data_generator=torch.Generator().manual_seed(0),
             )
         assert torch.isfinite(stacked.state.mean).all() and torch.isfinite(stacked.state.precision).all()
+
+
+# --- defect 3: a checkpoint resumed on another device type ----------------------------------------------------
+
+
+def test_a_device_runs_checkpoint_is_refused_by_a_cpu_rerun(tmp_path, compose_cfg) -> None:
+    """trainer.device is not in the config hash, so a CPU re-run finds the GPU run's checkpoint; it must refuse
+    it in one line rather than resume (on CUDA the generator states do not even fit: "RNG state is wrong size")."""
+    overrides = ["method=map", "data=libsvm/australian", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]
+
+    def crash(epoch: int) -> None:
+        if epoch == 2:
+            raise KeyboardInterrupt
+
+    with fake_device(), pytest.raises(KeyboardInterrupt):
+        run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path, epoch_hook=crash)
+    assert load_checkpoint(tmp_path / "checkpoint.pt").epoch == 2
+    with pytest.raises(CheckpointDeviceError, match=f"written on {DEVICE.type} and this run is on cpu"):
+        run(compose_cfg([*overrides, "trainer.device=cpu"]), tmp_path)

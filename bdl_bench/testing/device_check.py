@@ -26,8 +26,9 @@ differently on CUDA (dtype support, non-determinism, TF32, out-of-memory, speed)
 that PyTorch allows for 0-dim CPU tensors here but a particular CUDA kernel rejects; CPU tensors reaching a
 device op through a path that bypasses the dispatcher (a custom C++ extension). And some code cannot run
 under it at all: ``torch.func`` transforms (``vmap``/``jvp``) over device tensors (Laplace's linearised
-predictive) and ``torch.save`` of device tensors (checkpoints) fail inside the wrapper. Autograd, optimisers
-(non-fused), ``nn.Module.to`` and indexing work as on a GPU.
+predictive) fail inside the wrapper. ``torch.save`` writes a device tensor's data as a CPU tensor (what
+loading with ``map_location="cpu"`` gives). Autograd, optimisers (non-fused), ``nn.Module.to`` and indexing
+work as on a GPU.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class DeviceTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         return self.elem.untyped_storage()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save: its data, as a CPU tensor (as map_location="cpu")
+        return self.elem.__reduce_ex__(protocol)
 
     def tolist(self) -> Any:  # PyTorch refuses it for subclasses; on a GPU it copies to the host
         if _active:
