@@ -212,6 +212,7 @@ STEP_METHODS = {  # each method's conf/method/<name>.yaml with these changes
     "ensemble": {"n_members": 3},
     "vogn": {"covariance": "diag"},
     "gmfvi": {},
+    "ktied": {},
     "elrg": {},
 }
 
