@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from bdl_bench.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
@@ -30,7 +35,29 @@ examples:
   bdl-bench run -m hydra/launcher=joblib hydra.launcher.n_jobs=2 method=bbb data.split='range(20)'
   bdl-bench table results/slang_table2
   bdl-bench reproduce slang_table2 --quick
+
+errors: a mistake in the input (a config value, a data file, a diverging run, an output path) is one line,
+  "bdl-bench: <message>", and exit status 1; `bdl-bench --debug <command>` (or BDL_BENCH_DEBUG=1, or
+  HYDRA_FULL_ERROR=1) shows its traceback. Ctrl-C stops a run with exit status 130; run the same command
+  to resume it from its last checkpoint.
 """
+
+DEBUG_ENV = "BDL_BENCH_DEBUG"
+INTERRUPT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
+
+
+def debugging() -> bool:
+    """Whether user errors should show their traceback (``--debug``, ``BDL_BENCH_DEBUG=1``, ``HYDRA_FULL_ERROR=1``)."""
+    return any(os.environ.get(name, "") not in ("", "0") for name in (DEBUG_ENV, "HYDRA_FULL_ERROR"))
+
+
+def error_line(error: BaseException) -> str:
+    """The one line the user sees for a user error (a message over several lines is joined)."""
+    return "bdl-bench: " + " ".join(str(error).split())
+
+
+class ReportedError(CompactHydraException):
+    """A sweep member's user error, as Hydra reports it at the end of the sweep: its one line, no traceback."""
 
 
 def group_choices(group: str) -> list[str]:
@@ -58,7 +85,15 @@ def hydra_app(cfg: DictConfig) -> float | None:
     folder; returns the objective for sweepers (validation log-likelihood when there is a validation part)."""
     from bdl_bench.sweep import run_job
 
-    result = run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        result = run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except UserError as error:  # recorded in the run folder (failure.json) by run_job
+        if debugging():
+            raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the other members go on; the summary lists it
+            raise ReportedError(error_line(error)) from None
+        print(error_line(error), file=sys.stderr)
+        raise SystemExit(1) from None
     keys = ("val_test_ll", "rmse", "test_ll", "nll", "accuracy", "elbo", "sym_kl")
     summary = ", ".join(f"{k} {result.metrics[k]:.4g}" for k in keys if result.metrics.get(k) is not None)
     how = "finished earlier, skipped" if result.skipped else f"{result.metrics['train_time_s']:.1f} s"
@@ -79,10 +114,13 @@ def run_hydra(args: list[str]) -> SystemExit | None:
 
 def run_command(args: list[str]) -> None:
     """``bdl-bench run``; a sweep (-m) ends with a summary of its members and fails if any failed."""
-    from bdl_bench.sweep import multirun_folder, summarise
+    from bdl_bench.sweep import check_output_folder, multirun_folder, run_folder, summarise
 
     check_group_overrides([a for a in args if not a.startswith("-")])
     sweep_dir = multirun_folder(CONF_DIR, args)
+    output = sweep_dir or run_folder(CONF_DIR, args)
+    if output is not None:
+        check_output_folder(output)
     started = time.time()
     error = run_hydra(args)
     if sweep_dir is None:
@@ -159,7 +197,22 @@ def data_command(args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a ``bdl-bench`` command; a :class:`~bdl_bench.errors.UserError` becomes one line and status 1."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--debug"]:
+        os.environ[DEBUG_ENV] = "1"
+        argv = argv[1:]
+    try:
+        dispatch(argv)
+    except UserError as error:
+        if debugging():
+            raise
+        print(error_line(error), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def dispatch(argv: list[str]) -> None:
+    """Route ``argv`` to its subcommand."""
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return

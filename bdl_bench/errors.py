@@ -23,12 +23,20 @@ class DataError(UserError, ValueError):
     """A data source that cannot be used as given (a bad split, a malformed file)."""
 
 
-class DataFileError(UserError, FileNotFoundError):
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the config names (a tuning study, a MAP run) is missing."""
+
+
+class DataFileError(MissingFileError):
     """A data file is missing or does not match its recorded SHA-256."""
 
 
 class DivergenceError(UserError, FloatingPointError):
     """Training produced a NaN or infinite value (the message suggests a smaller learning rate)."""
+
+
+class ResultsError(UserError, ValueError):
+    """A results folder that cannot be tabled or plotted as asked (no finished runs, an unknown metric)."""
 
 
 class OutputPathError(UserError, OSError):

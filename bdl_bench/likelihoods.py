@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bdl_bench.data.base import Dataset, Task
+from bdl_bench.errors import ConfigError
 
 
 class Likelihood(ABC):
@@ -45,7 +46,7 @@ class Gaussian(Likelihood):
 
     def __post_init__(self) -> None:
         if not self.noise_precision > 0:
-            raise ValueError(f"noise_precision must be positive, got {self.noise_precision}")
+            raise ConfigError(f"noise_precision must be positive, got {self.noise_precision}")
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         tau = self.noise_precision
@@ -105,9 +106,9 @@ def build_likelihood(dataset: Dataset, noise_precision: float | None) -> Likelih
     """The likelihood for ``dataset.task``; ``noise_precision`` is in original target units."""
     if dataset.task is Task.REGRESSION:
         if noise_precision is None:
-            raise ValueError("regression needs a noise precision: set method.noise_precision=<τ > 0>")
+            raise ConfigError("regression needs a noise precision: set method.noise_precision=<τ > 0>")
         if not noise_precision > 0:
-            raise ValueError(f"noise_precision must be positive, got {noise_precision}")
+            raise ConfigError(f"noise_precision must be positive, got {noise_precision}")
         return Gaussian(noise_precision * dataset.y_std**2)
     if dataset.task is Task.BINARY:
         return Bernoulli()

@@ -41,6 +41,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
+from bdl_bench.errors import ConfigError
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
     METRICS_FILE,
@@ -189,7 +190,7 @@ def _stacked_search(experiment: str) -> bool:
 def _quoted(key: str, path: Path) -> str:
     """``key='path'``: a folder name made of overrides holds ``=`` and ``,``, which Hydra's grammar needs quoted."""
     if "'" in str(path):
-        raise ValueError(f"{key}: the folder {path} contains a single quote; choose results_root without one")
+        raise ConfigError(f"{key}: the folder {path} contains a single quote; choose results_root without one")
     return f"{key}='{path}'"
 
 
@@ -318,7 +319,7 @@ def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series |
             return paper.abs() * float(text[:-1]) / 100.0
         return float(text)
     except ValueError:
-        raise ValueError(f"tolerance {tolerance!r}: give a number (absolute) or a percentage such as '2%'") from None
+        raise ConfigError(f"tolerance {tolerance!r}: give a number (absolute) or a percentage such as '2%'") from None
 
 
 def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> pd.DataFrame:

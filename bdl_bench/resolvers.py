@@ -12,6 +12,8 @@ import math
 
 from omegaconf import OmegaConf
 
+from bdl_bench.errors import ConfigError
+
 
 def run_name(override_dirname: str) -> str:
     """A run folder's name: its overrides, or ``default`` when it has none."""
@@ -25,10 +27,10 @@ def epochs_to_steps(n_epochs: int, n_train: int, batch_size: int) -> int:
         ValueError: on a negative epoch count or a non-positive ``n_train`` or ``batch_size``.
     """
     if int(n_epochs) != n_epochs or n_epochs < 0:
-        raise ValueError(f"epochs_to_steps: n_epochs must be a non-negative integer, got {n_epochs!r}")
+        raise ConfigError(f"epochs_to_steps: n_epochs must be a non-negative integer, got {n_epochs!r}")
     for name, value in (("n_train", n_train), ("batch_size", batch_size)):
         if int(value) != value or value < 1:
-            raise ValueError(f"epochs_to_steps: {name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"epochs_to_steps: {name} must be a positive integer, got {value!r}")
     return int(n_epochs) * math.ceil(int(n_train) / int(batch_size))
 
 

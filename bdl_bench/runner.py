@@ -33,9 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_params
+from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import UserError
+from bdl_bench.errors import ConfigError, DivergenceError, UserError
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
@@ -72,7 +73,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"trainer.device={name!r} but no CUDA device is available; use trainer.device=auto or cpu")
+        raise ConfigError(f"trainer.device={name!r} but no CUDA device is available; use trainer.device=auto or cpu")
     return device
 
 
@@ -108,7 +109,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"trainer.dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise ConfigError(f"trainer.dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -295,8 +296,10 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
             written (tests use it to simulate a crash).
 
     Raises:
-        ValueError: when ``run_dir`` holds a checkpoint of a different config.
+        ConfigError: when a config value is out of its range (:mod:`bdl_bench.config_checks`; before any
+            work), or ``run_dir`` holds a checkpoint of a different config.
     """
+    check_config(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
@@ -311,7 +314,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     checkpoint_path = run_dir / CHECKPOINT_FILE
     checkpoint = load_checkpoint(checkpoint_path)
     if checkpoint is not None and checkpoint.config_hash != chash:
-        raise ValueError(
+        raise ConfigError(
             f"{checkpoint_path} belongs to another config (hash {checkpoint.config_hash}, this run {chash}); "
             "delete it or re-run with force=true"
         )
@@ -566,7 +569,7 @@ def finish_run(
         save_gaussian(posterior, run_dir / "posterior.pt")
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
-        raise FloatingPointError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")
+        raise DivergenceError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")
     point = method.point_estimate()
     if point is not None:
         save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=chash)

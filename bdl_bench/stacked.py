@@ -42,6 +42,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
 from bdl_bench.checkpoint import load_checkpoint, save_checkpoint
+from bdl_bench.config_checks import check_config
+from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
@@ -83,13 +85,13 @@ def stacked_splits(cfg: DictConfig) -> list[int] | None:
     if split == "all":
         n_splits = OmegaConf.select(cfg, "data.protocol.n_splits")
         if n_splits is None:
-            raise ValueError(f"data.split=all: {cfg.data.name} has no protocol.n_splits; give a list of splits")
+            raise ConfigError(f"data.split=all: {cfg.data.name} has no protocol.n_splits; give a list of splits")
         return list(range(int(n_splits)))
     if not OmegaConf.is_list(split) and not isinstance(split, list | tuple):
         return None
     splits = [int(k) for k in split]
     if not splits or len(set(splits)) != len(splits):
-        raise ValueError(f"data.split={list(split)}: a stacked job needs a non-empty list of distinct splits")
+        raise ConfigError(f"data.split={list(split)}: a stacked job needs a non-empty list of distinct splits")
     return splits
 
 
@@ -126,6 +128,7 @@ def run_stack(
             a shared setting (model, trainer, seeds).
         NotImplementedError: when the method cannot stack.
     """
+    check_config(cfg)
     splits = list(member_dirs)
     trainer = cfg.trainer
     if trainer.threads is not None:
@@ -281,9 +284,11 @@ def _check_stackable(datasets: Mapping[int, Any], cfg: DictConfig) -> None:
     sizes = {k: (d.n_train, tuple(d.x_train.shape[1:]), d.task) for k, d in datasets.items()}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"split {k}: {n} examples of shape {s}" for k, (n, s, _) in sizes.items())
-        raise ValueError(
+        raise ConfigError(
             f"{cfg.data.name}: stacked splits need equal training sets ({listed}); run the splits one per job "
             "(data.split=range(...)) instead of a list"
         )
     if any(d.augmentation is not None for d in datasets.values()):
-        raise ValueError(f"{cfg.data.name}: stacked splits do not support training augmentation; run one split per job")
+        raise ConfigError(
+            f"{cfg.data.name}: stacked splits do not support training augmentation; run one split per job"
+        )

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from bdl_bench.errors import UserError
+from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.results import (
     METRICS_FILE,
@@ -183,7 +183,7 @@ def member_dirs(run_dir: Path, overrides: list[str], splits: list[int]) -> dict[
     parser = OverridesParser.create()
     job_name = run_name(HydraConfig.get().job.override_dirname)
     if not str(run_dir).endswith(job_name):
-        raise ValueError(
+        raise ConfigError(
             f"cannot name the split folders of stacked job {run_dir}: its folder is not named by its overrides"
         )
     root = str(run_dir)[: len(str(run_dir)) - len(job_name)]
@@ -217,7 +217,7 @@ def run_stacked_job(
     """
     force = bool(OmegaConf.select(cfg, "force", default=False))
     if OmegaConf.select(cfg, "tuned_from") is not None:
-        raise ValueError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
+        raise ConfigError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
     if has_search(cfg):
         cfg = with_method_settings(cfg)
     splits = stacked_splits(cfg) or [int(cfg.data.split)]
@@ -349,21 +349,54 @@ def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | 
 def multirun_folder(conf_dir: Path, args: list[str]) -> Path | None:
     """The sweep folder of ``bdl-bench run`` with command-line ``args`` when they start a sweep (``-m``),
     else ``None`` (a single run, ``--cfg``, ``--help``, …)."""
+    return _output_folder(conf_dir, args, multirun=True)
+
+
+def run_folder(conf_dir: Path, args: list[str]) -> Path | None:
+    """The run folder of a single ``bdl-bench run`` with command-line ``args`` (``None`` for a sweep,
+    ``--cfg``, ``--help``, … or a config that does not compose)."""
+    return _output_folder(conf_dir, args, multirun=False)
+
+
+def _output_folder(conf_dir: Path, args: list[str], *, multirun: bool) -> Path | None:
     from hydra import initialize_config_dir
     from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
     ns = get_args_parser().parse_args(args)
-    if not ns.multirun or ns.cfg or ns.help or ns.hydra_help or ns.info or ns.shell_completion:
+    if bool(ns.multirun) != multirun or ns.cfg or ns.help or ns.hydra_help or ns.info or ns.shell_completion:
         return None
+    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     try:
         with initialize_config_dir(str(conf_dir), version_base="1.3"):
             loader = GlobalHydra.instance().config_loader()
-            cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=RunMode.MULTIRUN)
-            return Path(str(cfg.hydra.sweep.dir)).absolute()
+            cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=mode)
+            return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)).absolute()
     except Exception:  # noqa: BLE001 - a config that does not compose: Hydra itself reports why, next
         return None
+
+
+def check_output_folder(folder: Path) -> None:
+    """Refuse an output folder that cannot be made: one of its parents (or itself) is a file, or the
+    nearest existing parent is not writable.
+
+    Raises:
+        OutputPathError: naming the path in the way and the fix.
+    """
+    for path in (folder, *folder.parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            raise OutputPathError(
+                f"cannot make the output folder {folder}: {path} is a file, not a folder; "
+                "choose another results_root=... (or move the file)"
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise OutputPathError(
+                f"cannot make the output folder {folder}: {path} is not writable; choose another results_root=..."
+            )
+        return
 
 
 def version_warnings(root: Path) -> list[str]:

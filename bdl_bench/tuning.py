@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from bdl_bench.errors import ConfigError, MissingFileError
+
 STUDY_RESULTS_FILE = "optimization_results.yaml"
 _ABSENT = object()
 
@@ -49,13 +51,13 @@ def read_best_params(study_dir: Path) -> dict[str, Any]:
     """
     path = Path(study_dir) / STUDY_RESULTS_FILE
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no tuning results at {path}: run the study first (`bdl-bench reproduce <experiment>` does, or "
             f"`bdl-bench run -m tune=<name> <this run's overrides> hydra.sweep.dir={study_dir}`), or drop tuned_from"
         )
     results = yaml.safe_load(path.read_text()) or {}
     if "best_params" not in results:
-        raise ValueError(
+        raise ConfigError(
             f"{path} has no best_params (a multi-objective study?); tuned_from needs one best value per key"
         )
     return dict(results["best_params"])
@@ -81,6 +83,6 @@ def apply_tuned(
     tuned = copy.deepcopy(cfg)
     for key, value in best.items():
         if OmegaConf.select(tuned, key, default=_ABSENT) is _ABSENT:
-            raise ValueError(f"tuned parameter {key!r} from {study_dir} is not a key of this config")
+            raise ConfigError(f"tuned parameter {key!r} from {study_dir} is not a key of this config")
         OmegaConf.update(tuned, key, value, merge=False)
     return tuned

@@ -42,8 +42,8 @@ def test_non_finite_loss_stops_without_metrics(tmp_path: Path, compose_cfg) -> N
     ("override", "message"),
     [
         ("data.split=20", "split"),
-        ("prior_precision=0", "prior_precision must be positive, got 0"),
-        ("noise_precision=-1", "noise_precision must be positive, got -1"),
+        ("prior_precision=0", "prior_precision=0 is out of range: it must be a number > 0"),
+        ("noise_precision=-1", "noise_precision=-1 is out of range"),
         ("trainer.dtype=float16", "trainer.dtype='float16'"),
     ],
 )

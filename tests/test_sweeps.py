@@ -102,7 +102,7 @@ def test_joblib_sweep_isolates_a_failing_member(tmp_path: Path) -> None:
     )
     assert out.returncode == 1, out.stderr
     assert "3 runs: 2 ran, 0 skipped (finished earlier), 1 failed" in out.stdout
-    assert "FAILED data.split=99,method=slang,trainer=smoke: ValueError: uci/boston: split=99" in out.stdout
+    assert "FAILED data.split=99,method=slang,trainer=smoke: ConfigError: uci/boston: split=99" in out.stdout
     for split in (0, 1):  # the members before and after the failing one both finished
         assert (sweep / f"data.split={split},method=slang,trainer=smoke" / "metrics.json").exists()
     assert json.loads((sweep / "data.split=99,method=slang,trainer=smoke" / "failure.json").read_text())["config"]

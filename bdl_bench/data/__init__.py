@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bdl_bench.data.base import DATASETS, DataFileError, Dataset, DatasetLoader, Task, default_data_root
+from bdl_bench.errors import ConfigError
 
 __all__ = [
     "DATASETS",
@@ -57,7 +58,7 @@ def get_loader(name: str) -> DatasetLoader:
     """
     import_all_loaders()
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}")
+        raise ConfigError(f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}")
     return DATASETS[name]
 
 
@@ -90,7 +91,7 @@ def build_dataset(cfg: Mapping[str, Any]) -> Dataset:
     options = _plain(cfg)
     name = options.get("name")
     if not isinstance(name, str):
-        raise ValueError(f"data config needs a 'name' (e.g. data=uci/boston); got {name!r}")
+        raise ConfigError(f"data config needs a 'name' (e.g. data=uci/boston); got {name!r}")
     loader = get_loader(name)
     kwargs = {k: v for k, v in options.items() if k not in IGNORED_KEYS}
     accepted = [
@@ -100,7 +101,7 @@ def build_dataset(cfg: Mapping[str, Any]) -> Dataset:
     ]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"dataset {name!r} does not accept option(s) {', '.join(map(repr, unknown))}; "
             f"accepted: {', '.join(accepted)}"
         )

@@ -19,6 +19,7 @@ from bdl_bench.data.archives import iter_tar_files
 from bdl_bench.data.base import Dataset, register_dataset
 from bdl_bench.data.registry_files import get_file
 from bdl_bench.data.vision import ImageArrays, check_ood, image_dataset, read_ood, register_ood
+from bdl_bench.errors import ConfigError, DataError
 
 IMAGE_SHAPE = (3, 32, 32)
 _OOD_CHOICES = ("svhn", "cifar10", "cifar100")
@@ -71,10 +72,10 @@ def parse_cifar_records(
     """
     record = label_bytes + PIXELS
     if len(raw) == 0 or len(raw) % record:
-        raise ValueError(f"{name}: {len(raw)} bytes is not a whole number of {record}-byte CIFAR records")
+        raise DataError(f"{name}: {len(raw)} bytes is not a whole number of {record}-byte CIFAR records")
     index = label_bytes - 1 if label_index is None else label_index
     if not 0 <= index < label_bytes:
-        raise ValueError(f"{name}: label_index {label_index} out of range for {label_bytes} label byte(s)")
+        raise DataError(f"{name}: label_index {label_index} out of range for {label_bytes} label byte(s)")
     table = np.frombuffer(raw, dtype=np.uint8).reshape(-1, record)
     labels = table[:, index].astype(np.int64)
     images = table[:, label_bytes:].reshape(-1, *IMAGE_SHAPE)
@@ -88,14 +89,14 @@ def read_cifar_archive(archive: Path, layout: CifarLayout, label: str = "fine") 
         ValueError: On an unknown ``label`` kind, or when a member is missing from the archive.
     """
     if label not in layout.n_classes:
-        raise ValueError(f"label must be one of {', '.join(layout.n_classes)} for {layout.key}, got {label!r}")
+        raise ConfigError(f"label must be one of {', '.join(layout.n_classes)} for {layout.key}, got {label!r}")
     label_index = 0 if label == "coarse" else layout.label_bytes - 1
     wanted = set(layout.train_members) | set(layout.test_members)
     found = {name: data for name, data in iter_tar_files(archive, lambda n: n.removeprefix("./") in wanted)}
     found = {name.removeprefix("./"): data for name, data in found.items()}
     missing = sorted(wanted - set(found))
     if missing:
-        raise ValueError(f"{archive}: missing member(s) {', '.join(missing)}")
+        raise DataError(f"{archive}: missing member(s) {', '.join(missing)}")
 
     def join(members: tuple[str, ...]) -> ImageArrays:
         parts = [
@@ -123,7 +124,7 @@ def _load(
 ) -> Dataset:
     check_ood(ood, _OOD_CHOICES, name)
     if label not in layout.n_classes:
-        raise ValueError(f"{name}: label must be one of {', '.join(layout.n_classes)}, got {label!r}")
+        raise ConfigError(f"{name}: label must be one of {', '.join(layout.n_classes)}, got {label!r}")
     train, test = read_cifar_archive(get_file(layout.key, root=root, mirror=mirror), layout, label)
     return image_dataset(
         name,

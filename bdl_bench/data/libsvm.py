@@ -23,6 +23,7 @@ import scipy.sparse
 from bdl_bench.data.base import DataFileError, Dataset, DatasetLoader, Task, as_float, register_dataset
 from bdl_bench.data.checksums import data_file
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_seed, check_split, random_halves
+from bdl_bench.errors import ConfigError
 
 RawArrays = tuple[np.ndarray, np.ndarray, int | None]
 """``(x, y01, n_fixed_train)``: inputs, {0,1} labels, and the size of a fixed training part (or None)."""
@@ -94,7 +95,7 @@ def _read_cached(name: str, path: str, size: int, mtime_ns: int) -> RawArrays:
 
 def _source(name: str) -> _Source:
     if name not in LIBSVM_SOURCES:
-        raise ValueError(f"unknown LIBSVM dataset {name!r}; available: {', '.join(LIBSVM_SOURCES)}")
+        raise ConfigError(f"unknown LIBSVM dataset {name!r}; available: {', '.join(LIBSVM_SOURCES)}")
     return LIBSVM_SOURCES[name]
 
 

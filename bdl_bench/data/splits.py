@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bdl_bench.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SplitIndices:
@@ -37,14 +39,14 @@ def check_split(split: int, n_splits: int, dataset: str) -> int:
     """
     if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 0 <= split < n_splits:
         valid = "0" if n_splits == 1 else f"0..{n_splits - 1}"
-        raise ValueError(f"{dataset}: split={split!r} is out of range; valid splits are {valid} ({n_splits} in all)")
+        raise ConfigError(f"{dataset}: split={split!r} is out of range; valid splits are {valid} ({n_splits} in all)")
     return int(split)
 
 
 def check_seed(value: int, what: str, dataset: str) -> int:
     """Validate a non-negative integer used to seed a permutation."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{dataset}: {what}={value!r} must be a non-negative integer")
+        raise ConfigError(f"{dataset}: {what}={value!r} must be a non-negative integer")
     return int(value)
 
 
@@ -86,14 +88,14 @@ def carve_validation(train: np.ndarray, val_fraction: float, seed: int, dataset:
         ValueError: If ``val_fraction`` is outside ``[0, 1)`` or would leave no training rows.
     """
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"{dataset}: val_fraction={val_fraction!r} must be a number in [0, 1)")
+        raise ConfigError(f"{dataset}: val_fraction={val_fraction!r} must be a number in [0, 1)")
     seed = check_seed(seed, "seed", dataset)
     n = len(train)
     if val_fraction == 0:
         return train, train[:0]
     n_val = max(1, round(val_fraction * n))
     if n_val >= n:
-        raise ValueError(
+        raise ConfigError(
             f"{dataset}: val_fraction={val_fraction!r} of {n} training rows leaves no training data; use a smaller value"
         )
     perm = permutation(n, seed)

@@ -14,6 +14,7 @@ import scipy.io
 from bdl_bench.data.base import Dataset, register_dataset
 from bdl_bench.data.registry_files import get_file
 from bdl_bench.data.vision import ImageArrays, check_ood, image_dataset, read_ood, register_ood
+from bdl_bench.errors import DataError
 
 
 def read_svhn_mat(path: str | Path) -> ImageArrays:
@@ -24,14 +25,12 @@ def read_svhn_mat(path: str | Path) -> ImageArrays:
     """
     mat = scipy.io.loadmat(str(path), variable_names=["X", "y"])
     if "X" not in mat or "y" not in mat:
-        raise ValueError(
-            f"{path}: expected variables X and y, found {sorted(k for k in mat if not k.startswith('__'))}"
-        )
+        raise DataError(f"{path}: expected variables X and y, found {sorted(k for k in mat if not k.startswith('__'))}")
     x, y = np.asarray(mat["X"]), np.asarray(mat["y"]).reshape(-1).astype(np.int64)
     if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or x.shape[3] != y.shape[0]:
-        raise ValueError(f"{path}: X has shape {x.shape} and y {y.shape}; expected (32, 32, 3, N) and (N, 1)")
+        raise DataError(f"{path}: X has shape {x.shape} and y {y.shape}; expected (32, 32, 3, N) and (N, 1)")
     if y.size and (y.min() < 0 or y.max() > 10):
-        raise ValueError(f"{path}: labels outside 0..10 (min {y.min()}, max {y.max()})")
+        raise DataError(f"{path}: labels outside 0..10 (min {y.min()}, max {y.max()})")
     y[y == 10] = 0
     return ImageArrays(np.ascontiguousarray(x.transpose(3, 2, 0, 1)).astype(np.uint8, copy=False), y)
 

@@ -24,6 +24,7 @@ import torch
 from bdl_bench.data.archives import iter_tar_files
 from bdl_bench.data.base import Dataset, Task, register_dataset
 from bdl_bench.data.registry_files import get_file
+from bdl_bench.errors import ConfigError, DataError
 
 PAD_ID = 0
 OOV_ID = 1
@@ -39,7 +40,7 @@ def tokenise(text: str) -> list[str]:
 def build_vocabulary(documents: Iterable[Sequence[str]], vocab_size: int) -> dict[str, int]:
     """Word → id for the ``vocab_size - 2`` most frequent tokens (ids from 2; 0 = padding, 1 = unknown)."""
     if vocab_size < 3:
-        raise ValueError(f"vocab_size must be at least 3 (padding, unknown, one word), got {vocab_size}")
+        raise ConfigError(f"vocab_size must be at least 3 (padding, unknown, one word), got {vocab_size}")
     counts = Counter(token for doc in documents for token in doc)
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[: vocab_size - 2]
     return {word: i + 2 for i, (word, _) in enumerate(ranked)}
@@ -77,7 +78,7 @@ def read_imdb_archive(archive: Path) -> dict[str, Reviews]:
     out = {}
     for split, rows in found.items():
         if not rows:
-            raise ValueError(f"{archive}: no reviews under aclImdb/{split}/{{pos,neg}}/")
+            raise DataError(f"{archive}: no reviews under aclImdb/{split}/{{pos,neg}}/")
         rows.sort(key=lambda r: (-r[0], r[1]))
         out[split] = Reviews([r[2] for r in rows], np.array([r[0] for r in rows], dtype=np.int64))
     return out
@@ -104,13 +105,13 @@ def load_imdb(
         mirror: Folder or base URL holding ``aclImdb_v1.tar.gz``, tried before the canonical URL.
     """
     if max_len < 1:
-        raise ValueError(f"max_len must be positive, got {max_len}")
+        raise ConfigError(f"max_len must be positive, got {max_len}")
     splits = read_imdb_archive(get_file("imdb/aclImdb_v1.tar.gz", root=root, mirror=mirror))
     train_tokens = [tokenise(t) for t in splits["train"].texts]
     order = np.random.default_rng(seed).permutation(len(train_tokens))
     n_train = len(order)
     if not 0 <= n_val < n_train:
-        raise ValueError(f"text/imdb: n_val must be in [0, {n_train}), got {n_val}")
+        raise ConfigError(f"text/imdb: n_val must be in [0, {n_train}), got {n_val}")
     fit_rows, val_rows = order[: n_train - n_val], order[n_train - n_val :]
     vocabulary = build_vocabulary((train_tokens[i] for i in fit_rows), vocab_size)
 

@@ -18,6 +18,7 @@ from bdl_bench.data.base import Dataset, DatasetLoader, Task, as_float, register
 from bdl_bench.data.checksums import data_file
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_split
 from bdl_bench.data.standardise import Standardiser
+from bdl_bench.errors import ConfigError
 
 UCI_FOLDERS: dict[str, str] = {
     "boston": "bostonHousing",
@@ -52,7 +53,7 @@ def _read(rel: str, root: str | Path | None, *, integer: bool = False) -> np.nda
 
 def _folder(name: str) -> str:
     if name not in UCI_FOLDERS:
-        raise ValueError(f"unknown UCI dataset {name!r}; available: {', '.join(UCI_FOLDERS)}")
+        raise ConfigError(f"unknown UCI dataset {name!r}; available: {', '.join(UCI_FOLDERS)}")
     return f"uci/{UCI_FOLDERS[name]}"
 
 

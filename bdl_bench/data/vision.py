@@ -23,6 +23,7 @@ from torch import Tensor
 from bdl_bench.data.base import Dataset, Task, register_dataset
 from bdl_bench.data.idx import read_idx
 from bdl_bench.data.registry_files import get_file
+from bdl_bench.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ImageArrays:
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4 or self.images.shape[0] != self.labels.shape[0]:
-            raise ValueError(
+            raise ConfigError(
                 f"images {self.images.shape} and labels {self.labels.shape} do not match (N, C, H, W)/(N,)"
             )
 
@@ -58,7 +59,7 @@ class ImageAugmentation:
 
     def __post_init__(self) -> None:
         if self.crop_padding < 0:
-            raise ValueError(f"crop_padding must be >= 0, got {self.crop_padding}")
+            raise ConfigError(f"crop_padding must be >= 0, got {self.crop_padding}")
 
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
         flat = x.dim() == 2
@@ -94,7 +95,7 @@ def split_last(arrays: ImageArrays, n_val: int, name: str) -> tuple[ImageArrays,
     """The first ``N - n_val`` rows for training and the last ``n_val`` for validation."""
     n = arrays.images.shape[0]
     if not 0 <= n_val < n:
-        raise ValueError(f"{name}: n_val must be in [0, {n}), got {n_val}")
+        raise ConfigError(f"{name}: n_val must be in [0, {n}), got {n_val}")
     cut = n - n_val
     return (
         ImageArrays(arrays.images[:cut], arrays.labels[:cut]),
@@ -161,7 +162,7 @@ def image_dataset(
     prep = Preprocess.fit(fit.images, standardise=standardise, flatten=flatten)
     shape = tuple(train.images.shape[1:])
     if ood is not None and tuple(ood[1].images.shape[1:]) != shape:
-        raise ValueError(f"{name}: OOD set {ood[0]} has images {ood[1].images.shape[1:]}, not {shape}")
+        raise ConfigError(f"{name}: OOD set {ood[0]} has images {ood[1].images.shape[1:]}, not {shape}")
 
     def labels(a: ImageArrays) -> Tensor:
         return torch.from_numpy(np.asarray(a.labels, dtype=np.int64).copy())
@@ -207,7 +208,7 @@ def check_ood(ood: str | None, allowed: tuple[str, ...], name: str) -> str | Non
     if ood is None or ood in ("", "none", "null"):
         return None
     if ood not in allowed:
-        raise ValueError(f"{name}: unknown ood set {ood!r}; choose one of {', '.join(allowed)} or null")
+        raise ConfigError(f"{name}: unknown ood set {ood!r}; choose one of {', '.join(allowed)} or null")
     return ood
 
 
@@ -234,7 +235,7 @@ def _idx_split(
     x = read_idx(get_file(f"{prefix}/{images}", root=root, mirror=mirror))
     y = read_idx(get_file(f"{prefix}/{labels}", root=root, mirror=mirror))
     if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-        raise ValueError(f"{prefix}/{images}: expected (N, H, W) images and (N,) labels, got {x.shape} and {y.shape}")
+        raise DataError(f"{prefix}/{images}: expected (N, H, W) images and (N,) labels, got {x.shape} and {y.shape}")
     return ImageArrays(x[:, None, :, :], y.astype(np.int64))
 
 

@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
 from bdl_bench.methods.bbb import standard_normal
@@ -150,7 +151,7 @@ def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module]
         isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
         for m in model.modules()
     ):
-        raise ValueError(f"{method}: the model contains dropout layers; build it with dropout=0")
+        raise ConfigError(f"{method}: the model contains dropout layers; build it with dropout=0")
     positions = {id(p): i for i, p in enumerate(model.parameters())}
     layers = []
     for name, module in model.named_modules():
@@ -158,15 +159,15 @@ def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module]
         if not own:
             continue
         if not isinstance(module, supported):
-            raise ValueError(
+            raise ConfigError(
                 f"{method}: handles {_kinds(supported)} and parameter-free modules only; layer"
                 f" {name or '(the model)'} is {type(module).__name__}"
             )
         layers.append(Layer(len(layers) + 1, name, module, {n: positions[id(p)] for n, p in own.items()}))
     if not layers:
-        raise ValueError(f"{method}: the model has no {_kinds(supported)} layer")
+        raise ConfigError(f"{method}: the model has no {_kinds(supported)} layer")
     if type(model).forward is nn.Module.forward:
-        raise ValueError(
+        raise ConfigError(
             f"{method}: the model ({type(model).__name__}) has no forward; use an nn.Sequential or a module"
             " with a forward"
         )
@@ -183,11 +184,11 @@ def linear_layers(model: nn.Module, method: str) -> list[Layer]:
     """
     if not isinstance(model, nn.Sequential):
         model_layers(model, method, (nn.Linear,))  # names an unsupported layer, if there is one
-        raise ValueError(f"{method}: needs an nn.Sequential of nn.Linear layers, got {type(model).__name__}")
+        raise ConfigError(f"{method}: needs an nn.Sequential of nn.Linear layers, got {type(model).__name__}")
     layers = model_layers(model, method, (nn.Linear,))
     nested = [layer.name for layer in layers if "." in layer.name]
     if nested:
-        raise ValueError(
+        raise ConfigError(
             f"{method}: needs the nn.Linear layers as children of the nn.Sequential; {nested[0]} is nested"
         )
     return layers
@@ -260,7 +261,7 @@ def kl_annealing_weight(step: int, n_steps: int) -> float:
 def check_positive_int(method: str, name: str, value: Any, minimum: int = 1) -> int:
     """``int(value)``, or ``ValueError`` naming the option unless it is an integer >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < minimum:
-        raise ValueError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -382,21 +383,21 @@ class LayerwiseVI(Method):
     ) -> None:
         name = type(self).name
         if conv_estimator not in CONV_ESTIMATORS:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: conv_estimator must be one of {', '.join(CONV_ESTIMATORS)}, got {conv_estimator!r}"
             )
         self.conv_estimator = conv_estimator
         if not lr > 0:
-            raise ValueError(f"{name}: lr must be positive, got {lr}")
+            raise ConfigError(f"{name}: lr must be positive, got {lr}")
         if not init_std > 0:
-            raise ValueError(f"{name}: init_std must be positive, got {init_std}")
+            raise ConfigError(f"{name}: init_std must be positive, got {init_std}")
         self.lr = float(lr)
         self.init_std = float(init_std)
         self.n_train_mc_samples = check_positive_int(name, "n_train_mc_samples", n_train_mc_samples)
         self.kl_annealing_steps = check_positive_int(name, "kl_annealing_steps", kl_annealing_steps, minimum=0)
         self.snr_window = check_positive_int(name, "snr_window", snr_window, minimum=0)
         if self.snr_window == 1:
-            raise ValueError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
+            raise ConfigError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
 
     # ------------------------------------------------------------------ family hooks
     @abstractmethod

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.errors import DivergenceError
+from bdl_bench.errors import ConfigError, DivergenceError
 from bdl_bench.likelihoods import Likelihood
 from bdl_bench.progress import delayed_bar
 
@@ -333,5 +333,5 @@ def build_method(cfg: Mapping[str, Any]) -> Method:
     import_all()
     name = cfg["name"]
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+        raise ConfigError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     return METHODS[name](**{k: v for k, v in cfg.items() if k != "name"})

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
@@ -147,14 +148,14 @@ class BayesByBackprop(Method):
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
         if not lr > 0:
-            raise ValueError(f"bbb: lr must be positive, got {lr}")
+            raise ConfigError(f"bbb: lr must be positive, got {lr}")
         if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ValueError(f"bbb: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+            raise ConfigError(f"bbb: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
         choices = [e.value for e in Estimator]
         if estimator not in choices:
-            raise ValueError(f"bbb: unknown estimator {estimator!r}; choices: {', '.join(choices)}")
+            raise ConfigError(f"bbb: unknown estimator {estimator!r}; choices: {', '.join(choices)}")
         if not init_std > 0:
-            raise ValueError(f"bbb: init_std must be positive, got {init_std}")
+            raise ConfigError(f"bbb: init_std must be positive, got {init_std}")
         self.lr = lr
         self.n_train_mc_samples = int(n_train_mc_samples)
         self.estimator = Estimator(estimator)
@@ -171,7 +172,7 @@ class BayesByBackprop(Method):
         super().setup(problem)
         model = problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-            raise ValueError("bbb: the model contains dropout layers; build it with dropout=0")
+            raise ConfigError("bbb: the model contains dropout layers; build it with dropout=0")
         if self.estimator is Estimator.LOCAL_REPARAM:
             _check_linear_sequential(model)
         self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
@@ -320,10 +321,10 @@ def _check_linear_sequential(model: nn.Module) -> None:
     """Raise ``ValueError`` unless ``model`` is an ``nn.Sequential`` of ``nn.Linear`` layers and
     parameter-free modules (what the layer-by-layer forward of ``local_reparam`` handles)."""
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"bbb: estimator 'local_reparam' needs an nn.Sequential model, got {type(model).__name__}")
+        raise ConfigError(f"bbb: estimator 'local_reparam' needs an nn.Sequential model, got {type(model).__name__}")
     for name, module in model.named_children():
         if not isinstance(module, nn.Linear) and any(True for _ in module.parameters()):
-            raise ValueError(
+            raise ConfigError(
                 f"bbb: estimator 'local_reparam' handles nn.Linear layers and parameter-free modules only;"
                 f" layer {name} is {type(module).__name__} (use estimator 'reparam')"
             )

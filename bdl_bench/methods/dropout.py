@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
@@ -77,13 +78,13 @@ class MCDropout(Method):
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         if not lr > 0:
-            raise ValueError(f"dropout: lr must be positive, got {lr}")
+            raise ConfigError(f"dropout: lr must be positive, got {lr}")
         if not 0 < dropout_rate < 1:
-            raise ValueError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {dropout_rate}")
+            raise ConfigError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {dropout_rate}")
         if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ValueError(f"dropout: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+            raise ConfigError(f"dropout: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
         if not isinstance(dropout_inputs, bool):
-            raise ValueError(f"dropout: dropout_inputs must be true or false, got {dropout_inputs!r}")
+            raise ConfigError(f"dropout: dropout_inputs must be true or false, got {dropout_inputs!r}")
         self.lr = lr
         self.dropout_rate = float(dropout_rate)
         self.n_train_mc_samples = int(n_train_mc_samples)
@@ -100,7 +101,7 @@ class MCDropout(Method):
         super().setup(problem)
         model = problem.model
         if not isinstance(model, nn.Sequential):
-            raise ValueError(f"dropout: needs an nn.Sequential model, got {type(model).__name__}")
+            raise ConfigError(f"dropout: needs an nn.Sequential model, got {type(model).__name__}")
         others = [
             (name, module)
             for name, module in model.named_children()
@@ -117,15 +118,17 @@ class MCDropout(Method):
         name, module = first_other
         sites = [(n, m) for n, m in model.named_children() if isinstance(m, nn.modules.dropout._DropoutNd)]
         if not sites:
-            raise ValueError(
+            raise ConfigError(
                 f"dropout: layer {name} is {type(module).__name__}, not nn.Linear; for such models dropout is applied "
                 "at the model's own nn.Dropout modules, and this model has none (set model.dropout=<rate>)"
             )
         for n, m in sites:
             if type(m) is not nn.Dropout:
-                raise ValueError(f"dropout: layer {n} is {type(m).__name__}; only element-wise nn.Dropout is supported")
+                raise ConfigError(
+                    f"dropout: layer {n} is {type(m).__name__}; only element-wise nn.Dropout is supported"
+                )
             if not math.isclose(m.p, self.dropout_rate, rel_tol=1e-12, abs_tol=0.0):
-                raise ValueError(
+                raise ConfigError(
                     f"dropout: the model's nn.Dropout (layer {n}) has rate {m.p} but method.dropout_rate="
                     f"{self.dropout_rate}; set them equal (method.dropout_rate=${{model.dropout}})"
                 )
@@ -133,7 +136,7 @@ class MCDropout(Method):
             if not isinstance(child, nn.modules.dropout._DropoutNd) and any(
                 isinstance(sub, nn.modules.dropout._DropoutNd) for sub in child.modules()
             ):
-                raise ValueError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
+                raise ConfigError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
 
     def _drop(self, h: Tensor, shared_dims: int = 0) -> Tensor:
         """``h`` times a fresh inverted-dropout mask from the generator, one entry per element; the

@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -500,7 +501,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
     ) -> None:
         self.rank = check_positive_int("elrg", "rank", rank)
         if not isinstance(learn_diag, bool):
-            raise ValueError(f"elrg: learn_diag must be true or false, got {learn_diag!r}")
+            raise ConfigError(f"elrg: learn_diag must be true or false, got {learn_diag!r}")
         self.learn_diag = learn_diag
         self.alpha = 1.0 / self.rank
         super().__init__(
@@ -514,7 +515,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
     def _init_variational(self) -> dict[str, Tensor]:
         smallest = min(self.layers, key=lambda layer: layer.n_params)
         if self.rank > smallest.n_params:
-            raise ValueError(
+            raise ConfigError(
                 f"elrg: rank={self.rank} exceeds the {smallest.n_params} parameters of linear layer"
                 f" {smallest.index} ({smallest.in_features}→{smallest.out_features}); choose"
                 f" 1 <= rank <= {smallest.n_params}"

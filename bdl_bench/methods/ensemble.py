@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 
@@ -64,9 +65,9 @@ class DeepEnsemble(Method):
 
     def __init__(self, *, n_members: int, lr: float) -> None:
         if int(n_members) != n_members or n_members < 1:
-            raise ValueError(f"ensemble: n_members must be an integer >= 1, got {n_members}")
+            raise ConfigError(f"ensemble: n_members must be an integer >= 1, got {n_members}")
         if not lr > 0:
-            raise ValueError(f"ensemble: lr must be positive, got {lr}")
+            raise ConfigError(f"ensemble: lr must be positive, got {lr}")
         self.n_members = int(n_members)
         self.lr = lr
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.likelihoods import Bernoulli, Likelihood
 from bdl_bench.methods.base import EpochCallback, Method, NonFiniteLossError, Problem, register_method
@@ -74,12 +75,12 @@ def check_logistic_regression(model: nn.Module, likelihood: Likelihood | None = 
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     if len(leaves) != 1 or not isinstance(leaves[0], nn.Linear) or leaves[0].out_features != 1:
         found = ", ".join(type(m).__name__ for m in leaves) or "no layers"
-        raise ValueError(
+        raise ConfigError(
             "exact_vi needs Bayesian logistic regression: a model that is a single nn.Linear layer "
             f"with one output (model=logreg) and a binary dataset; got layers [{found}]"
         )
     if likelihood is not None and not isinstance(likelihood, Bernoulli):
-        raise ValueError(f"exact_vi needs a Bernoulli likelihood (a binary dataset), got {type(likelihood).__name__}")
+        raise ConfigError(f"exact_vi needs a Bernoulli likelihood (a binary dataset), got {type(likelihood).__name__}")
     return leaves[0]
 
 
@@ -214,11 +215,11 @@ class ExactVI(Method):
         self.covariance = parse_choice(Covariance, covariance, "covariance", "exact_vi")
         self.expectation = parse_choice(Expectation, expectation, "expectation", "exact_vi")
         if int(n_quadrature) != n_quadrature or n_quadrature < 2:
-            raise ValueError(f"exact_vi: n_quadrature must be an integer >= 2, got {n_quadrature}")
+            raise ConfigError(f"exact_vi: n_quadrature must be an integer >= 2, got {n_quadrature}")
         if int(max_iter) != max_iter or max_iter < 1:
-            raise ValueError(f"exact_vi: max_iter must be a positive integer, got {max_iter}")
+            raise ConfigError(f"exact_vi: max_iter must be a positive integer, got {max_iter}")
         if not tolerance > 0:
-            raise ValueError(f"exact_vi: tolerance must be positive, got {tolerance}")
+            raise ConfigError(f"exact_vi: tolerance must be positive, got {tolerance}")
         self.n_quadrature, self.max_iter, self.tolerance = int(n_quadrature), int(max_iter), float(tolerance)
 
     @property

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
 from bdl_bench.methods.map import map_step
 from bdl_bench.models.params import flat_params, forward_with
@@ -101,11 +102,11 @@ class HMC(Method):
             ("thin", thin, 1),
         ):
             if int(value) != value or value < low:
-                raise ValueError(f"hmc: {name} must be an integer >= {low}, got {value}")
+                raise ConfigError(f"hmc: {name} must be an integer >= {low}, got {value}")
         if not step_size > 0 or not lr > 0:
-            raise ValueError(f"hmc: step_size and lr must be positive, got {step_size} and {lr}")
+            raise ConfigError(f"hmc: step_size and lr must be positive, got {step_size} and {lr}")
         if not 0 < target_accept < 1:
-            raise ValueError(f"hmc: target_accept must lie in (0, 1), got {target_accept}")
+            raise ConfigError(f"hmc: target_accept must lie in (0, 1), got {target_accept}")
         self.n_samples, self.n_warmup, self.n_leapfrog, self.thin = (
             int(n_samples),
             int(n_warmup),

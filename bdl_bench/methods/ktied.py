@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.methods._layerwise_vi import (
     Layer,
@@ -159,7 +160,7 @@ class KTiedNormalVI(LayerwiseVI):
     ) -> None:
         self.k = check_positive_int("ktied", "k", k)
         if not isinstance(tie_conv, bool):
-            raise ValueError(f"ktied: tie_conv must be true or false, got {tie_conv!r}")
+            raise ConfigError(f"ktied: tie_conv must be true or false, got {tie_conv!r}")
         self.tie_conv = tie_conv
         super().__init__(
             lr=lr,
@@ -198,7 +199,7 @@ class KTiedNormalVI(LayerwiseVI):
             shapes = ", ".join(
                 f"{label} {self.matrix_shape(pos)[1]}→{self.matrix_shape(pos)[0]}" for label, pos in tied
             )
-            raise ValueError(
+            raise ConfigError(
                 f"ktied: k={self.k} exceeds the largest possible rank of a tied weight matrix of this model"
                 f" ({largest}; {shapes}); choose 1 <= k <= {largest}"
             )

@@ -81,6 +81,7 @@ from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks, exact_matrix
 from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
 from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, block_index, iter_pseudo_grads, kron_layout
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
@@ -142,7 +143,7 @@ class SearchSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - known)
         if unknown:
-            raise ValueError(f"laplace: unknown method.search keys {unknown}; known: {', '.join(sorted(known))}")
+            raise ConfigError(f"laplace: unknown method.search keys {unknown}; known: {', '.join(sorted(known))}")
         out = {k: v for k, v in cfg.items()}
         for key in ("dataset_scale", "prior_precision"):
             values = out.get(key)
@@ -150,14 +151,14 @@ class SearchSettings:
                 values = _logspace(key, values)
             values = [values] if isinstance(values, int | float) else list(values or [])
             if not values or not all(float(v) > 0 for v in values):
-                raise ValueError(
+                raise ConfigError(
                     f"laplace: method.search.{key} must be a non-empty list of positive numbers, got {values}"
                 )
             out[key] = tuple(float(v) for v in values)
         settings = cls(**out)
         for name, value in (("n_samples", settings.n_samples), ("max_val_examples", settings.max_val_examples or 1)):
             if int(value) != value or value < 1:
-                raise ValueError(f"laplace: method.search.{name} must be an integer >= 1, got {value}")
+                raise ConfigError(f"laplace: method.search.{name} must be an integer >= 1, got {value}")
         return settings
 
 
@@ -313,7 +314,7 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
     folder = Path(map_dir)
     cfg_path = folder / "config.yaml"
     if not cfg_path.is_file():
-        raise ValueError(f"laplace: map_dir {folder} is not a run folder (no config.yaml)")
+        raise ConfigError(f"laplace: map_dir {folder} is not a run folder (no config.yaml)")
     saved_cfg = yaml.safe_load(cfg_path.read_text()) or {}
     saved_model = saved_cfg.get("model")
     widths = {"in_features": _in_features(model), "out_features": _out_features(model)}
@@ -322,7 +323,7 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
     except (TypeError, ValueError):
         rebuilt = None
     if rebuilt != repr(model):
-        raise ValueError(
+        raise ConfigError(
             f"laplace: the MAP in {folder} was trained with model config {saved_model} "
             f"(data {saved_cfg.get('data', {}).get('name')!r}), which does not match this run's model "
             f"{_describe(model)}; point method.map_dir at a run with the same model config"
@@ -334,17 +335,17 @@ def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         state = state.get("method", state)
         if "theta" not in state:
-            raise ValueError(f"laplace: {checkpoint} has no 'theta' entry (keys: {sorted(state)})")
+            raise ConfigError(f"laplace: {checkpoint} has no 'theta' entry (keys: {sorted(state)})")
         theta = state["theta"]
     elif (folder / "posterior.pt").is_file():
         theta = load_gaussian(folder / "posterior.pt").mean
     else:
-        raise ValueError(
+        raise ConfigError(
             f"laplace: {folder} holds none of {PARAMS_FILE}, {CHECKPOINT_FILE}, posterior.pt to take the MAP from"
         )
     n_params = sum(p.numel() for p in model.parameters())
     if theta.shape != (n_params,):
-        raise ValueError(
+        raise ConfigError(
             f"laplace: the parameters in {folder} have shape {tuple(theta.shape)}, the model needs ({n_params},)"
         )
     return theta
@@ -448,36 +449,40 @@ class Laplace(Method):
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
         if prior_precision is not None and not prior_precision > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: prior_precision τ must be positive (or null for the run's prior), got {prior_precision}"
             )
         if dataset_scale is not None and not dataset_scale > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: dataset_scale N must be positive (or null for the training-set size), got {dataset_scale}"
             )
         if not lr > 0:
-            raise ValueError(f"laplace: lr must be positive, got {lr}")
+            raise ConfigError(f"laplace: lr must be positive, got {lr}")
         for name, value in (
             ("n_curvature_samples", n_curvature_samples),
             ("curvature_batch_size", curvature_batch_size),
         ):
             if int(value) != value or value < 1:
-                raise ValueError(f"laplace: {name} must be an integer >= 1, got {value}")
+                raise ConfigError(f"laplace: {name} must be an integer >= 1, got {value}")
         if curvature_dtype not in _CURVATURE_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: unknown curvature_dtype {curvature_dtype!r}; choices: {', '.join(_CURVATURE_DTYPES)}"
             )
         if curvature_subset is not None and (int(curvature_subset) != curvature_subset or curvature_subset < 1):
-            raise ValueError(f"laplace: curvature_subset must be an integer >= 1 or null (all), got {curvature_subset}")
+            raise ConfigError(
+                f"laplace: curvature_subset must be an integer >= 1 or null (all), got {curvature_subset}"
+            )
         if isinstance(curvature_cache_mib, bool) or not isinstance(curvature_cache_mib, int | float):
-            raise ValueError(f"laplace: curvature_cache_mib must be an integer >= 0 (MiB), got {curvature_cache_mib!r}")
+            raise ConfigError(
+                f"laplace: curvature_cache_mib must be an integer >= 0 (MiB), got {curvature_cache_mib!r}"
+            )
         if int(curvature_cache_mib) != curvature_cache_mib or curvature_cache_mib < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: curvature_cache_mib must be an integer >= 0 (MiB; 0 recomputes the second curvature "
                 f"pass), got {curvature_cache_mib}"
             )
         if rank is not None and (int(rank) != rank or rank < 1):
-            raise ValueError(f"laplace: rank must be an integer >= 1 or null (all eigenvalues), got {rank}")
+            raise ConfigError(f"laplace: rank must be an integer >= 1 or null (all eigenvalues), got {rank}")
         self.prior_precision = None if prior_precision is None else float(prior_precision)
         self.dataset_scale = None if dataset_scale is None else float(dataset_scale)
         self.rank = None if rank is None else int(rank)
@@ -510,7 +515,7 @@ class Laplace(Method):
         try:
             self._layout: KronLayout = kron_layout(problem.model)
         except ValueError as err:
-            raise ValueError(f"laplace: {err}") from None
+            raise ConfigError(f"laplace: {err}") from None
         theta = flat_params(problem.model)
         if self.map_dir is not None:
             theta = load_map_parameters(self.map_dir, problem.model).to(theta)
@@ -633,7 +638,7 @@ class Laplace(Method):
         for slot in self._layout.slots:
             values = tau[block_index(slot, tau.device)]
             if not bool((values == values[0]).all()):
-                raise ValueError(
+                raise ConfigError(
                     f"laplace: structure={self.structure.value} needs one prior precision per layer, but layer "
                     f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ>, "
                     "bias_prior_precision=null or method.structure=kfac (which handles a bias prior exactly)"
@@ -729,7 +734,7 @@ class Laplace(Method):
             corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
         for low in lows:
             if low.rank > MAX_DEF_RANK:
-                raise ValueError(
+                raise ConfigError(
                     f"laplace: DEF keeps L={low.rank} eigenvalues in layer {low.slot.module_index} (Alg. 1 keeps "
                     f"whole rows and columns of the top K={self.rank}); its L x L sampler core is too large "
                     f"(limit {MAX_DEF_RANK}): lower method.rank"
@@ -799,7 +804,7 @@ class Laplace(Method):
 
     def _check_validation(self) -> None:
         if isinstance(self.search, SearchSettings) and (self._val is None or self._val[0].shape[0] == 0):
-            raise ValueError(
+            raise ConfigError(
                 "laplace: method.search chooses (N, τ) on the validation set, but this run has none; give the data "
                 "one (data.n_val=10000 for vision/mnist, data.val_fraction=0.1 for UCI) or set method.search=null"
             )
@@ -818,7 +823,7 @@ class Laplace(Method):
         started = time.perf_counter()
         reference = predictive_metrics(p.likelihood, self._val_outputs(None, x_val, 1, 0), y_val)
         if cfg.criterion not in reference:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: method.search.criterion={cfg.criterion!r} is not a validation metric of this likelihood "
                 f"(choices: {', '.join(sorted(reference))})"
             )
@@ -842,7 +847,7 @@ class Laplace(Method):
                     pruned = metrics["accuracy"] < map_accuracy - cfg.prune_accuracy_drop
         evaluated = [r for r in rows if r["status"] == "evaluated" and math.isfinite(r[f"val_{cfg.criterion}"])]
         if not evaluated:
-            raise FloatingPointError("laplace: no grid point of method.search gave a finite validation criterion")
+            raise ConfigError("laplace: no grid point of method.search gave a finite validation criterion")
         for r in evaluated:
             r["eligible"] = (
                 map_accuracy is None

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 
@@ -33,7 +34,7 @@ def map_step(
 class MAP(Method):
     def __init__(self, *, lr: float) -> None:
         if not lr > 0:
-            raise ValueError(f"map: lr must be positive, got {lr}")
+            raise ConfigError(f"map: lr must be positive, got {lr}")
         self.lr = lr
 
     def setup(self, problem: Problem) -> None:

@@ -70,6 +70,7 @@ from torch import Tensor
 from bdl_bench.curvature.gram import low_rank_update, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitance_cholesky, sample_noise, weighted_gram
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.methods.gmfvi import sum_log, uniform_value
@@ -236,19 +237,19 @@ class Slang(Method):
         init_prec_diag: float,
     ) -> None:
         if int(rank) != rank or rank < 1:
-            raise ValueError(f"slang: rank L={rank} must be an integer >= 1")
+            raise ConfigError(f"slang: rank L={rank} must be an integer >= 1")
         if not lr > 0:
-            raise ValueError(f"slang: lr must be positive, got {lr}")
+            raise ConfigError(f"slang: lr must be positive, got {lr}")
         if not 0 < beta <= 1:
-            raise ValueError(f"slang: beta must lie in (0, 1], got {beta}")
+            raise ConfigError(f"slang: beta must lie in (0, 1], got {beta}")
         if not decay >= 0:
-            raise ValueError(f"slang: decay must be >= 0, got {decay}")
+            raise ConfigError(f"slang: decay must be >= 0, got {decay}")
         if not 0 <= momentum < 1:
-            raise ValueError(f"slang: momentum must lie in [0, 1), got {momentum}")
+            raise ConfigError(f"slang: momentum must lie in [0, 1), got {momentum}")
         if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ValueError(f"slang: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+            raise ConfigError(f"slang: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
         if not init_prec_diag > 0:
-            raise ValueError(f"slang: init_prec_diag must be positive, got {init_prec_diag}")
+            raise ConfigError(f"slang: init_prec_diag must be positive, got {init_prec_diag}")
         self.rank = int(rank)
         self.lr = float(lr)
         self.beta = float(beta)
@@ -270,13 +271,13 @@ class Slang(Method):
         self.layout: LinearLayout = linear_layout(problem.model)
         n_params = self.layout.n_params
         if not 1 <= self.rank < n_params:
-            raise ValueError(
+            raise ConfigError(
                 f"slang: rank L={self.rank} must satisfy 1 <= L < D={n_params} (D = number of model parameters)"
             )
         mean = flat_params(problem.model)
         prior = problem.prior_precision.to(mean)
         if prior.shape != mean.shape or not bool((prior > 0).all()):
-            raise ValueError(
+            raise ConfigError(
                 f"slang: prior_precision must be positive with shape ({n_params},), got {tuple(prior.shape)}"
             )
         self.prior_precision = prior

@@ -60,6 +60,7 @@ from torch import Tensor, nn
 from torch.func import grad, hessian, jacrev, vmap
 
 from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_diag
+from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method, stacked_prior
@@ -107,7 +108,7 @@ def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> An
         return enum_cls(value)
     except ValueError:
         choices = ", ".join(str(e.value) for e in enum_cls)
-        raise ValueError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
+        raise ConfigError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -332,15 +333,15 @@ class VOGN(Method):
         self.covariance = parse_choice(Covariance, covariance, "covariance", "vogn")
         self.curvature = parse_choice(Curvature, curvature, "curvature", "vogn")
         if not lr > 0:
-            raise ValueError(f"vogn: lr must be positive, got {lr}")
+            raise ConfigError(f"vogn: lr must be positive, got {lr}")
         if not 0 < beta <= 1:
-            raise ValueError(f"vogn: beta must be in (0, 1], got {beta}")
+            raise ConfigError(f"vogn: beta must be in (0, 1], got {beta}")
         if not decay >= 0:
-            raise ValueError(f"vogn: decay must be >= 0, got {decay}")
+            raise ConfigError(f"vogn: decay must be >= 0, got {decay}")
         if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ValueError(f"vogn: n_train_mc_samples must be a positive integer, got {n_train_mc_samples}")
+            raise ConfigError(f"vogn: n_train_mc_samples must be a positive integer, got {n_train_mc_samples}")
         if not init_prec >= 0:
-            raise ValueError(f"vogn: init_prec must be >= 0, got {init_prec}")
+            raise ConfigError(f"vogn: init_prec must be >= 0, got {init_prec}")
         self.lr, self.beta, self.decay = float(lr), float(beta), float(decay)
         self.n_train_mc_samples = int(n_train_mc_samples)
         self.init_prec = float(init_prec)
@@ -353,7 +354,7 @@ class VOGN(Method):
         if problem.prior_precision.shape != (n,):
             raise ValueError(f"vogn: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected ({n},)")
         if self.covariance is Covariance.FULL and n > MAX_FULL_PARAMS:
-            raise ValueError(
+            raise ConfigError(
                 f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
                 f"(limit {MAX_FULL_PARAMS}); use covariance=diag or a low-rank method such as slang"
             )

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from bdl_bench.errors import ConfigError
+
 ModelBuilder = Callable[..., nn.Module]
 MODELS: dict[str, ModelBuilder] = {}
 
@@ -37,5 +39,5 @@ def build_model(cfg: Mapping[str, Any], *, in_features: int, out_features: int) 
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
     name = cfg["name"]
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
+        raise ConfigError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
     return MODELS[name](in_features=in_features, out_features=out_features, **kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
 
 
@@ -39,7 +40,7 @@ def image_input(in_features: int, image_size: int, model: str, max_channels: int
     if in_features % pixels == 0 and 1 <= in_features // pixels <= max_channels:
         channels = in_features // pixels
         return [nn.Unflatten(1, (channels, image_size, image_size))], channels
-    raise ValueError(
+    raise ConfigError(
         f"model {model!r} needs images (N, C, {image_size}, {image_size}) or rows of C*{pixels} features; "
         f"got in_features={in_features} (set data.flatten=false, or check model.image_size)"
     )
@@ -97,7 +98,7 @@ def cnn_ktied(
     """The k-tied CIFAR-100 LeNet (module docstring); ``channels`` = [32, 64], ``hidden`` = 512."""
     head, c_in = image_input(in_features, image_size, "cnn_ktied")
     if len(channels) != 2:
-        raise ValueError(f"cnn_ktied has two convolutional layers; got channels={list(channels)}")
+        raise ConfigError(f"cnn_ktied has two convolutional layers; got channels={list(channels)}")
     c1, c2 = map(int, channels)
     size = image_size // 4
     return nn.Sequential(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
 from bdl_bench.models.cnn import image_input
 
@@ -37,9 +38,9 @@ def lenet(
     """
     head, c_in = image_input(in_features, image_size, "lenet")
     if len(channels) != 2:
-        raise ValueError(f"lenet has two convolutional layers; got channels={list(channels)}")
+        raise ConfigError(f"lenet has two convolutional layers; got channels={list(channels)}")
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
     c1, c2 = map(int, channels)
     size = image_size // 4
     layers: list[nn.Module] = [

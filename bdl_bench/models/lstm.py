@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
 
 
@@ -47,7 +48,7 @@ def lstm(
     """
     for key, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim), ("hidden_size", hidden_size)):
         if int(value) < 1:
-            raise ValueError(f"lstm: {key} must be positive, got {value}")
+            raise ConfigError(f"lstm: {key} must be positive, got {value}")
     return LSTMClassifier(
         vocab_size=int(vocab_size),
         embedding_dim=int(embedding_dim),

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "elu": nn.ELU}
@@ -36,9 +37,9 @@ def mlp(
     methods set the rate; others leave it at 0).
     """
     if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}")
+        raise ConfigError(f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}")
     if any(int(h) < 1 for h in hidden):
-        raise ValueError(f"hidden widths must be positive, got {list(hidden)}")
+        raise ConfigError(f"hidden widths must be positive, got {list(hidden)}")
     widths = [in_features, *map(int, hidden), out_features]
     layers: list[nn.Module] = []
     for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:])):

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from bdl_bench.errors import ConfigError
+
 
 def flat_params(model: nn.Module) -> Tensor:
     """A detached copy of all parameters as one vector ``(D,)``."""
@@ -56,9 +58,9 @@ def prior_precision_vector(model: nn.Module, prior_precision: float, bias_prior_
     Parameters whose name ends in ``bias`` get ``bias_prior_precision`` when it is given.
     """
     if not prior_precision > 0:
-        raise ValueError(f"prior_precision must be positive, got {prior_precision}")
+        raise ConfigError(f"prior_precision must be positive, got {prior_precision}")
     if bias_prior_precision is not None and not bias_prior_precision > 0:
-        raise ValueError(f"bias_prior_precision must be positive, got {bias_prior_precision}")
+        raise ConfigError(f"bias_prior_precision must be positive, got {bias_prior_precision}")
     parts = []
     for name, p in model.named_parameters():
         value = (

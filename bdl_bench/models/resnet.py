@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
 from bdl_bench.models.cnn import image_input
 
@@ -78,6 +79,6 @@ def resnet18(*, in_features: int, out_features: int, image_size: int, base_width
     """
     head, channels = image_input(in_features, image_size, "resnet18")
     if int(base_width) < 1:
-        raise ValueError(f"resnet18: base_width must be positive, got {base_width}")
+        raise ConfigError(f"resnet18: base_width must be positive, got {base_width}")
     net = ResNet18(in_channels=channels, out_features=out_features, base_width=int(base_width), batch_norm=batch_norm)
     return nn.Sequential(*head, net) if head else net

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import matplotlib
 
+from bdl_bench.errors import MissingFileError, ResultsError
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -78,7 +80,7 @@ def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
     """
     path = Path(run_dir) / UNCERTAINTY_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the run saved no per-example uncertainty arrays")
+        raise MissingFileError(f"{path} is missing: the run saved no per-example uncertainty arrays")
     with np.load(path, allow_pickle=False) as data:
         return {k: data[k] for k in data.files}
 
@@ -98,7 +100,7 @@ def plot_uncertainty(
         ``out``.
     """
     if not run_dirs:
-        raise ValueError("plot_uncertainty needs at least one run folder")
+        raise ResultsError("plot_uncertainty needs at least one run folder")
     labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]
     fig, axes = plt.subplots(len(run_dirs), 2, figsize=(10, 3.8 * len(run_dirs)), squeeze=False)
     for row, (run_dir, label) in enumerate(zip(run_dirs, labels)):

@@ -14,6 +14,8 @@ from typing import Any
 
 import pandas as pd
 
+from bdl_bench.errors import ResultsError
+
 
 def read_paper_csv(name: str) -> pd.DataFrame:
     """One of the transcribed CSVs shipped in ``bdl_bench/report/paper_numbers``."""
@@ -281,5 +283,5 @@ PAPER_TABLES: dict[str, Callable[[], PaperTable]] = {
 
 def get_paper_table(name: str) -> PaperTable:
     if name not in PAPER_TABLES:
-        raise ValueError(f"unknown paper table {name!r}; available: {', '.join(sorted(PAPER_TABLES))}")
+        raise ResultsError(f"unknown paper table {name!r}; available: {', '.join(sorted(PAPER_TABLES))}")
     return PAPER_TABLES[name]()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import matplotlib
 
+from bdl_bench.errors import ResultsError
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -29,7 +31,7 @@ from bdl_bench.results import HISTORY_FILE, load_runs  # noqa: E402
 def _labelled_runs(folder: Path) -> pd.DataFrame:
     runs = load_runs(folder)
     if runs.empty:
-        raise ValueError(f"no finished runs (folders with metrics.json) below {folder}")
+        raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")
     paper = runs["paper_table"].dropna().unique() if "paper_table" in runs.columns else []
     if len(paper) == 1:
         spec = get_paper_table(str(paper[0]))
@@ -61,7 +63,7 @@ def convergence_figure(folder: Path, methods: list[str] | None = None) -> plt.Fi
     runs = _labelled_runs(folder)
     if methods and not runs["label"].isin(methods).any():
         found = ", ".join(sorted(runs["label"].astype(str).unique()))
-        raise ValueError(f"none of the methods {methods} has runs below {folder}; found: {found}")
+        raise ResultsError(f"none of the methods {methods} has runs below {folder}; found: {found}")
     if methods:
         runs = runs[runs["label"].isin(methods)]
     datasets = sorted(runs["dataset"].unique())
@@ -109,7 +111,7 @@ def plot_covariance(
     if methods:
         runs = runs[runs["label"].isin(methods)].set_index("label").loc[methods].reset_index()
     if runs.empty:
-        raise ValueError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
+        raise ResultsError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
     n = len(runs)
     fig, axes = plt.subplots(1, n + 1, figsize=(3.2 * (n + 1), 3.4), squeeze=False)
     gaussians = [load_gaussian(Path(d) / "posterior.pt").to_dense() for d in runs["run_dir"]]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bdl_bench.errors import ConfigError, ResultsError
 from bdl_bench.report.paper import PaperTable, PaperValue, Selection, dataset_short_name, get_paper_table
 from bdl_bench.results import load_runs
 
@@ -78,7 +79,7 @@ def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.D
         ValueError: if a (dataset, method) group has no run with the validation metric.
     """
     if selection.mode not in ("min", "max"):
-        raise ValueError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
+        raise ConfigError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
     keys = [k for k in selection.keys if k in runs.columns]
     kept, chosen = [], {}
     for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
@@ -91,7 +92,7 @@ def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.D
         scores = pd.to_numeric(group[selection.metric], errors="coerce") if selection.metric in group else None
         means = scores.groupby(settings).mean().dropna() if scores is not None else pd.Series(dtype=float)
         if means.empty:
-            raise ValueError(
+            raise ResultsError(
                 f"the paper chose hyperparameters on {selection.metric!r}, but no run of {method} on {dataset} "
                 f"reports it; re-run with a validation split (e.g. data.n_val) or keep one setting per column"
             )
@@ -120,11 +121,13 @@ def paired_differences(runs: pd.DataFrame, metrics: Sequence[str], reference: st
     """
     if not (runs["method"] == reference).any():
         found = ", ".join(sorted(runs["method"].astype(str).unique()))
-        raise ValueError(f"no runs of method {reference!r} to take differences to; the methods here are: {found}")
+        raise ResultsError(f"no runs of method {reference!r} to take differences to; the methods here are: {found}")
     keys = ["dataset", *[k for k in _PAIR_KEYS if k in runs.columns]]
     base = runs[runs["method"] == reference]
     if base.duplicated(keys).any():
-        raise ValueError(f"method {reference!r} has several runs with the same {keys}: pass a folder with one setting")
+        raise ResultsError(
+            f"method {reference!r} has several runs with the same {keys}: pass a folder with one setting"
+        )
     values = runs[list(metrics)].apply(pd.to_numeric, errors="coerce")
     partner = runs[keys].merge(base[keys + list(metrics)], on=keys, how="left")[list(metrics)]
     partner = partner.apply(pd.to_numeric, errors="coerce").set_index(runs.index)
@@ -153,7 +156,7 @@ def build_table(
     """
     runs = load_runs(folder)
     if runs.empty:
-        raise ValueError(f"no finished runs (folders with metrics.json) below {folder}")
+        raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")
     if paper is None and "paper_table" in runs.columns:
         names = runs["paper_table"].dropna().unique()
         paper = str(names[0]) if len(names) == 1 else None
@@ -163,7 +166,7 @@ def build_table(
         metrics = metrics or [m for m in DEFAULT_METRICS if m in runs.columns]
     missing = [m for m in metrics if m not in runs.columns]
     if missing:
-        raise ValueError(f"metric(s) {missing} not found in the runs below {folder}")
+        raise ResultsError(f"metric(s) {missing} not found in the runs below {folder}")
 
     runs = runs.assign(
         dataset=runs["data.name"].map(dataset_short_name),
