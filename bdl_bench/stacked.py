@@ -128,7 +128,6 @@ def run_stack(
             a shared setting (model, trainer, seeds).
         NotImplementedError: when the method cannot stack.
     """
-    check_config(cfg)
     splits = list(member_dirs)
     trainer = cfg.trainer
     if trainer.threads is not None:
@@ -136,6 +135,8 @@ def run_stack(
     device, dtype, seed = resolve_device(str(trainer.device)), resolve_dtype(str(trainer.dtype)), int(trainer.seed)
     use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
     members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in splits}
+    for member in (cfg, *members.values()):
+        check_config(member)
     configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
     _check_shared(cfg, configs)
     hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
