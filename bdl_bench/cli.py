@@ -152,6 +152,9 @@ def table_command(args: list[str]) -> None:
     parser.add_argument(
         "--search", action="store_true", help="list the values each tuned run's search chose (its search.csv)"
     )
+    parser.add_argument(
+        "--strict", action="store_true", help="stop at an unreadable metrics.json instead of skipping it with a warning"
+    )
     ns = parser.parse_args(args)
     if not ns.folder.is_dir():
         raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
@@ -169,7 +172,7 @@ def table_command(args: list[str]) -> None:
 
     for warning in version_warnings(ns.folder):
         print(f"warning: {warning}", file=sys.stderr)
-    table = build_table(ns.folder, paper=ns.paper, metrics=metrics, relative_to=ns.relative_to)
+    table = build_table(ns.folder, paper=ns.paper, metrics=metrics, relative_to=ns.relative_to, strict=ns.strict)
     for warning in table.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     csv_path = ns.csv or ns.folder / "table.csv"
@@ -209,6 +212,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(error_line(error), file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt as interrupt:  # Interrupted says where the run stood; a bare one, that it stopped
+        if debugging():
+            raise
+        print(error_line(interrupt) if str(interrupt) else "bdl-bench: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPT_STATUS) from None
 
 
 def dispatch(argv: list[str]) -> None:

@@ -41,3 +41,8 @@ class ResultsError(UserError, ValueError):
 
 class OutputPathError(UserError, OSError):
     """An output path cannot be written (e.g. the run folder is a file)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message says at which epoch, where its checkpoint stands and how to resume.
+    A ``KeyboardInterrupt``, so that nothing on the way records it as a failure; the CLI exits with 130."""

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -30,6 +32,8 @@ from typing import Any
 
 import pandas as pd
 import yaml
+
+from bdl_bench.errors import ResultsError
 
 METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.yaml"
@@ -141,16 +145,22 @@ class HistoryWriter:
         if new_columns or not self._file_matches_rows:
             self._rewrite()
             return
+        line = io.StringIO(newline="")
+        csv.DictWriter(line, fieldnames=self.columns).writerow(row)
         with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+            f.write(line.getvalue())  # one write: Ctrl-C leaves the whole row or none of it
 
     def _rewrite(self) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
-        os.replace(tmp, self.path)
+        try:
+            with os.fdopen(fd, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self.columns)
+                writer.writeheader()
+                writer.writerows(self.rows)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         self._file_matches_rows = True
 
 
@@ -263,26 +273,72 @@ def clear_attempt(run_dir: Path, *, finished: bool) -> None:
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 
-def load_runs(root: Path, *, include_unfinished: bool = False) -> pd.DataFrame:
+def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = False) -> pd.DataFrame:
     """One row per run below ``root``: flattened config keys plus metrics and ``run_dir``.
 
     Unfinished runs (no ``metrics.json``) are left out unless ``include_unfinished``; the
-    ``finished`` column says which is which.
+    ``finished`` column says which is which. A run whose ``config.yaml`` or ``metrics.json`` cannot be
+    read (cut short by a full disk or a killed copy) is left out with one warning line on stderr naming
+    the file, or refused with ``strict``. ``frame.attrs["config_columns"]`` lists the columns that are
+    config keys (the others are metrics and bookkeeping).
+
+    Raises:
+        ResultsError: with ``strict``, for the first unreadable file.
     """
     rows = []
+    config_columns: set[str] = set()
     for run_dir in find_run_dirs(Path(root)):
         metrics_path = run_dir / METRICS_FILE
         finished = metrics_path.exists()
         if not finished and not include_unfinished:
             continue
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        try:
+            config = _read_mapping(run_dir / CONFIG_FILE, yaml.safe_load)
+            metrics = _read_mapping(metrics_path, json.loads) if finished else {}
+        except _Unreadable as error:
+            if strict:
+                raise ResultsError(f"{error}; re-run that run or delete its folder") from None
+            _warn_once(f"warning: skipped {error} (re-run that run, or pass --strict to stop here)")
+            continue
         row = flatten(config)
-        if finished:
-            row.update(json.loads(metrics_path.read_text()))
+        config_columns |= set(row)
+        row.update(metrics)
         row["run_dir"] = str(run_dir)
         row["finished"] = finished
         record = read_run_record(run_dir)
         row["code_version"] = record.get("code_version")
         row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.runner.device_record
         rows.append(row)
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    frame.attrs["config_columns"] = sorted(config_columns)
+    return frame
+
+
+class _Unreadable(Exception):
+    """A run file that cannot be read or parsed (its message names it)."""
+
+
+def _read_mapping(path: Path, parse: Any) -> dict[str, Any]:
+    """The mapping in the JSON/YAML file ``path``.
+
+    Raises:
+        _Unreadable: naming the file, when it cannot be read, is cut short or holds no mapping.
+    """
+    try:
+        value = parse(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:
+        reason = " ".join(str(error).split())[:120]
+        raise _Unreadable(f"{path}: unreadable or cut short ({type(error).__name__}: {reason})") from None
+    if not isinstance(value, Mapping):
+        raise _Unreadable(f"{path}: holds a {type(value).__name__}, not a mapping of keys to values")
+    return dict(value)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    """Print ``line`` on stderr, once per process (a command may load the same folder twice)."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, file=sys.stderr)

@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, s
 from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import ConfigError, DivergenceError, UserError
+from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, UserError
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
@@ -55,6 +56,51 @@ from bdl_bench.results import (
     write_config,
     write_metrics,
 )
+
+
+@dataclass
+class EpochProgress:
+    """Where a fit stands, for the line Ctrl-C prints: the last finished epoch, the last checkpoint's."""
+
+    done: int
+    n_epochs: int
+    checkpoint_every: int
+    checkpoint_path: Path
+
+    def interrupted(self) -> Interrupted:
+        """The interrupt's line; the checkpoint's epoch is read from the file (Ctrl-C may land between
+        writing it and any note of it)."""
+        try:
+            checkpoint = load_checkpoint(self.checkpoint_path)
+        except (OSError, ValueError, RuntimeError):
+            checkpoint = None
+        done = max(self.done, checkpoint.epoch if checkpoint is not None else 0)
+        where = f"at epoch {done + 1}" if done < self.n_epochs else f"after epoch {done} (evaluating)"
+        if checkpoint is not None:
+            return Interrupted(
+                f"interrupted {where}; checkpoint at epoch {checkpoint.epoch}; run the same command to resume"
+            )
+        every = self.checkpoint_every
+        why = f"none yet, one every {every} epochs" if every > 0 else "trainer.checkpoint_every=0 writes none"
+        return Interrupted(f"interrupted {where}; no checkpoint ({why}); run the same command to start it again")
+
+
+@contextmanager
+def stop_on_interrupt(progress: EpochProgress) -> Iterator[None]:
+    """Turn Ctrl-C inside the block into :class:`~bdl_bench.errors.Interrupted` saying where the fit stood
+    (checkpoints, ``history.csv`` rows and ``metrics.json`` are written whole, so an interrupt leaves the
+    previous file or the new one)."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise progress.interrupted() from None
+
+
+def announce_resume(run_dir: Path, epoch: int) -> None:
+    """The line a resumed run prints (on stderr, with the run folder)."""
+    print(f"{run_dir}: resuming from epoch {epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
 
 
 class CheckpointDeviceError(UserError, ValueError):
@@ -301,6 +347,14 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     """
     check_config(cfg)
     run_dir = Path(run_dir)
+    checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
+    progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, run_dir / CHECKPOINT_FILE)
+    with stop_on_interrupt(progress):
+        return _run(cfg, run_dir, progress, epoch_hook)
+
+
+def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: EpochHook | None) -> RunResult:
+    """:func:`run` once the config is checked; ``progress`` follows the epochs (for Ctrl-C's line)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
     if trainer.threads is not None:
@@ -318,7 +372,7 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
             f"{checkpoint_path} belongs to another config (hash {checkpoint.config_hash}, this run {chash}); "
             "delete it or re-run with force=true"
         )
-    checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
+    checkpoint_every = progress.checkpoint_every
     write_config(run_dir, config)  # type: ignore[arg-type]
     update_run_record(run_dir, **device_record(device))
 
@@ -355,6 +409,8 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
         restore_checkpoint(checkpoint, method, generators, device)
         start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
         rows = checkpoint_history(checkpoint, run_dir / HISTORY_FILE)
+        progress.done = start_epoch
+        announce_resume(run_dir, start_epoch)
 
     history = HistoryWriter(run_dir / "history.csv", rows)
     n_epochs = int(trainer.n_epochs)
@@ -392,21 +448,24 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
             save(epoch)
         bar.update(1)
         bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
+        progress.done = epoch
         if epoch_hook is not None:
             epoch_hook(epoch)
 
-    method.fit(
-        dataset.x_train,
-        dataset.y_train,
-        n_epochs=n_epochs,
-        batch_size=int(trainer.batch_size),
-        data_generator=data_generator,
-        on_epoch_end=on_epoch_end,
-        start_epoch=start_epoch,
-    )
-    bar.close()
+    try:
+        method.fit(
+            dataset.x_train,
+            dataset.y_train,
+            n_epochs=n_epochs,
+            batch_size=int(trainer.batch_size),
+            data_generator=data_generator,
+            on_epoch_end=on_epoch_end,
+            start_epoch=start_epoch,
+        )
+    finally:
+        bar.close()
     train_time = time.perf_counter() - start
-
+    progress.done = max(progress.done, n_epochs)
     return finish_run(
         cfg,
         run_dir,

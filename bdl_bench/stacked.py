@@ -58,9 +58,11 @@ from bdl_bench.results import (
 )
 from bdl_bench.runner import (
     EpochHook,
+    EpochProgress,
     RunResult,
     _cfg_get,
     _to_device,
+    announce_resume,
     device_record,
     epoch_row,
     finish_run,
@@ -70,6 +72,7 @@ from bdl_bench.runner import (
     resolve_dtype,
     restore_checkpoint,
     run_prior,
+    stop_on_interrupt,
     use_deterministic,
 )
 
@@ -128,6 +131,25 @@ def run_stack(
             a shared setting (model, trainer, seeds).
         NotImplementedError: when the method cannot stack.
     """
+    progress = EpochProgress(
+        0,
+        int(cfg.trainer.n_epochs),
+        int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0),
+        Path(stack_dir) / CHECKPOINT_FILE,
+    )
+    with stop_on_interrupt(progress):
+        return _run_stack(cfg, member_dirs, Path(stack_dir), member_configs, epoch_hook, progress)
+
+
+def _run_stack(
+    cfg: DictConfig,
+    member_dirs: Mapping[Hashable, Path],
+    stack_dir: Path,
+    member_configs: Mapping[Hashable, DictConfig] | None,
+    epoch_hook: EpochHook | None,
+    progress: EpochProgress,
+) -> dict[Hashable, RunResult]:
+    """:func:`run_stack`; ``progress`` follows the epochs (for Ctrl-C's line)."""
     splits = list(member_dirs)
     trainer = cfg.trainer
     if trainer.threads is not None:
@@ -201,6 +223,8 @@ def run_stack(
                 read_history(Path(member_dirs[k]) / HISTORY_FILE, int(n))
                 for k, n in zip(splits, checkpoint.history_rows)  # type: ignore[arg-type]
             ]
+        progress.done = start_epoch
+        announce_resume(stack_dir, start_epoch)
     writers = {k: HistoryWriter(Path(member_dirs[k]) / "history.csv", rows) for k, rows in zip(splits, histories)}
     n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
     checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
@@ -236,19 +260,23 @@ def run_stack(
             )
             save_checkpoint(checkpoint_path, state)
         bar.update(1)
+        progress.done = epoch
         if epoch_hook is not None:
             epoch_hook(epoch)
 
-    method.fit_replicas(
-        torch.stack([datasets[k].x_train for k in splits]),
-        torch.stack([datasets[k].y_train for k in splits]),
-        n_epochs=n_epochs,
-        batch_size=int(trainer.batch_size),
-        data_generator=data_generator,
-        on_epoch_end=on_epoch_end,
-        start_epoch=start_epoch,
-    )
-    bar.close()
+    try:
+        method.fit_replicas(
+            torch.stack([datasets[k].x_train for k in splits]),
+            torch.stack([datasets[k].y_train for k in splits]),
+            n_epochs=n_epochs,
+            batch_size=int(trainer.batch_size),
+            data_generator=data_generator,
+            on_epoch_end=on_epoch_end,
+            start_epoch=start_epoch,
+        )
+    finally:
+        bar.close()
+    progress.done = max(progress.done, n_epochs)
     train_time = (time.perf_counter() - start) / len(splits)
     results = {}
     for r, k in enumerate(splits):

@@ -114,6 +114,10 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
             return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
         _start_attempt(run_dir, chash, overrides, force)
         result = run(cfg, run_dir, epoch_hook=epoch_hook)
+    except KeyboardInterrupt:
+        if (run_dir / RUN_RECORD_FILE).exists():
+            update_run_record(run_dir, status="interrupted", ended=time.time(), last_seen=time.time())
+        raise
     except Exception as error:
         _record_failure(run_dir, error, config, overrides)
         if os.environ.get("SUBMITIT_EXECUTOR"):
@@ -131,11 +135,17 @@ def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any],
 
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
     """Whether ``run_dir`` holds a finished run of this config (recorded as skipped); never with ``force``.
+    A ``metrics.json`` cut short (a full disk, a killed copy) is no finished run: the job runs again.
 
     Raises:
         ConfigVersionError: when it holds a finished run of another config.
     """
     if force or not (run_dir / METRICS_FILE).exists():
+        return False
+    try:
+        json.loads((run_dir / METRICS_FILE).read_text())
+    except ValueError:
+        print(f"{run_dir / METRICS_FILE} is cut short; running that run again", file=sys.stderr, flush=True)
         return False
     stored = stored_config_hash(run_dir)
     if stored != chash:

@@ -4,10 +4,15 @@ the traceback; the run folder still records the failure (with its traceback)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,3 +148,113 @@ def test_a_bug_still_shows_its_traceback(tmp_path: Path, monkeypatch: pytest.Mon
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'an internal invariant'" in err
+
+
+def test_table_on_a_structure_sweep_with_a_cut_metrics_file(tmp_path: Path) -> None:
+    """A real sweep over Laplace structures: one row per structure; a metrics.json cut short is skipped
+    with one warning line (exit 0), refused with --strict (exit 1); an empty folder is one line."""
+    sweep = tmp_path / "sweep"
+    out = bdl(
+        "run",
+        "-m",
+        *SMOKE,
+        "method=laplace",
+        "method.structure=diag,kfac",
+        "data.split=0,1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    (cut,) = sweep.glob("data.split=1,*structure=kfac*/metrics.json")
+    cut.write_text(cut.read_text()[:30])
+    out = bdl("table", str(sweep), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"warning: skipped {cut}: unreadable or cut short")
+    assert "| boston | laplace structure=diag | 2 |" in out.stdout
+    assert "| boston | laplace structure=kfac | 1 |" in out.stdout
+    assert_one_line(bdl("table", str(sweep), "--strict", cwd=tmp_path), str(cut), "cut short")
+    (tmp_path / "empty").mkdir()
+    assert_one_line(bdl("table", str(tmp_path / "empty"), cwd=tmp_path), "no finished runs", str(tmp_path / "empty"))
+
+
+def _interrupt(command: list[str], cwd: Path, *, when: Any) -> tuple[int, str, str]:
+    """Start ``command``, send SIGINT (Ctrl-C) once ``when(process)`` returns true, and return its exit
+    status, the stderr lines read before and the stderr after."""
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO), "BDL_BENCH_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's background job ignores it
+    )
+    try:
+        before = when(process)
+        process.send_signal(signal.SIGINT)
+        _, after = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    return process.returncode, before, after
+
+
+def _until_file(root: Path, pattern: str) -> Any:
+    def wait(process: subprocess.Popen[str]) -> str:
+        deadline = time.monotonic() + 120
+        while not list(root.glob(pattern)):
+            assert process.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+            time.sleep(0.02)
+        return ""
+
+    return wait
+
+
+def _first_stderr_line(process: subprocess.Popen[str]) -> str:
+    assert process.stderr is not None
+    return process.stderr.readline()
+
+
+INTERRUPTED = re.compile(
+    r"^bdl-bench: interrupted at epoch (\d+); checkpoint at epoch (\d+); run the same command to resume$"
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "run_dir"),
+    [
+        (("run", "method=map", "data=toy/cubic", "hydra.run.dir=out"), "out"),  # a single run
+        (  # a sweep whose member stacks two splits
+            ("run", "-m", "method=bbb", "data.split=[0,1]", "hydra.sweep.dir=sweep"),
+            glob.escape("sweep/data.split=[0,1],") + "*",
+        ),
+    ],
+    ids=["single run", "stacked sweep member"],
+)
+def test_ctrl_c_says_where_and_the_same_command_resumes(
+    tmp_path: Path, overrides: tuple[str, ...], run_dir: str
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "bdl_bench.cli",
+        *overrides,
+        "trainer=smoke",
+        "trainer.n_epochs=3000",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=1",
+    ]
+    status, _, err = _interrupt(command, tmp_path, when=_until_file(tmp_path, f"{run_dir}/checkpoint.pt"))
+    (folder,) = tmp_path.glob(run_dir)
+    assert status == 130, err
+    (line,) = err.splitlines()
+    match = INTERRUPTED.match(line)
+    assert match, line
+    epoch, saved = int(match[1]), int(match[2])
+    assert 1 <= saved < epoch
+    assert not list(tmp_path.rglob("metrics.json")) and not list(tmp_path.rglob("*.tmp"))
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == saved
+
+    status, first, err = _interrupt(command, tmp_path, when=_first_stderr_line)
+    assert first == f"{folder}: resuming from epoch {saved} (its checkpoint.pt)\n"
+    assert status == 130 and INTERRUPTED.match(err.strip()), err

@@ -201,14 +201,14 @@ class MarglikSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: unknown method.search.marglik keys {unknown}; known: {', '.join(sorted(known))}"
             )
         settings = cls(**cfg)
         if settings.prior not in ("layer", "scalar"):
-            raise ValueError(f"laplace: method.search.marglik.prior must be layer or scalar, got {settings.prior!r}")
+            raise ConfigError(f"laplace: method.search.marglik.prior must be layer or scalar, got {settings.prior!r}")
         if int(settings.n_steps) != settings.n_steps or settings.n_steps < 1 or not settings.lr > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: method.search.marglik needs n_steps >= 1 and lr > 0, got {settings.n_steps}, {settings.lr}"
             )
         return settings
@@ -220,7 +220,7 @@ def _parse_search(search: Mapping[str, Any] | str | None) -> SearchSettings | Ma
         return None
     if isinstance(search, str):
         if search != "marglik":
-            raise ValueError(
+            raise ConfigError(
                 f"laplace: method.search must be null, marglik, {{marglik: {{...}}}} or a grid mapping, got {search!r}"
             )
         return MarglikSettings.parse(None)
@@ -237,7 +237,7 @@ def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
     """
     triple = spec.get("logspace") if set(spec) == {"logspace"} else None
     if not isinstance(triple, list | tuple) or len(triple) != 3 or int(triple[2]) != triple[2] or triple[2] < 1:
-        raise ValueError(
+        raise ConfigError(
             f"laplace: method.search.{key} must be a list of positive numbers or {{logspace: [a, b, n]}} "
             f"(n >= 1 values from 10^a to 10^b), got {dict(spec)}"
         )
@@ -676,7 +676,7 @@ class Laplace(Method):
         for f, basis, grid, uni in zip(factors, curvature["bases"], grids, uniform):
             column = grid[0]  # the prior of each input column (the bias last)
             if not bool((grid == column).all()):
-                raise ValueError(
+                raise ConfigError(
                     f"laplace: structure=kfac adds the prior as I ⊗ diag(t), one precision per input column, but layer "
                     f"{f.slot.module_index}'s prior varies across its outputs; use one prior per weight and per bias"
                 )

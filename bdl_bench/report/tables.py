@@ -27,7 +27,7 @@ import pandas as pd
 
 from bdl_bench.errors import ConfigError, ResultsError
 from bdl_bench.report.paper import PaperTable, PaperValue, Selection, dataset_short_name, get_paper_table
-from bdl_bench.results import load_runs
+from bdl_bench.results import HASH_EXCLUDED_KEYS, load_runs
 
 DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error", "ece", "brier", "elbo", "sym_kl")
 
@@ -39,16 +39,52 @@ class Table:
     warnings: tuple[str, ...] = ()  # e.g. the runs of one row come from different devices
 
 
-def _method_labels(runs: pd.DataFrame) -> pd.Series:
-    """``method.name`` plus every ``method.*`` option that varies among runs of that method."""
-    labels = runs["method.name"].astype(str).copy()
-    option_cols = [c for c in runs.columns if c.startswith("method.") and c != "method.name"]
-    for name, group in runs.groupby("method.name"):
-        varying = [c for c in option_cols if group[c].astype(str).nunique() > 1]
+NOT_SETTINGS = (
+    *HASH_EXCLUDED_KEYS,
+    "data.split",
+    "data.seed",
+    "trainer.seed",
+    "data.root",
+    "data.mirror",
+    "method.map_dir",
+    "paper_table",
+    "data.name",
+    "method.name",
+)
+"""Config keys that never tell two settings apart: splits and seeds (what a row averages over), paths
+and bookkeeping (what the config hash leaves out)."""
+
+
+def setting_keys(runs: pd.DataFrame, ignore: Sequence[str] = ()) -> list[str]:
+    """The config columns of ``runs`` that name a setting: all but :data:`NOT_SETTINGS`, ``ignore`` and
+    the keys tuned per split (``search.params.*`` of a stacked search, ``data.protocol.search.*`` of a
+    run with ``tuned_from``), whose values differ from split to split by design."""
+    columns = runs.attrs.get("config_columns") or [c for c in runs.columns if c.startswith(("method.", "data."))]
+    tuned = {c.removeprefix("search.params.") for c in columns if c.startswith("search.params.")}
+    if "tuned_from" in runs.columns and runs["tuned_from"].notna().any():
+        tuned |= {c.removeprefix("data.protocol.search.") for c in columns if c.startswith("data.protocol.search.")}
+    skip = (*NOT_SETTINGS, *ignore, *tuned)
+    return [c for c in columns if c in runs.columns and not any(c == k or c.startswith(f"{k}.") for k in skip)]
+
+
+def setting_labels(runs: pd.DataFrame, base: pd.Series, ignore: Sequence[str] = ()) -> pd.Series:
+    """``base`` (a method or paper column per run) plus every setting key whose value differs among the
+    runs of one dataset with that base (``laplace structure=kfac``), so that no row averages over
+    different settings; a key some runs lack (an option added since) does not count as differing."""
+    keys = setting_keys(runs, ignore)
+    labels = base.astype(str).copy()
+    dataset = runs["data.name"].astype(str) if "data.name" in runs.columns else pd.Series("", index=runs.index)
+    for (_, name), group in runs.groupby([dataset, labels], sort=False):
+        varying = [c for c in keys if group[c].dropna().astype(str).nunique() > 1]
         for idx in group.index:
             parts = [f"{c.removeprefix('method.')}={_plain(group.at[idx, c])}" for c in varying]
             labels[idx] = " ".join([str(name), *parts])
     return labels
+
+
+def _method_labels(runs: pd.DataFrame) -> pd.Series:
+    """``method.name`` plus every setting that varies among runs of that method (:func:`setting_labels`)."""
+    return setting_labels(runs, runs["method.name"])
 
 
 def _plain(value: object) -> object:
@@ -141,6 +177,7 @@ def build_table(
     paper: str | None = None,
     metrics: Sequence[str] | None = None,
     relative_to: str | None = None,
+    strict: bool = False,
 ) -> Table:
     """Summarise every finished run below ``folder``.
 
@@ -150,11 +187,12 @@ def build_table(
         metrics: metric keys to show; default: those of the paper table's that the runs have, else every
             known key present.
         relative_to: a method label: show differences to its runs (module docstring).
+        strict: refuse an unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning.
 
     Raises:
-        ValueError: when no finished run is found, naming the folder.
+        ResultsError: when no finished run is found, naming the folder.
     """
-    runs = load_runs(folder)
+    runs = load_runs(folder, strict=strict)
     if runs.empty:
         raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")
     if paper is None and "paper_table" in runs.columns:
@@ -168,9 +206,14 @@ def build_table(
     if missing:
         raise ResultsError(f"metric(s) {missing} not found in the runs below {folder}")
 
+    columns = pd.Series(
+        [spec.column(r) for r in runs.to_dict("records")] if spec else runs["method.name"], index=runs.index
+    )
+    selected = spec.selection.keys if spec and spec.selection else ()
     runs = runs.assign(
         dataset=runs["data.name"].map(dataset_short_name),
-        method=[spec.column(r) for r in runs.to_dict("records")] if spec else _method_labels(runs),
+        method=setting_labels(runs, columns, ignore=selected),
+        paper_column=columns,
     )
     chosen: dict[tuple, str] = {}
     if spec and spec.selection:
@@ -194,7 +237,7 @@ def build_table(
                 paper_metric, sign = spec.metrics[metric]
                 scale = spec.scale(str(dataset), paper_metric)
                 mean, se = sign * mean / scale, se / scale
-                ref = spec.lookup(str(dataset), str(method), paper_metric)
+                ref = spec.lookup(str(dataset), str(group["paper_column"].iloc[0]), paper_metric)
                 if relative_to is not None and ref is not None:
                     base = spec.lookup(str(dataset), relative_to, paper_metric)
                     ref = (

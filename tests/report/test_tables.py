@@ -204,3 +204,85 @@ def test_half_unit_of_the_last_printed_digit() -> None:
     assert half_unit("-2.6") == pytest.approx(0.05)
     assert half_unit("12") == pytest.approx(0.5)
     assert half_unit("1.5e-3") == pytest.approx(0.5e-4)
+
+
+def test_a_cut_metrics_file_is_skipped_with_one_warning_or_refused_when_strict(tmp_path: Path, capsys) -> None:
+    from bdl_bench.errors import ResultsError
+
+    for split in range(3):
+        _fake_run(
+            tmp_path,
+            f"r{split}",
+            {"data": {"name": "uci/boston", "split": split}, "method": {"name": "map"}},
+            {"rmse": 3.0 + split},
+        )
+    cut = tmp_path / "r1" / "metrics.json"
+    cut.write_text(cut.read_text()[:12])
+    table = build_table(tmp_path)
+    assert table.frame.set_index("method").loc["map", "n_runs"] == 2
+    assert table.frame.set_index("method").loc["map", "rmse"] == pytest.approx(4.0)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: skipped {cut}: unreadable or cut short")
+    with pytest.raises(ResultsError, match="r1/metrics.json: unreadable or cut short"):
+        build_table(tmp_path, strict=True)
+
+
+def test_rows_never_average_over_settings_but_do_over_splits_seeds_and_paths(tmp_path: Path) -> None:
+    for prior in (1.0, 10.0):
+        for split in (0, 1):
+            _fake_run(
+                tmp_path,
+                f"p{prior}s{split}",
+                {
+                    "data": {"name": "uci/boston", "split": split, "root": f"/data/{split}"},
+                    "method": {"name": "map", "map_dir": f"/maps/{split}"},
+                    "trainer": {"seed": split, "n_epochs": 10},
+                    "prior_precision": prior,
+                    "results_root": f"/results/{split}",
+                },
+                {"rmse": prior + split},
+            )
+    frame = build_table(tmp_path, metrics=["rmse"]).frame.set_index("method")
+    assert sorted(frame.index) == ["map prior_precision=1", "map prior_precision=10"]
+    assert frame.loc["map prior_precision=10", "n_runs"] == 2
+    assert frame.loc["map prior_precision=10", "rmse"] == pytest.approx(10.5)
+
+
+def test_a_paper_column_splits_by_setting_and_keeps_its_paper_value(tmp_path: Path) -> None:
+    for rank in (1, 5):
+        for split in (0, 1):
+            _fake_run(
+                tmp_path,
+                f"L{rank}s{split}",
+                {
+                    "data": {"name": "uci/boston", "split": split},
+                    "method": {"name": "slang", "rank": rank},
+                    "paper_table": "slang_table2",
+                },
+                {"rmse": 3.0 + rank, "test_ll": -2.5},
+            )
+    frame = build_table(tmp_path, metrics=["rmse"]).frame.set_index("method")
+    assert sorted(frame.index) == ["slang rank=1", "slang rank=5"]
+    assert (frame["n_runs"] == 2).all()
+    assert (frame["paper_rmse"] == get_paper_table("slang_table2").lookup("boston", "slang", "rmse").value).all()
+
+
+def test_values_tuned_per_split_do_not_split_a_row(tmp_path: Path) -> None:
+    for split, noise in enumerate([0.05, 0.08, 0.11]):
+        _fake_run(
+            tmp_path,
+            f"t{split}",
+            {
+                "data": {
+                    "name": "uci/boston",
+                    "split": split,
+                    "protocol": {"search": {"noise_precision": [0.04, 0.2]}},
+                },
+                "method": {"name": "bbb"},
+                "noise_precision": noise,
+                "tuned_from": "/studies",
+            },
+            {"rmse": 3.0},
+        )
+    frame = build_table(tmp_path, metrics=["rmse"]).frame
+    assert list(frame["method"]) == ["bbb"] and list(frame["n_runs"]) == [3]
