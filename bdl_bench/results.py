@@ -298,7 +298,7 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
         except _Unreadable as error:
             if strict:
                 raise ResultsError(f"{error}; re-run that run or delete its folder") from None
-            _warn_once(f"warning: skipped {error} (re-run that run, or pass --strict to stop here)")
+            _warn_once(f"warning: skipped {error}; re-run that run to redo it")
             continue
         row = flatten(config)
         config_columns |= set(row)
