@@ -319,3 +319,17 @@ def test_a_device_runs_checkpoint_is_refused_by_a_cpu_rerun(tmp_path, compose_cf
     assert load_checkpoint(tmp_path / "checkpoint.pt").epoch == 2
     with pytest.raises(CheckpointDeviceError, match=f"written on {DEVICE.type} and this run is on cpu"):
         run(compose_cfg([*overrides, "trainer.device=cpu"]), tmp_path)
+
+
+def test_a_slang_step_reads_the_device_only_before_its_eigendecomposition(compose_cfg) -> None:
+    """SLANG's step returns its losses as device tensors; its two reads are the finite checks of the gradient
+    and of the Gram matrix, which keep a diverged step from overwriting the state (the eigendecomposition they
+    guard waits for the device anyway)."""
+    config = OmegaConf.to_container(compose_cfg(["method=slang"]).method, resolve=True)
+    with fake_device() as check:
+        built, x, y = _device_problem(config)
+        built.train_step(x[:10], y[:10])
+        check.syncs = 0
+        out = built.train_step(x[10:20], y[10:20])
+        assert check.syncs == 2
+        assert out["loss"].device == DEVICE

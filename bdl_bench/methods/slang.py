@@ -305,8 +305,11 @@ class Slang(Method):
 
     # ---------------------------------------------------------------------------- fitting
     @torch.no_grad()
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        """One update (module docstring); the state's tensors are updated in place.
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One update (module docstring); the state's tensors are updated in place. The reported losses are
+        0-dim tensors on the parameters' device; the step reads the device twice, both times before its
+        eigendecomposition (which waits for the device anyway): the finite-gradient checks that keep a
+        diverged step from overwriting the state.
 
         Raises:
             NonFiniteGradientError: naming the step, if a per-example gradient is not finite (the
@@ -334,8 +337,8 @@ class Slang(Method):
             trace = (noise.square_() @ lam).mean()  # noise is not needed any more
             maha = torch.dot(torch.mul(lam, state.mean, out=scratch), state.mean)
         kl_est = 0.5 * (trace + maha - state.mean.numel() + logdet - self._log_prior_det)
-        nll = float(factors.losses.mean())
-        kl_per_example = float(kl_est) / problem.n_data
+        nll = factors.losses.mean()  # 0-dim tensors: read once per epoch by the fit loop, not per step
+        kl_per_example = kl_est / problem.n_data
         new_state, new_cache = slang_update(
             state,
             factors,
