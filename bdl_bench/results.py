@@ -57,6 +57,8 @@ HASH_EXCLUDED_KEYS = (
     "data.protocol.search",
     "data.protocol.device",  # where it runs, like trainer.device
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
+    # how a tuned run's values were searched (bdl_bench.search); the values it chose are in its config
+    "search",
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
 

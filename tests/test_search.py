@@ -123,16 +123,16 @@ def test_an_empty_grid_file_is_refused(tmp_path: Path, compose_cfg) -> None:
 
 
 def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
-    """tune=slang_table2's dropout runs follow Gal's code: 40 epochs of batch 128 at Adam's 0.001, and a weight
-    prior precision l²(1 − p) s_y² / 2 that makes our objective their Keras loss times τ s_y² / 2."""
+    """tune=slang_table2's dropout runs take Gal's weight decay as a weight prior precision l²(1 − p) s_y² / 2
+    (which makes our objective their Keras loss times τ s_y² / 2); the other methods' runs are untouched."""
     from bdl_bench.data import build_dataset
     from bdl_bench.models import build_model
     from bdl_bench.runner import run_prior
     from bdl_bench.search import with_method_settings
 
     cfg = with_method_settings(_cfg(compose_cfg, "dropout", "method.dropout_rate=0.05", "bias_prior_precision=1e-6"))
-    assert (cfg.trainer.n_epochs, cfg.trainer.batch_size, cfg.method.lr, cfg.gal_lengthscale) == (40, 128, 0.001, 0.01)
-    assert with_method_settings(_cfg(compose_cfg, "slang")).trainer.n_epochs == 2  # other methods untouched
+    assert cfg.gal_lengthscale == 0.01
+    assert "gal_lengthscale" not in with_method_settings(_cfg(compose_cfg, "slang"))  # other methods untouched
     data = build_dataset({"name": "uci/yacht", "split": 0})
     model = build_model({"name": "mlp", "hidden": [50], "activation": "relu"}, in_features=6, out_features=1)
     prior = run_prior(model, cfg, data)

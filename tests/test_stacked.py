@@ -89,18 +89,20 @@ def _state(method: object) -> dict[str, torch.Tensor]:
     return {"mean": s.mean, "precision": s.prec_factor @ s.prec_factor.mT, "diag": s.prec_diag}
 
 
+def _single_fit(option: dict, split: int, noise: float = 2.0, prior: float = 1.0) -> object:
+    """The slow twin: one split fitted alone for 2 epochs (the seeds a stack of it uses)."""
+    problem, data = _problem(split, _model(), torch.Generator().manual_seed(1), noise, prior)
+    method = build_method(option)
+    method.setup(problem)
+    method.fit(data.x_train, data.y_train, n_epochs=2, batch_size=16, data_generator=torch.Generator().manual_seed(2))
+    return method
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_stacked_fit_equals_single_fits(name: str) -> None:
     singles, stats = [], []
     for split in SPLITS:
-        model = _model()
-        problem, data = _problem(split, model, torch.Generator().manual_seed(1))
-        method = build_method(METHODS[name])
-        method.setup(problem)
-        method.fit(
-            data.x_train, data.y_train, n_epochs=2, batch_size=16, data_generator=torch.Generator().manual_seed(2)
-        )
-        singles.append(method)
+        singles.append(_single_fit(METHODS[name], split))
     model, generator = _model(), torch.Generator().manual_seed(1)
     problems, datasets = zip(*(_problem(split, model, generator) for split in SPLITS))
     stacked = build_method(METHODS[name])
@@ -136,14 +138,7 @@ def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: s
     options = [{**METHODS[name], "dropout_rate": rate} if name == "dropout" else METHODS[name] for *_, rate in TRIALS]
     singles = []
     for (split, noise, prior, _), option in zip(TRIALS, options):
-        model = _model()
-        problem, data = _problem(split, model, torch.Generator().manual_seed(1), noise, prior)
-        method = build_method(option)
-        method.setup(problem)
-        method.fit(
-            data.x_train, data.y_train, n_epochs=2, batch_size=16, data_generator=torch.Generator().manual_seed(2)
-        )
-        singles.append(method)
+        singles.append(_single_fit(option, split, noise, prior))
     model, generator = _model(), torch.Generator().manual_seed(1)
     problems, datasets = zip(*(_problem(s, model, generator, n, p) for s, n, p, _ in TRIALS))
     stacked = build_method(METHODS[name])
