@@ -25,7 +25,9 @@ non-negative. The issue's target: ``ratio_to_epoch <= 2``. The same ratio from t
 jobs it varies less than the wall-clock one. EFB/DEF keep pass 1's tensors for their second pass
 (``method.curvature_cache_mib``, ``--curvature-cache-mib``; 0 recomputes it): ``curvature_cache_mib`` is
 what they kept here, ``curvature_cache_mib_scaled`` that scaled to 50,000 images (it must fit the budget
-for the extrapolation to hold). One JSON line per structure:
+for the extrapolation to hold). ``--device`` ``auto`` (default: CUDA when present), ``cpu`` or ``cuda``; every fit is
+preceded by an untimed warm-up fit on 128 images, and on CUDA every timed region is synchronised before and after,
+with its peak allocated memory in ``cuda_peak_mib`` (fit) and ``epoch_cuda_peak_mib``. One JSON line per structure:
 
     {"structure": "kfac", "curvature_subset": null, "fit_s": ..., "epoch_s": ..., "ratio_to_epoch": ...,
      "n_data": 5000, "threads": 1, "scaled_to": 50000, "scaling": "...", "measured_fit_s": ..., ...}
@@ -41,6 +43,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,19 +54,30 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.runner import resolve_device
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PRIOR_PRECISION = 0.001  # experiment=def_table1: TensorFlow's L2 coefficient 1e-8 as lambda = 2cN
 LR = 0.001
+WARMUP_ROWS = 64  # a fit on 128 images (and 2 MAP steps) before anything is timed
 STRUCTURE_OPTIONS = {  # conf/variant/def_table1/{kfac,def}.yaml
     "kfac": {"structure": "kfac", "curvature": "fisher", "curvature_batch_size": 256},
     "def": {"structure": "def", "curvature": "fisher", "curvature_batch_size": 64},
 }
 
 
-def _sync(device: torch.device) -> None:
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, float, float | None]:
+    """``(wall s, CPU s, CUDA peak MiB or None)`` of ``fn()``: on CUDA synchronised before and after (kernels run
+    asynchronously) and the peak of ``torch.cuda.max_memory_allocated`` during the call."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return wall, cpu, torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -97,7 +111,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="also time method.curvature_subset=S (S of the 50,000 images; S·n-data/50,000 of the measured ones)",
     )
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when present (default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(argv)
     if ns.n_data < 2 or ns.batch_size < 1:
@@ -120,13 +136,11 @@ def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem
     )
 
 
-def _time_fit(laplace: Laplace, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    """Wall-clock and CPU seconds of one ``fit_posterior``."""
-    _sync(device)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    laplace.fit_posterior(x, y)
-    _sync(device)
-    return time.perf_counter() - start, time.process_time() - cpu_start
+def _time_fit(
+    laplace: Laplace, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> tuple[float, float, float | None]:
+    """Wall-clock and CPU seconds (and the CUDA peak MiB) of one ``fit_posterior``."""
+    return timed(lambda: laplace.fit_posterior(x, y), device)
 
 
 def _extrapolate(full: float, half: float, n_curv: int, half_curv: int, target: int) -> tuple[float, float, float]:
@@ -170,7 +184,7 @@ def _time_structure(
     device: torch.device,
     structure: str,
     subset: int | None,
-    epoch_times: tuple[float, float],
+    epoch_times: tuple[float, float, float | None],
 ) -> dict[str, Any]:
     """Time one structure's fit on all n images and on the first n/2 and scale it to 50,000 (module docstring).
 
@@ -182,7 +196,7 @@ def _time_structure(
     half_curv = half if subset is None else subset * half // FULL_N
     target = FULL_N if subset is None else subset
 
-    def fit(n_rows: int, n_curvature: int) -> tuple[tuple[float, float], dict[str, float]]:
+    def fit(n_rows: int, n_curvature: int) -> tuple[tuple[float, float, float | None], dict[str, float]]:
         laplace = _laplace(ns, structure, None if subset is None else n_curvature)
         laplace.setup(_problem(model, device, ns.seed + 3))
         with torch.no_grad():
@@ -190,15 +204,16 @@ def _time_structure(
         seconds = _time_fit(laplace, x[:n_rows], y[:n_rows], device)
         return seconds, dict(laplace.fit_info)
 
-    (measured_fit, measured_cpu), info = fit(ns.n_data, n_curv)
+    fit(min(ns.n_data, 2 * WARMUP_ROWS), min(n_curv, 2 * WARMUP_ROWS))  # warm-up: kernels, allocator, caches
+    (measured_fit, measured_cpu, fit_peak), info = fit(ns.n_data, n_curv)
     scale = FULL_N / ns.n_data
-    measured_epoch, measured_epoch_cpu = epoch_times
+    measured_epoch, measured_epoch_cpu, epoch_peak = epoch_times
     if ns.n_data >= FULL_N:
         fit_s, epoch_s, fixed, per_example, half_fit = measured_fit, measured_epoch, None, None, None
         cpu_fit_s, half_cpu = measured_cpu, None
         scaling = "none: measured on the full-size data"
     else:
-        (half_fit, half_cpu), _ = fit(half, half_curv)
+        (half_fit, half_cpu, _), _ = fit(half, half_curv)
         fit_s, fixed, per_example = _extrapolate(measured_fit, half_fit, n_curv, half_curv, target)
         cpu_fit_s = _extrapolate(measured_cpu, half_cpu, n_curv, half_curv, target)[0]
         epoch_s = measured_epoch * scale
@@ -237,13 +252,16 @@ def _time_structure(
         # MiB of pass-1 tensors kept for the EFB pass (method.curvature_cache_mib), here and scaled to the target
         "curvature_cache_mib": None if cache_mib is None else round(cache_mib, 1),
         "curvature_cache_mib_scaled": None if cache_mib is None else round(cache_mib * target / n_curv, 1),
+        # CUDA only: peak memory allocated during the timed fit on n_data images, and during the MAP epoch
+        "cuda_peak_mib": None if fit_peak is None else round(fit_peak, 1),
+        "epoch_cuda_peak_mib": None if epoch_peak is None else round(epoch_peak, 1),
     }
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ns = _parse(argv)
     torch.set_num_threads(ns.threads)
-    device = torch.device(ns.device)
+    device = resolve_device(ns.device)
     torch.manual_seed(ns.seed)
     model_cfg = {
         "name": "lenet",
@@ -263,11 +281,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         warm.train_step(x[: ns.batch_size], y[: ns.batch_size])
     map_method = build_method({"name": "map", "lr": LR})
     map_method.setup(_problem(model, device, ns.seed))
-    _sync(device)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    map_method.fit(x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2))
-    _sync(device)
-    epoch_times = (time.perf_counter() - start, time.process_time() - cpu_start)
+    epoch_times = timed(
+        lambda: map_method.fit(
+            x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2)
+        ),
+        device,
+    )
     theta = map_method.point_estimate()
 
     records = []

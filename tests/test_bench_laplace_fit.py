@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_laplace_fit.py
 
 def test_prints_one_json_line_per_structure_scaled_to_full_size() -> None:
     args = ["--n-data", "100", "--channels", "2,3", "--hidden", "8", "--image-size", "8", "--rank", "4"]
-    args += ["--curvature-batch-size", "64"]  # two chunks
+    args += ["--curvature-batch-size", "64", "--device", "cpu"]  # two chunks
     out = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, check=True
     ).stdout
@@ -25,6 +25,7 @@ def test_prints_one_json_line_per_structure_scaled_to_full_size() -> None:
         assert abs(r["ratio_to_epoch"] - r["fit_s"] / r["epoch_s"]) < 1e-2 * r["ratio_to_epoch"] + 1e-3
         assert "extrapolated from n_data=100 to 50000" in r["scaling"]
         assert r["cpu_fit_s"] > 0 and r["cpu_epoch_s"] > 0
+        assert r["device"] == "cpu" and r["cuda_peak_mib"] is None and r["epoch_cuda_peak_mib"] is None
         assert abs(r["cpu_ratio_to_epoch"] - r["cpu_fit_s"] / r["cpu_epoch_s"]) < 1e-2 * r["cpu_ratio_to_epoch"] + 1e-3
     assert records[1]["fit_info"]["kept_rank"] >= 4
     # DEF kept every chunk of pass 1 for its second pass; the cache scales with the data

@@ -380,14 +380,17 @@ def test_config_metrics_are_written(tmp_path: Path, compose_cfg) -> None:
     assert {"rmse", "test_ll"} <= set(json.loads((tmp_path / "metrics.json").read_text()))
 
 
-def _tiny_lenet_problem() -> tuple[Problem, Tensor, Tensor]:
+def _tiny_lenet_problem(images: bool = False) -> tuple[Problem, Tensor, Tensor]:
+    """A shrunk LeNet on 30 random 8x8 inputs: flat rows (an nn.Unflatten head), or ``images`` (30, 1, 8, 8)."""
     g = torch.Generator().manual_seed(0)
     model = build_model(
         {"name": "lenet", "image_size": 8, "channels": [2, 3], "hidden": 8, "dropout": 0.0},
-        in_features=64,
+        in_features=1 if images else 64,
         out_features=3,
     ).to(F64)
     x = torch.rand(30, 64, generator=g, dtype=F64)
+    if images:
+        x = x.view(30, 1, 8, 8)
     y = torch.randint(0, 3, (30,), generator=g)
     from bdl_bench.likelihoods import Categorical
 
@@ -430,15 +433,17 @@ def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch
     assert_close(method.predict(x, 5), whole)
 
 
+@pytest.mark.parametrize("images", [False, True], ids=["rows", "images"])
 @pytest.mark.parametrize("predictive", ["sample", "linearised"])
 @pytest.mark.parametrize("structure", ["diag", "kfac", "def"])
 def test_predict_sets_equals_a_per_sample_loop(
-    monkeypatch: pytest.MonkeyPatch, structure: str, predictive: str
+    monkeypatch: pytest.MonkeyPatch, structure: str, predictive: str, images: bool
 ) -> None:
-    """The sliced, chunked, shared-sample path gives what a plain loop over the same draws gives."""
+    """The sliced, chunked, shared-sample path (the linearised one: all of a chunk's samples on a row slice around
+    one MAP pass; images channels-last) gives what a plain loop over the same draws gives."""
     import bdl_bench.methods.laplace as laplace_module
 
-    problem, x, y = _tiny_lenet_problem()
+    problem, x, y = _tiny_lenet_problem(images)
     method = make_laplace(structure=structure, rank=4, predictive=predictive)
     method.setup(problem)
     method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))

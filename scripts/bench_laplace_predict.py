@@ -1,0 +1,178 @@
+"""Time the Laplace predictive of DEF's MNIST LeNet against one MAP training epoch (issue 19).
+
+Everything runs in this one process, on the same model: DEF's LeNet (conv 5x5x32, conv 5x5x64, FC 1024, FC 10;
+``--channels``/``--hidden``/``--image-size`` shrink it), random images ``(1, 28, 28)`` with random labels, float32,
+``--threads`` torch threads (1 by default), on ``--device`` (``auto``: CUDA when present).
+
+- **epoch**: one epoch of ``method=map`` (Adam, lr 0.001, batch ``--batch-size`` = 50) over ``--n-data`` images,
+  after a two-step warm-up, scaled linearly to MNIST's 50,000 training images when ``--n-data`` is smaller;
+- **predict**: ``Laplace.predict_sets`` with ``--n-samples`` (10) posterior samples over ``--n-predict`` images
+  split as the runner splits them (test, validation, OOD: 10k each for 30k), for each ``--structures`` posterior
+  (fitted on ``--n-fit`` images; the fit is not timed) and each ``--predictives``, after a warm-up call on a few
+  images; scaled linearly to ``--predict-to`` images (30,000: MNIST test + validation + notMNIST) when smaller.
+
+The issue's target: ``ratio_to_epoch <= 1``. ``cpu_ratio_to_epoch`` is the same ratio from this process's CPU
+time (less sensitive to other jobs on a shared machine). On CUDA every timed region ends with a synchronisation
+and ``cuda_peak_mib`` is the peak memory allocated during it. One JSON line per (structure, predictive):
+
+    {"structure": "diag", "predictive": "sample", "predict_s": ..., "epoch_s": ..., "ratio_to_epoch": ..., ...}
+
+    python scripts/bench_laplace_predict.py --n-data 5000 --n-predict 3000
+    python scripts/bench_laplace_predict.py --n-data 100 --n-predict 60 --channels 2,3 --hidden 8 --image-size 8  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bdl_bench.likelihoods import Categorical
+from bdl_bench.methods import build_method
+from bdl_bench.methods.base import Problem
+from bdl_bench.methods.laplace import Laplace
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.runner import resolve_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_laplace_fit import timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
+
+FULL_N = 50_000  # MNIST training images (DEF Table 1)
+PREDICT_TO = 30_000  # what a def_table1 run predicts: MNIST test (10k) + validation (10k) + notMNIST (about 10k)
+PRIOR_PRECISION = 0.001  # experiment=def_table1
+LR = 0.001
+STRUCTURE_OPTIONS = {  # conf/variant/def_table1/*.yaml
+    "diag": {"structure": "diag", "curvature": "ggn", "curvature_batch_size": 64},
+    "kfac": {"structure": "kfac", "curvature": "fisher", "curvature_batch_size": 256},
+    "def": {"structure": "def", "curvature": "fisher", "curvature_batch_size": 64, "rank": 200},
+}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-data", type=int, default=FULL_N, help=f"MAP epoch images (default {FULL_N})")
+    parser.add_argument("--n-predict", type=int, default=PREDICT_TO, help=f"predicted images (default {PREDICT_TO})")
+    parser.add_argument("--n-fit", type=int, default=2000, help="images the posterior is fitted on (not timed)")
+    parser.add_argument("--n-samples", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--structures", default="diag,kfac,def")
+    parser.add_argument("--predictives", default="sample,linearised")
+    parser.add_argument("--channels", default="32,64")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--image-size", type=int, default=28)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    if min(ns.n_data, ns.n_predict, ns.n_fit) < 3 or ns.n_samples < 1:
+        parser.error("--n-data, --n-predict and --n-fit must be >= 3, --n-samples >= 1")
+    for key, known in (("structures", STRUCTURE_OPTIONS), ("predictives", ("sample", "linearised"))):
+        unknown = set(getattr(ns, key).split(",")) - set(known)
+        if unknown:
+            parser.error(f"unknown {key} {sorted(unknown)}; choose from {', '.join(known)}")
+    return ns
+
+
+def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem:
+    return Problem(
+        model=model,
+        likelihood=Categorical(),
+        n_data=FULL_N,
+        prior_precision=prior_precision_vector(model, PRIOR_PRECISION, None),
+        generator=torch.Generator(device=device).manual_seed(seed),
+    )
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ns = _parse(argv)
+    torch.set_num_threads(ns.threads)
+    device = resolve_device(ns.device)
+    torch.manual_seed(ns.seed)
+    model_cfg = {
+        "name": "lenet",
+        "image_size": ns.image_size,
+        "channels": [int(c) for c in ns.channels.split(",")],
+        "hidden": ns.hidden,
+        "dropout": 0.0,
+    }
+    model = build_model(model_cfg, in_features=1, out_features=10).to(device)
+    g = torch.Generator().manual_seed(ns.seed + 1)
+    shape = (1, ns.image_size, ns.image_size)
+    x = torch.rand(ns.n_data, *shape, generator=g).to(device)
+    y = torch.randint(0, 10, (ns.n_data,), generator=g).to(device)
+    third = ns.n_predict // 3
+    images = torch.rand(ns.n_predict, *shape, generator=g).to(device)
+    sets = {"test": images[:third], "val": images[third : 2 * third], "ood": images[2 * third :]}
+
+    warm = build_method({"name": "map", "lr": LR})
+    warm.setup(_problem(model, device, ns.seed))
+    for _ in range(2):
+        warm.train_step(x[: ns.batch_size], y[: ns.batch_size])
+    map_method = build_method({"name": "map", "lr": LR})
+    map_method.setup(_problem(model, device, ns.seed))
+    epoch = timed(
+        lambda: map_method.fit(
+            x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2)
+        ),
+        device,
+    )
+    theta = map_method.point_estimate()
+    epoch_scale, predict_scale = FULL_N / ns.n_data, PREDICT_TO / ns.n_predict
+
+    records = []
+    for structure in ns.structures.split(","):
+        for predictive in ns.predictives.split(","):
+            laplace = build_method(
+                {
+                    "name": "laplace",
+                    "n_curvature_samples": 1,
+                    "prior_precision": None,
+                    "dataset_scale": None,
+                    "rank": None,
+                    "lr": LR,
+                    "map_dir": None,
+                    **STRUCTURE_OPTIONS[structure],
+                    "predictive": predictive,
+                    "curvature_subset": None,
+                }
+            )
+            assert isinstance(laplace, Laplace)
+            laplace.setup(_problem(model, device, ns.seed + 3))
+            with torch.no_grad():
+                laplace.theta.copy_(theta)
+            laplace.fit_posterior(x[: ns.n_fit], y[: ns.n_fit])
+            laplace.predict_sets({k: v[:2] for k, v in sets.items()}, 2)  # warm-up
+            predict = timed(lambda method=laplace: method.predict_sets(sets, ns.n_samples), device)
+            record = {
+                "structure": structure,
+                "predictive": predictive,
+                "predict_s": round(predict[0] * predict_scale, 3),
+                "epoch_s": round(epoch[0] * epoch_scale, 3),
+                "ratio_to_epoch": round(predict[0] * predict_scale / (epoch[0] * epoch_scale), 3),
+                "cpu_ratio_to_epoch": round(predict[1] * predict_scale / (epoch[1] * epoch_scale), 3),
+                "n_samples": ns.n_samples,
+                "n_predict": ns.n_predict,
+                "n_data": ns.n_data,
+                "scaled_to": {"predict": PREDICT_TO, "epoch": FULL_N},
+                "scaling": f"linear in the images: predict_s x {predict_scale:g}, epoch_s x {epoch_scale:g}",
+                "measured_predict_s": round(predict[0], 6),
+                "measured_epoch_s": round(epoch[0], 6),
+                "cuda_peak_mib": None if predict[2] is None else round(predict[2], 1),
+                "epoch_cuda_peak_mib": None if epoch[2] is None else round(epoch[2], 1),
+                "threads": ns.threads,
+                "device": str(device),
+                "model": {k: v for k, v in model_cfg.items() if k != "name"},
+                "torch": torch.__version__,
+            }
+            print(json.dumps(record), flush=True)
+            records.append(record)
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
