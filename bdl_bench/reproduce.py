@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import itertools
 import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +48,7 @@ from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
     METRICS_FILE,
     atomic_write_text,
+    code_version,
     config_hash,
     find_run_dirs,
     read_failure,
@@ -382,6 +385,20 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
     return "\n".join(lines) + f"\n\n{rule}"
 
 
+def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
+    """Where a table came from, for the header of ``reproduce.md``/``.csv`` (the CSV's as ``# `` lines,
+    read with ``pandas.read_csv(path, comment="#")``): the command, the code version (package version and
+    git commit), the date, and the wall time of this invocation (runs it reused from earlier ones are not
+    in it)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "command": shlex.join(["bdl-bench", "reproduce", *args]),
+        "code": code_version(),
+        "date": now.strftime("%Y-%m-%d %H:%M UTC"),
+        "wall time": f"{wall_s:.0f} s (this invocation; runs reused from an earlier one not included)",
+    }
+
+
 def _default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -452,8 +469,11 @@ def main(args: list[str]) -> None:
     frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
     text = markdown(frame, tolerance)  # type: ignore[arg-type]
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
-    atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{text}\n")
-    atomic_write_text(plan.sweep_dir / "reproduce.csv", frame.to_csv(index=False))
+    header = provenance(args, time.perf_counter() - started)
+    md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
+    atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
+    csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
+    atomic_write_text(plan.sweep_dir / "reproduce.csv", csv_header + frame.to_csv(index=False))
     verdicts = [v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None]
     print(f"\n{title}\n\n{text}\n")
     if verdicts:

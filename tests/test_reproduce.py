@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from bdl_bench.reproduce import _expand, agreement, main, make_plan, markdown
+from bdl_bench.results import code_version
 
 
 def test_unknown_experiment_lists_the_available_ones() -> None:
@@ -88,8 +89,14 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     out = capsys.readouterr().out
     assert "| boston | bbb | 1 |" in out and "cells agree with the paper" in out
     runs = tmp_path / "slang_table2_quick"
-    assert (runs / "reproduce.md").read_text().startswith("# slang_table2 (--quick")
-    assert "agrees_rmse" in (runs / "reproduce.csv").read_text()
+    report = (runs / "reproduce.md").read_text()
+    assert report.startswith("# slang_table2 (--quick")
+    # the header says where the table came from: the command, the code version, the date
+    assert "command: `bdl-bench reproduce slang_table2 method=bbb data=uci/boston" in report
+    assert f"code: `{code_version()}`" in report and "date: `20" in report
+    csv_text = (runs / "reproduce.csv").read_text()
+    assert csv_text.startswith("# command: bdl-bench reproduce slang_table2")
+    assert "agrees_rmse" in pd.read_csv(runs / "reproduce.csv", comment="#").columns
     search = "search.n_guided=2,search.n_random=2,search.round_size=2"
     run_dir = runs / f"data.split=0,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
     trials = pd.read_csv(run_dir / "search.csv")  # the stacked search's 4 trials, the best marked
