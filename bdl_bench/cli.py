@@ -83,8 +83,10 @@ def check_group_overrides(overrides: list[str]) -> None:
 def hydra_app(cfg: DictConfig) -> float | None:
     """The Hydra job: one run (skipped when finished, resumed when checkpointed) into Hydra's output
     folder; returns the objective for sweepers (validation log-likelihood when there is a validation part)."""
+    from bdl_bench.allocator import keep_freed_memory
     from bdl_bench.sweep import run_job
 
+    keep_freed_memory()  # in every process that runs jobs (a joblib or submitit worker too)
     try:
         result = run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
     except UserError as error:  # recorded in the run folder (failure.json) by run_job
