@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -186,6 +187,7 @@ class Search:
     """The studies of one stacked job (module docstring)."""
 
     def __init__(self, cfg: DictConfig, job_dir: Path, splits: Sequence[int]) -> None:
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's import of it logs at INFO into the job's log
         import optuna
 
         self.cfg, self.spec, self.splits = cfg, read_spec(cfg), list(splits)
