@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -103,14 +106,67 @@ def hydra_app(cfg: DictConfig) -> float | None:
     return result.metrics.get("val_test_ll", result.metrics.get("test_ll"))
 
 
+def hydra_error_line(error: BaseException) -> str:
+    """One line for an error Hydra reports about the command line (a key that does not exist, an override
+    it cannot parse, a config it cannot find), with the first line of its cause (OmegaConf's reason)."""
+    cause = error.__cause__
+    reason = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    line = error_line(error)
+    return f"{line} ({reason})" if reason and reason not in line else line
+
+
+@contextlib.contextmanager
+def _hydra_raises_user_errors() -> Iterator[None]:
+    """Within: Hydra raises a user error (ours, or its own about the command line) to the caller instead of
+    printing it over several lines with a hint about HYDRA_FULL_ERROR; any other error it reports as before
+    (a traceback). Hydra reads the module's ``run_and_report`` at each call, so replacing it is enough."""
+    import hydra._internal.utils as hydra_utils
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    user_errors = (UserError, ReportedError, ConfigCompositionException, MissingConfigException, OverrideParseException)
+    report = hydra_utils.run_and_report
+
+    def run_and_raise(func: Any) -> Any:
+        try:
+            return func()
+        except user_errors:
+            raise
+        except Exception as error:  # noqa: BLE001 - a bug: Hydra's own report (its traceback)
+            bug = error
+
+        def again() -> Any:
+            raise bug
+
+        return report(again)
+
+    hydra_utils.run_and_report = run_and_raise
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report
+
+
 def run_hydra(args: list[str]) -> SystemExit | None:
-    """Run the Hydra app with command-line ``args``; Hydra's exit (on an error) is returned, not raised."""
+    """Run the Hydra app with command-line ``args``; Hydra's exit (on an error) is returned, not raised.
+    A user error (a bad key or value on the command line, a failed sweep member's one line) comes back as
+    the exit's one-line message; with ``--debug`` it is raised with its traceback."""
+    from hydra.errors import HydraException
+
     sys.argv = ["bdl-bench run", *args]
     try:
-        hydra_app()
+        with _hydra_raises_user_errors():
+            hydra_app()
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             return exit_
+    except UserError as error:  # raised by a sweep member in a worker process (joblib, submitit)
+        if debugging():
+            raise
+        return SystemExit(error_line(error))
+    except HydraException as error:  # ReportedError, or Hydra's own about the command line
+        if debugging():
+            raise
+        return SystemExit(hydra_error_line(error))
     return None
 
 
@@ -129,6 +185,9 @@ def run_command(args: list[str]) -> None:
         if error is not None:
             raise error
         return
+    if error is not None and isinstance(error.code, str):  # the first failed member's line, then the summary
+        print(error.code, file=sys.stderr)
+        error = SystemExit(1)
     summary = summarise(sweep_dir, since=started)
     print(summary.render(sweep_dir))
     if summary.failed or summary.unfinished:

@@ -234,7 +234,14 @@ def run_stacked_job(
     dirs = member_dirs(run_dir, overrides, splits)
     members = {k: member_config(cfg, k) for k in splits}
     if has_search(cfg):  # each split's test run with its own best values (bdl_bench.search)
-        members = tuned_members(cfg, run_dir, splits)
+        try:
+            members = tuned_members(cfg, run_dir, splits)
+        except Exception as error:  # a bad search spec, a failed search: every split's folder says so
+            for k, d in dirs.items():
+                _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+            if os.environ.get("SUBMITIT_EXECUTOR"):
+                _exit_with_failure_status()
+            raise
         write_split_trials(run_dir, dirs)
     hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
     todo = {}
@@ -388,8 +395,8 @@ def _output_folder(conf_dir: Path, args: list[str], *, multirun: bool) -> Path |
 
 
 def check_output_folder(folder: Path) -> None:
-    """Refuse an output folder that cannot be made: one of its parents (or itself) is a file, or the
-    nearest existing parent is not writable.
+    """Make the output folder, or refuse it with one line when it cannot be made: one of its parents (or
+    itself) is a file, the nearest existing parent is not writable, or the system refuses it.
 
     Raises:
         OutputPathError: naming the path in the way and the fix.
@@ -406,7 +413,13 @@ def check_output_folder(folder: Path) -> None:
             raise OutputPathError(
                 f"cannot make the output folder {folder}: {path} is not writable; choose another results_root=..."
             )
-        return
+        break
+    try:  # what Hydra does next; here its failure is one line instead of a traceback
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputPathError(
+            f"cannot make the output folder {folder}: {error.strerror or error}; choose another results_root=..."
+        ) from error
 
 
 def version_warnings(root: Path) -> list[str]:

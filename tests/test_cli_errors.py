@@ -116,6 +116,33 @@ def test_a_sweep_lists_its_failed_members_without_tracebacks(tmp_path: Path) -> 
     )
 
 
+def test_command_line_mistakes_hydra_finds_are_one_line(tmp_path: Path) -> None:
+    out = bdl("run", *SMOKE, "trainer.no_such_key=1", f"results_root={tmp_path}", cwd=tmp_path)
+    assert_one_line(out, "trainer.no_such_key", "+trainer.no_such_key=1", "not in struct")
+    out = bdl("run", *SMOKE, "data.split=[1", f"results_root={tmp_path}", cwd=tmp_path)
+    assert_one_line(out, "'[1'", "override_grammar")
+    out = bdl("run", "-m", *SMOKE, "trainer.no_such_key=1,2", f"results_root={tmp_path}", cwd=tmp_path)
+    assert_one_line(out, "trainer.no_such_key")
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc refuses new folders on Linux")
+def test_an_output_folder_the_system_refuses_is_one_line(tmp_path: Path) -> None:
+    out = bdl("run", *SMOKE, "hydra.run.dir=/proc/bdl_bench_run", cwd=tmp_path)
+    assert_one_line(out, "cannot make the output folder /proc/bdl_bench_run")
+
+
+def test_a_bad_search_spec_fails_every_split_of_the_sweep_member(tmp_path: Path) -> None:
+    bounds = "search.params.noise_precision=[1.0,0.1]"
+    out = bdl("run", "-m", *SMOKE, "tune=uci", "method=bbb", "data=uci/yacht", "data.split=[0,1]", bounds, cwd=tmp_path)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr + out.stdout
+    assert "bdl-bench: search.params.noise_precision=[1.0, 0.1]: bounds must satisfy 0 < low < high" in out.stderr
+    assert "2 runs: 0 ran, 0 skipped (finished earlier), 2 failed" in out.stdout  # each split's folder says so
+    assert out.stdout.count("FAILED data.split=") == 2 and "bounds must satisfy" in out.stdout
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
 def test_user_errors_keep_the_builtin_classes_their_callers_catch() -> None:
     from bdl_bench.data.archives import UnsafeArchiveError
     from bdl_bench.data.download import ChecksumError, DownloadError
