@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
@@ -261,7 +262,10 @@ def _time_structure(
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ns = _parse(argv)
     torch.set_num_threads(ns.threads)
-    device = resolve_device(ns.device)
+    try:
+        device = resolve_device(ns.device)
+    except ConfigError as error:  # --device cuda without a GPU
+        raise SystemExit(f"bench_laplace_fit.py: --device {ns.device}: {error}") from None
     torch.manual_seed(ns.seed)
     model_cfg = {
         "name": "lenet",

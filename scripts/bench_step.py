@@ -49,11 +49,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
+from bdl_bench.runner import resolve_device
 
 SGD_PER_ROUND = 3
 N_DATA = 50_000  # SLANG's N (Table 3: 50k training images); it only scales the curvature
@@ -237,10 +239,10 @@ def main() -> None:
     if args.steps < 20:
         parser.error("--steps must be >= 20")
     torch.set_num_threads(args.threads)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ConfigError as error:  # --device cuda without a GPU
+        parser.error(f"--device {args.device}: {error}")
     if args.clock == "thread" and device.type == "cuda":
         parser.error("--clock thread measures CPU time; use the wall clock on CUDA")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
