@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.curvature.gram import canonical_signs
+from bdl_bench.curvature.gram import canonical_signs, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Likelihood, stacked_nll
@@ -241,13 +241,12 @@ def _gram_update(
     # B^T B with B = [sqrt(w0) U, sqrt(w1) G] (gram.py's module docstring)
     u_layers = _per_layer(u, layout)
     size = rank + n_cols
-    btb = (workspace or {}).get("btb")
-    if btb is None or btb.shape != (n_copies, size, size) or btb.dtype != u.dtype:
-        btb = torch.empty(n_copies, size, size, dtype=u.dtype, device=u.device)
-        if workspace is not None:
-            workspace["btb"] = btb
+    btb = workspace_buffer(workspace, "btb", (n_copies, size, size), u)
     cross = torch.zeros(n_copies, n_cols, rank, dtype=u.dtype, device=u.device)  # U^T g_p as rows
-    gram = btb[:, rank:, rank:].zero_()  # G^T G, accumulated in place
+    # G^T G, summed over the layers in a contiguous buffer (a product into the strided block of btb would
+    # run as one small GEMM per copy), then scaled into btb in one pass
+    gram = workspace_buffer(workspace, "gram", (n_copies, n_cols, n_cols), u)
+    first = True
     for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
         cross += _factor_cross(dl, uw, a)
         if ub is not None:
@@ -255,10 +254,18 @@ def _gram_update(
             a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
         if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
             scaled = a * dl
-            gram.baddbmm_(scaled, scaled.mT)
+            if first:
+                torch.bmm(scaled, scaled.mT, out=gram)
+            else:
+                gram.baddbmm_(scaled, scaled.mT)
         else:
-            gram.addcmul_(a @ a.mT, dl @ dl.mT)
-    gram.mul_(w1)
+            outer = torch.bmm(dl, dl.mT, out=workspace_buffer(workspace, "outer", gram.shape, u))
+            if first:
+                torch.bmm(a, a.mT, out=gram).mul_(outer)
+            else:
+                gram.addcmul_(a @ a.mT, outer)
+        first = False
+    torch.mul(gram, w1, out=btb[:, rank:, rank:])
     btb[:, :rank, :rank] = cache.factor_gram * w0
     btb[:, rank:, :rank] = cross * (w0 * w1) ** 0.5
     btb[:, :rank, rank:] = btb[:, rank:, :rank].mT
