@@ -163,7 +163,9 @@ def run_hydra(args: list[str]) -> SystemExit | None:
         if debugging():
             raise
         return SystemExit(error_line(error))
-    except HydraException as error:  # ReportedError, or Hydra's own about the command line
+    except ReportedError as error:  # a sweep member's user error, its line made already
+        return SystemExit(str(error))
+    except HydraException as error:  # Hydra's own about the command line
         if debugging():
             raise
         return SystemExit(hydra_error_line(error))

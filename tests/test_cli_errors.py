@@ -137,7 +137,8 @@ def test_a_bad_search_spec_fails_every_split_of_the_sweep_member(tmp_path: Path)
     out = bdl("run", "-m", *SMOKE, "tune=uci", "method=bbb", "data=uci/yacht", "data.split=[0,1]", bounds, cwd=tmp_path)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr + out.stdout
-    assert "bdl-bench: search.params.noise_precision=[1.0, 0.1]: bounds must satisfy 0 < low < high" in out.stderr
+    assert "\nbdl-bench: search.params.noise_precision=[1.0, 0.1]: bounds must satisfy 0 < low < high" in out.stderr
+    assert "bdl-bench: bdl-bench:" not in out.stderr
     assert "2 runs: 0 ran, 0 skipped (finished earlier), 2 failed" in out.stdout  # each split's folder says so
     assert out.stdout.count("FAILED data.split=") == 2 and "bounds must satisfy" in out.stdout
     assert not list(tmp_path.rglob("metrics.json"))
