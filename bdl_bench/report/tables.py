@@ -75,21 +75,33 @@ def setting_labels(runs: pd.DataFrame, base: pd.Series, ignore: Sequence[str] = 
     labels = base.astype(str).copy()
     dataset = runs["data.name"].astype(str) if "data.name" in runs.columns else pd.Series("", index=runs.index)
     for (_, name), group in runs.groupby([dataset, labels], sort=False):
-        varying = [c for c in keys if group[c].dropna().astype(str).nunique() > 1]
+        varying = [c for c in keys if _differs(group[c], nested=c.startswith("method.") and c.count(".") >= 2)]
         for idx in group.index:
             parts = [f"{c.removeprefix('method.')}={_plain(group.at[idx, c])}" for c in varying]
             labels[idx] = " ".join([str(name), *parts])
     return labels
 
 
-def _method_labels(runs: pd.DataFrame) -> pd.Series:
-    """``method.name`` plus every setting that varies among runs of that method (:func:`setting_labels`)."""
-    return setting_labels(runs, runs["method.name"])
+def _differs(values: pd.Series, *, nested: bool) -> bool:
+    """Whether a setting's values differ among runs. A top-level option that some runs lack was added since
+    they ran: it does not count. Inside a mapping-valued option (``method.search.marglik.noise``) a run that
+    lacks the key gave that mapping other keys: missing is a value of its own there."""
+    if nested:
+        return values.map(lambda v: "\0missing" if pd.isna(v) else str(v)).nunique() > 1
+    return values.dropna().astype(str).nunique() > 1
 
 
 def _plain(value: object) -> object:
-    """``16.0`` → ``16`` (pandas turns an integer option into floats when other methods lack it)."""
+    """``16.0`` → ``16`` (pandas turns an integer option into floats when other methods lack it); a key a
+    run's mapping-valued option lacks reads ``default``."""
+    if isinstance(value, float) and math.isnan(value):
+        return "default"
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _method_labels(runs: pd.DataFrame) -> pd.Series:
+    """``method.name`` plus every setting that varies among runs of that method (:func:`setting_labels`)."""
+    return setting_labels(runs, runs["method.name"])
 
 
 def _fmt(mean: float, se: float | None, digits: int = 3) -> str:

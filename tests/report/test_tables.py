@@ -248,6 +248,24 @@ def test_rows_never_average_over_settings_but_do_over_splits_seeds_and_paths(tmp
     assert frame.loc["map prior_precision=10", "rmse"] == pytest.approx(10.5)
 
 
+def test_rows_split_by_the_keys_of_a_mapping_valued_option(tmp_path: Path) -> None:
+    # two marglik searches that differ only in which key each one sets: not one row of 4 runs
+    for search, tag in (({"marglik": {"noise": False}}, "a"), ({"marglik": {"prior": "scalar"}}, "b")):
+        for split in (0, 1):
+            _fake_run(
+                tmp_path,
+                f"{tag}{split}",
+                {"data": {"name": "uci/boston", "split": split}, "method": {"name": "laplace", "search": search}},
+                {"rmse": 3.0 + split},
+            )
+    frame = build_table(tmp_path, metrics=["rmse"]).frame.set_index("method")
+    assert sorted(frame.index) == [
+        "laplace search.marglik.noise=False search.marglik.prior=default",
+        "laplace search.marglik.noise=default search.marglik.prior=scalar",
+    ]
+    assert set(frame["n_runs"]) == {2}
+
+
 def test_a_paper_column_splits_by_setting_and_keeps_its_paper_value(tmp_path: Path) -> None:
     for rank in (1, 5):
         for split in (0, 1):
