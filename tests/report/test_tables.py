@@ -285,6 +285,25 @@ def test_a_paper_column_splits_by_setting_and_keeps_its_paper_value(tmp_path: Pa
     assert (frame["paper_rmse"] == get_paper_table("slang_table2").lookup("boston", "slang", "rmse").value).all()
 
 
+def test_values_a_grid_search_chose_per_split_do_not_split_a_row(tmp_path: Path) -> None:
+    # Gal & Ghahramani's protocol picks a dropout rate and tau per split: one dropout row, not one per rate
+    grids = {"dropout": {"method.dropout_rate": "dropout_rates.txt", "noise_precision": "tau_values.txt"}}
+    for split, (rate, tau) in enumerate([(0.005, 0.1), (0.01, 0.2), (0.005, 0.2)]):
+        _fake_run(
+            tmp_path,
+            f"g{split}",
+            {
+                "data": {"name": "uci/boston", "split": split},
+                "method": {"name": "dropout", "dropout_rate": rate},
+                "noise_precision": tau,
+                "search": {"grids": grids},
+            },
+            {"rmse": 3.0},
+        )
+    frame = build_table(tmp_path, metrics=["rmse"]).frame
+    assert list(frame["method"]) == ["dropout"] and list(frame["n_runs"]) == [3]
+
+
 def test_values_tuned_per_split_do_not_split_a_row(tmp_path: Path) -> None:
     for split, noise in enumerate([0.05, 0.08, 0.11]):
         _fake_run(
