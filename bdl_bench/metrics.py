@@ -98,6 +98,28 @@ def predictive_metrics(
     raise TypeError(f"no metrics for likelihood {type(likelihood).__name__}")
 
 
+def gaussian_predictive_metrics(
+    likelihood: Gaussian, mean: Tensor, variance: Tensor, y: Tensor, *, y_std: float = 1.0
+) -> dict[str, float]:
+    """Test metrics of a closed-form Gaussian predictive :math:`\\mathcal N(y; m, v + 1/\\gamma)` (a linearised
+    Laplace's), in original units like :func:`predictive_metrics`.
+
+    Args:
+        likelihood: the Gaussian likelihood (its noise precision γ, standardised units).
+        mean, variance: the function's predictive mean and variance, ``(N,)`` or ``(N, 1)``.
+        y: standardised targets ``(N,)``.
+        y_std: the target standardisation's scale.
+
+    Returns:
+        ``rmse``, ``test_ll`` (mean per-point log density), ``nll`` (= −test_ll).
+    """
+    mean, total = mean.reshape(-1).double(), variance.reshape(-1).double() + 1.0 / likelihood.noise_precision
+    diff = y.double() - mean
+    log_density = -0.5 * (math.log(2 * math.pi) + total.log() + diff.square() / total)
+    test_ll = float(log_density.mean()) - math.log(y_std)
+    return {"rmse": float(diff.square().mean().sqrt()) * y_std, "test_ll": test_ll, "nll": -test_ll}
+
+
 # --- calibration and out-of-distribution detection (DEF Table 1 and Fig. 6) ---------------------------------
 
 

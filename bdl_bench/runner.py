@@ -39,9 +39,9 @@ from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, UserError
 from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Bernoulli, Categorical, Likelihood, build_likelihood
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
-from bdl_bench.metrics import ood_metrics, predictive_metrics, uncertainty_arrays
+from bdl_bench.metrics import gaussian_predictive_metrics, ood_metrics, predictive_metrics, uncertainty_arrays
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.reference import reference_posterior
@@ -180,11 +180,21 @@ def evaluate(
     f_samples: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Predictive metrics of ``method`` on ``part`` (``test`` or ``val``) with ``n_samples`` MC samples
-    (or the given output samples ``f_samples`` of that part)."""
+    (or the given output samples ``f_samples`` of that part).
+
+    A regression method whose predictive is Gaussian in closed form (``predictive_moments``: the linearised
+    Laplace) is scored on it: ``rmse``, ``test_ll`` and ``nll`` are exact, the MC mixture's LL is kept as
+    ``test_ll_mc`` and ``test_ll_joint`` stays the MC estimate (it needs joint samples)."""
     x, y = getattr(dataset, f"x_{part}"), getattr(dataset, f"y_{part}")
     if f_samples is None:
         f_samples = method.predict(x, n_samples)
-    return predictive_metrics(likelihood, f_samples, y, y_mean=dataset.y_mean, y_std=dataset.y_std)
+    metrics = predictive_metrics(likelihood, f_samples, y, y_mean=dataset.y_mean, y_std=dataset.y_std)
+    moments = getattr(method, "predictive_moments", None)
+    closed_form = moments(x) if isinstance(likelihood, Gaussian) and callable(moments) else None
+    if closed_form is not None:
+        metrics["test_ll_mc"] = metrics["test_ll"]
+        metrics.update(gaussian_predictive_metrics(likelihood, *closed_form, y, y_std=dataset.y_std))
+    return metrics
 
 
 @torch.no_grad()

@@ -166,6 +166,7 @@ def test_marglik_for_classification_fits_the_prior_only() -> None:
         ({"marglik": {"prior": "unit"}}, "layer or scalar"),
         ({"marglik": {"n_steps": 0}}, "n_steps"),
         ({"marglik": {"steps": 3}}, "unknown"),
+        ({"marglik": {"noise": "residuals"}}, "true, false or residual"),
     ],
 )
 def test_bad_marglik_settings_are_refused(search: object, match: str) -> None:
@@ -184,3 +185,22 @@ def test_a_regression_run_is_scored_with_the_fitted_noise(tmp_path: Path, compos
     gamma = metrics["chosen_noise_precision"]
     assert gamma > 0 and math.isfinite(metrics["nll"])
     assert abs(math.log(gamma / (0.1111 * 1.0))) > 1e-3  # moved from the config's noise (standardised units differ)
+
+
+def test_residual_noise_is_the_maps_mean_squared_residual_and_only_the_prior_moves() -> None:
+    """``noise: residual`` fixes γ = n / Σ (f_* − y)² (laplace-torch's sigma_noise from the residuals) and fits τ at it."""
+    method, problem, x, y = fitted("diag", marglik={"noise": "residual", "n_steps": 200})
+    metrics = method.extra_metrics
+    with torch.no_grad():
+        residual = forward_with(problem.model, method.theta.detach(), x).squeeze(-1) - y
+    gamma = 1.0 / residual.square().mean().item()
+    assert metrics["chosen_noise_precision"] == pytest.approx(gamma, rel=1e-10)
+    assert method.fitted_likelihood == Gaussian(metrics["chosen_noise_precision"])
+    objective = method.last_evidence
+    log_tau = torch.tensor([metrics["chosen_prior_precision_0"], metrics["chosen_prior_precision_1"]]).log().to(F64)
+    log_gamma = torch.tensor(math.log(gamma), dtype=F64)
+    grad = autograd_gradient(objective, log_tau, log_gamma)
+    assert grad[:-1].abs().max() < 0.05 * 30  # τ at its optimum for this γ ...
+    assert grad[-1].abs() > 0.05 * 30  # ... and γ is not the joint optimum (it was held fixed)
+    expected = objective.posterior(log_tau, log_gamma)
+    assert_close(method.posterior().to_dense().precision, expected.to_dense().precision)
