@@ -1082,7 +1082,8 @@ class Laplace(Method):
         the MC mixture of ``trainer.n_test_mc_samples`` samples, which underestimates its spread when γ⁻¹ is
         small against the function variance. ``None`` for ``predictive: sample`` or before the posterior exists.
 
-        The Jacobian rows :math:`J(x_i)` are formed in slices of at most ``_SAMPLE_BUDGET`` entries and
+        The Jacobian rows :math:`J(x_i)` are formed per example (vmapped) in slices of at most ``_SAMPLE_BUDGET``
+        entries (a Jacobian of the whole slice would hold slice² activations), and
         :math:`\Sigma J^\top` comes from the posterior's ``solve`` (Kronecker, low-rank or dense alike).
         """
         if self.predictive is not Predictive.LINEARISED or self._posterior is None:
@@ -1091,9 +1092,13 @@ class Laplace(Method):
         means, variances = [], []
         out_dim = int(forward_with(model, theta, x[:1]).shape[-1]) if x.shape[0] else 1
         rows = max(1, _SAMPLE_BUDGET // (theta.numel() * out_dim))
+
+        def one(th: Tensor, xi: Tensor) -> Tensor:  # one example's outputs: Jacobians cost O(out·D) per example
+            return forward_with(model, th, xi[None])[0]
+
         for xs in x.split(rows):
             mean = forward_with(model, theta, xs)  # (n, out)
-            jac = jacrev(lambda th, xs=xs: forward_with(model, th, xs))(theta).reshape(-1, theta.numel())
+            jac = vmap(jacrev(one), in_dims=(None, 0))(theta, xs).reshape(-1, theta.numel())  # per-example rows
             jac = jac.to(posterior.dtype)
             var = (jac * posterior.solve(jac.mT).mT).sum(-1).reshape(mean.shape)
             means.append(mean)
