@@ -3,7 +3,7 @@
 For each finished run below ``--results`` (``metrics.json`` + ``params.pt``) of ``--data`` and ``--structure``,
 the MAP θ is loaded into a ``torch.nn.Sequential`` twin of our MLP and handed to laplace-torch (not a dependency
 of bdl-bench: ``pip install laplace-torch`` into a scratch environment or ``--target`` folder on ``PYTHONPATH``).
-laplace-torch then does what its users usually do, as the issue's numbers did: ``sigma_noise`` = the MAP's
+laplace-torch then does what its users usually do, as the reference numbers in conf/experiment/laplace_uci_marglik.yaml did: ``sigma_noise`` = the MAP's
 training RMSE, ``optimize_prior_precision(method="marglik")``, the ``glm`` (linearised) predictive in closed
 form. Prints one JSON line per split (laplace-torch's and our test LL, their noise and prior) and a summary line
 with both means ± standard errors. Compare with our runs of ``method.search={marglik: {noise: residual}}``:
