@@ -226,3 +226,22 @@ def test_logistic_regression_merges_samples_into_m_columns(
 def test_merge_samples_does_not_apply_to_networks_or_one_sample(generator: torch.Generator) -> None:
     assert gram.merge_samples(_factors(generator, n_samples=3)[0]) is None  # two layers, two outputs
     assert gram.merge_samples(_logreg_factors(generator, 1, 5, 4)) is None  # S = 1: nothing to merge
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "k"), [(9, 1), (30, 5), (40, 40)])
+def test_top_eigenpairs_equal_torch_eigh(n: int, k: int, dtype: torch.dtype, generator: torch.Generator) -> None:
+    """LAPACK's ?syevr on the k top pairs (the update's fast path) against torch.linalg.eigh of all n, on a
+    positive semi-definite matrix of rank n - 2 (SLANG's B^T B is rank-deficient when D < L + P)."""
+    from bdl_bench.curvature.gram import top_eigenpairs
+
+    factor = torch.randn(n, n - 2, generator=generator, dtype=dtype)
+    matrix = factor @ factor.mT
+    evals, evecs = torch.linalg.eigh(matrix)
+    values, vectors = top_eigenpairs(matrix.clone(), k)
+    eps = torch.finfo(dtype).eps
+    scale = float(evals[-1])
+    torch.testing.assert_close(values, evals[-k:].flip(0), rtol=0.0, atol=100 * eps * scale)
+    assert vectors.shape == (n, k) and vectors.is_contiguous()
+    torch.testing.assert_close(vectors.mT @ vectors, torch.eye(k, dtype=dtype), rtol=0.0, atol=100 * eps * n)
+    torch.testing.assert_close(matrix @ vectors, vectors * values, rtol=0.0, atol=100 * eps * scale * n)
