@@ -113,9 +113,13 @@ def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) ->
     """Multiply-add count of a SLANG step over that of an SGD step (GEMMs only; the floor of the ratio).
 
     SGD: forward, weight gradients, and input gradients of every layer but the first (autograd skips
-    the input's). SLANG: the same forward/backward without weight gradients, plus per MC sample the
-    summed gradient and diag(G Gᵀ) (one P·D GEMM each), U^T G and G W (L of them each), and per step
-    the rotation U W_U and U^T D^{-1} U (D·L² each).
+    the input's). SLANG, with P = batch · n_samples gradient columns: the same forward/backward without
+    weight gradients; the summed gradient and diag(G Gᵀ) (one P·D GEMM each, biases by column sums);
+    U^T G and G W (L of them each, biases included); the Gram matrix GᵀG = Σ_l (A Aᵀ)∘(ΔΔᵀ) (P² (in +
+    out) per layer); the rotation U W_U and U^T D^{-1} U (D·L² each); and the products of U with
+    vectors (D·L each): two per sample drawn (Uᵀ D⁻¹ z and U c, with an L x L product), U^T D^{-1} v and
+    U c in the Woodbury solve of the mean step. ``tests/test_bench_step.py`` checks the count against
+    the matrix products of a real step.
     """
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     weights = [m.in_features * m.out_features for m in linears]
@@ -123,7 +127,17 @@ def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) ->
     n_params = sum(p.numel() for p in model.parameters())
     backprop = batch * (2 * total + total - weights[0])
     cols = batch * n_samples
-    slang = n_samples * batch * (2 * total - weights[0]) + cols * (2 + 2 * rank) * total + 2 * n_params * rank**2
+    biases = sum(m.out_features for m in linears if m.bias is not None)
+    gram = cols**2 * sum(m.in_features + m.out_features for m in linears)
+    slang = (
+        n_samples * batch * (2 * total - weights[0])
+        + cols * (2 + 2 * rank) * total
+        + 2 * cols * rank * biases
+        + gram
+        + 2 * n_params * rank**2
+        + (2 * n_samples + 2) * n_params * rank
+        + n_samples * rank**2
+    )
     return slang / backprop
 
 

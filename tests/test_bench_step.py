@@ -1,0 +1,93 @@
+"""``scripts/bench_step.py``'s floors count every matrix-product multiply-add that the steps perform.
+
+The multiply-adds are counted by intercepting the matrix-product operators of one real step (SLANG, GMFVI,
+plain SGD) on small MLPs; ``flop_ratio`` and ``vi_flop_ratio`` must equal their ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_step  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _macs(func, args) -> int:  # noqa: ANN001
+    """Multiply-adds of one matrix-product call (0 for any other operator)."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet in (aten.mm, aten.matmul) and args[0].dim() == 2 and args[1].dim() == 2:
+        (m, k), n = args[0].shape, args[1].shape[1]
+        return m * k * n
+    if packet in (aten.addmm, aten.addmm_):
+        (m, k), n = args[1].shape, args[2].shape[1]
+        return m * k * n
+    if packet in (aten.bmm,):
+        (b, m, k), n = args[0].shape, args[1].shape[2]
+        return b * m * k * n
+    if packet in (aten.baddbmm, aten.baddbmm_):
+        (b, m, k), n = args[1].shape, args[2].shape[2]
+        return b * m * k * n
+    if packet in (aten.mv,):
+        return math.prod(args[0].shape)
+    if packet in (aten.addmv, aten.addmv_):
+        return math.prod(args[1].shape)
+    if packet in (aten.dot, aten.vdot):
+        return 0  # a reduction over one vector: counted as element-wise work, not as a matrix product
+    return 0
+
+
+class _CountMacs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.total += _macs(func, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _count(step: Callable[[], None]) -> int:
+    step()  # a first step (U = 0) and a warm one
+    step()
+    with _CountMacs() as counter:
+        step()
+    return counter.total
+
+
+@pytest.fixture()
+def small_mlp(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """bench_step's model, shrunk to 30-20-20-4 (same structure: three linear layers, ReLU)."""
+    from bdl_bench.models.mlp import mlp
+
+    def build(device: torch.device, batch: int, seed: int):  # noqa: ANN202
+        torch.manual_seed(seed)
+        model = mlp(in_features=30, out_features=4, hidden=[20, 20], activation="relu").to(device)
+        return model, torch.randn(batch, 30, device=device), torch.randint(0, 4, (batch,), device=device)
+
+    monkeypatch.setattr(bench_step, "_build", build)
+    return build(torch.device("cpu"), 1, 0)[0]
+
+
+@pytest.mark.parametrize(("rank", "n_samples"), [(3, 1), (5, 2)])
+def test_slang_flop_ratio_counts_every_matrix_product(small_mlp: torch.nn.Module, rank: int, n_samples: int) -> None:
+    cpu, batch = torch.device("cpu"), 16
+    slang = _count(bench_step._slang_stepper(cpu, batch, rank, n_samples))
+    sgd = _count(bench_step._sgd_stepper(cpu, batch))
+    assert bench_step.flop_ratio(small_mlp, batch, rank, n_samples) == pytest.approx(slang / sgd, rel=1e-9)
+
+
+def test_gmfvi_flop_ratio_counts_every_matrix_product(small_mlp: torch.nn.Module) -> None:
+    cpu, batch = torch.device("cpu"), 16
+    cfg = bench_step.vi_config("gmfvi", 1)
+    gmfvi = _count(bench_step._vi_stepper(cpu, batch, cfg))
+    sgd = _count(bench_step._sgd_stepper(cpu, batch))
+    assert bench_step.vi_flop_ratio(small_mlp, batch, cfg, 1) == pytest.approx(gmfvi / sgd, rel=1e-9)
