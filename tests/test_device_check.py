@@ -200,7 +200,10 @@ def test_a_run_trains_and_evaluates_on_the_device(method: str, tmp_path, compose
         on_device = run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path / "device").metrics
     assert read_run_record(tmp_path / "device")["device"] == DEVICE.type
     on_cpu.pop("train_time_s"), on_device.pop("train_time_s")
-    assert on_device == pytest.approx(on_cpu, rel=1e-6, abs=1e-9)
+    # SLANG's top-L eigenpairs come from LAPACK's ?syevr on the host and torch.linalg.eigh on a device: the same
+    # update up to the solvers' rounding (float32), which the training steps carry into the metrics
+    rel = 1e-5 if name == "slang" else 1e-6
+    assert on_device == pytest.approx(on_cpu, rel=rel, abs=1e-9)
 
 
 # --- no host syncs in a training step -----------------------------------------------------------------------
