@@ -24,27 +24,24 @@ def n_params(model: nn.Module) -> int:
 
 
 def unflatten(model: nn.Module, theta: Tensor) -> dict[str, Tensor]:
-    """Split ``theta`` (``(D,)``) into a ``{name: tensor}`` dict shaped like the model's parameters."""
-    out: dict[str, Tensor] = {}
-    offset = 0
-    for name, p in model.named_parameters():
-        out[name] = theta[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
-    if offset != theta.numel():
-        raise ValueError(f"parameter vector has {theta.numel()} entries, model has {offset}")
-    return out
+    """Split ``theta`` (``(D,)``) into a ``{name: tensor}`` dict shaped like the model's parameters (views; one
+    ``torch.split``, so that a backward through them assembles ``theta``'s gradient in one concatenation rather
+    than one zero-filled ``(D,)`` tensor per parameter)."""
+    named = list(model.named_parameters())
+    sizes = [p.numel() for _, p in named]
+    if sum(sizes) != theta.numel():
+        raise ValueError(f"parameter vector has {theta.numel()} entries, model has {sum(sizes)}")
+    return {name: part.view_as(p) for (name, p), part in zip(named, theta.split(sizes))}
 
 
 def unflatten_stacked(model: nn.Module, thetas: Tensor) -> dict[str, Tensor]:
-    """Split R stacked parameter vectors ``thetas`` ``(R, D)`` into ``{name: (R, *shape)}`` views."""
-    out: dict[str, Tensor] = {}
-    offset = 0
-    for name, p in model.named_parameters():
-        out[name] = thetas[:, offset : offset + p.numel()].reshape(thetas.shape[0], *p.shape)
-        offset += p.numel()
-    if offset != thetas.shape[1]:
-        raise ValueError(f"parameter vectors have {thetas.shape[1]} entries, model has {offset}")
-    return out
+    """Split R stacked parameter vectors ``thetas`` ``(R, D)`` into ``{name: (R, *shape)}`` views (one split, as
+    :func:`unflatten`)."""
+    named = list(model.named_parameters())
+    sizes = [p.numel() for _, p in named]
+    if sum(sizes) != thetas.shape[1]:
+        raise ValueError(f"parameter vectors have {thetas.shape[1]} entries, model has {sum(sizes)}")
+    return {name: part.reshape(thetas.shape[0], *p.shape) for (name, p), part in zip(named, thetas.split(sizes, dim=1))}
 
 
 def forward_with(model: nn.Module, theta: Tensor, x: Tensor) -> Tensor:
