@@ -11,10 +11,10 @@ Everything runs in this one process, on the same model: DEF's LeNet (conv 5x5x32
   (fitted on ``--n-fit`` images; the fit is not timed) and each ``--predictives``, after a warm-up call on a few
   images; scaled linearly to ``--predict-to`` images (30,000: MNIST test + validation + notMNIST) when smaller.
 
-The issue's target: ``ratio_to_epoch <= 1``. ``flop_ratio`` is the floor of that ratio for a predictive that evaluates
-``--n-samples`` networks (:func:`flop_ratio`): the multiply-adds of one forward pass per sample and image, over those of
-the MAP epoch (forward, weight gradients and input gradients, as counted by ``torch.utils.flop_counter`` on one training
-step); for DEF's LeNet, 10 samples and 30,000 images it is about 2. ``cpu_ratio_to_epoch`` is the same ratio from this process's CPU
+The issue's target: ``ratio_to_epoch <= 1``. ``flop_ratio`` is that ratio in multiply-adds for a predictive that
+evaluates ``--n-samples`` networks (:func:`flop_ratio`): one forward pass per sample and image, over a MAP epoch's
+forward, weight and input gradients (:func:`bench_laplace_fit.multiply_adds` on one training step); for DEF's LeNet,
+10 samples and 30,000 images it is about 2. ``cpu_ratio_to_epoch`` is the same ratio from this process's CPU
 time (less sensitive to other jobs on a shared machine). On CUDA every timed region ends with a synchronisation
 and ``cuda_peak_mib`` is the peak memory allocated during it. One JSON line per (structure, predictive):
 
@@ -30,12 +30,10 @@ import argparse
 import copy
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
@@ -47,7 +45,7 @@ from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.runner import resolve_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_laplace_fit import timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
+from bench_laplace_fit import multiply_adds, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PREDICT_TO = 30_000  # what a def_table1 run predicts: MNIST test (10k) + validation (10k) + notMNIST (about 10k)
@@ -95,14 +93,6 @@ def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem
     )
 
 
-def _multiply_adds(fn: Callable[[], Any]) -> int:
-    """Multiply-adds of the convolutions and matrix products ``fn`` runs (``torch.utils.flop_counter`` counts 2 FLOPs
-    per multiply-add)."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops() // 2
-
-
 def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_samples: int) -> float:
     """Multiply-adds of ``n_samples`` forward passes over ``PREDICT_TO`` images, over those of a MAP epoch of
     ``FULL_N`` images in minibatches like ``x``, ``y`` (one Adam step of ``method=map`` counted): what
@@ -110,10 +100,10 @@ def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_sampl
     training step's speed; the linearised predictive's tangent passes cost more."""
     batch = x.shape[0]
     with torch.no_grad():
-        forward = _multiply_adds(lambda: model(x[:1]))
+        forward = multiply_adds(lambda: model(x[:1]))
     step_method = build_method({"name": "map", "lr": LR})
     step_method.setup(_problem(copy.deepcopy(model), x.device, 0))
-    step = _multiply_adds(lambda: step_method.train_step(x, y))
+    step = multiply_adds(lambda: step_method.train_step(x, y))
     return n_samples * PREDICT_TO * forward / (step * FULL_N / batch)
 
 

@@ -33,3 +33,27 @@ def test_prints_one_json_line_per_structure_scaled_to_full_size() -> None:
     assert records[1]["fit_info"]["cached_chunks"] == records[1]["fit_info"]["curvature_chunks"] == 2
     cache_mib, scaled = records[1]["curvature_cache_mib"], records[1]["curvature_cache_mib_scaled"]
     assert 0 < scaled and abs(scaled - 500 * cache_mib) <= 500 * 0.05 + 0.1  # 500 x, up to rounding to 0.1 MiB
+    for r in records:  # DEF's second pass adds multiply-adds to KFAC's
+        assert r["fit_macs_per_example"] > 0 and r["flop_ratio"] > 0
+    assert records[1]["fit_macs_per_example"] > records[0]["fit_macs_per_example"]
+
+
+def test_multiply_adds_counts_products_in_place_and_convolutions() -> None:
+    """bench_laplace_fit.multiply_adds against hand counts: in-place products, matrix-vector products, and a
+    convolution's forward and backward (input and weight gradients)."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_laplace_fit as bench
+
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    assert bench.multiply_adds(lambda: torch.zeros(5, 3).addmm_(a, b)) == 5 * 7 * 3
+    assert bench.multiply_adds(lambda: torch.zeros(2, 5, 3).baddbmm_(a.expand(2, 5, 7), b.expand(2, 7, 3))) == 210
+    assert bench.multiply_adds(lambda: torch.zeros(5).addmv_(a, torch.randn(7))) == 35
+    assert bench.multiply_adds(lambda: torch.mv(a, torch.randn(7))) == 35
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    conv = 2 * 4 * 4 * 4 * 3 * 3 * 3  # N x C_out x 4 x 4 outputs, C_in x 3 x 3 each
+    assert bench.multiply_adds(lambda: F.conv2d(x, w)) == conv
+    assert bench.multiply_adds(lambda: F.conv2d(x, w).sum().backward()) == 3 * conv
