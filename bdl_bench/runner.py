@@ -56,6 +56,7 @@ from bdl_bench.results import (
     write_config,
     write_metrics,
 )
+from bdl_bench.threads import set_threads
 
 
 @dataclass
@@ -368,7 +369,7 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
     if trainer.threads is not None:
-        torch.set_num_threads(int(trainer.threads))
+        set_threads(int(trainer.threads))
     device = resolve_device(str(trainer.device))
     use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
     dtype = resolve_dtype(str(trainer.dtype))

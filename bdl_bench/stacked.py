@@ -75,6 +75,7 @@ from bdl_bench.runner import (
     stop_on_interrupt,
     use_deterministic,
 )
+from bdl_bench.threads import set_threads
 
 
 def stacked_splits(cfg: DictConfig) -> list[int] | None:
@@ -153,7 +154,7 @@ def _run_stack(
     splits = list(member_dirs)
     trainer = cfg.trainer
     if trainer.threads is not None:
-        torch.set_num_threads(int(trainer.threads))
+        set_threads(int(trainer.threads))
     device, dtype, seed = resolve_device(str(trainer.device)), resolve_dtype(str(trainer.dtype)), int(trainer.seed)
     use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
     members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in splits}
