@@ -63,6 +63,7 @@ from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.runner import resolve_device
+from bdl_bench.threads import set_threads
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PRIOR_PRECISION = 0.001  # experiment=def_table1: TensorFlow's L2 coefficient 1e-8 as lambda = 2cN
@@ -326,7 +327,7 @@ def _time_structure(
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ns = _parse(argv)
-    torch.set_num_threads(ns.threads)
+    set_threads(ns.threads)
     try:
         device = resolve_device(ns.device)
     except ConfigError as error:  # --device cuda without a GPU

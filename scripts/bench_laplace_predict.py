@@ -43,6 +43,7 @@ from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.runner import resolve_device
+from bdl_bench.threads import set_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_laplace_fit import multiply_adds, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
@@ -109,7 +110,7 @@ def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_sampl
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ns = _parse(argv)
-    torch.set_num_threads(ns.threads)
+    set_threads(ns.threads)
     try:
         device = resolve_device(ns.device)
     except ConfigError as error:  # --device cuda without a GPU

@@ -56,6 +56,7 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
 from bdl_bench.runner import resolve_device
+from bdl_bench.threads import set_threads
 
 SGD_PER_ROUND = 3
 N_DATA = 50_000  # SLANG's N (Table 3: 50k training images); it only scales the curvature
@@ -237,7 +238,9 @@ def peak_memory_mib(make: Callable[[], Callable[[], None]], device: torch.device
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch and BLAS threads (bdl_bench.threads.set_threads; default 1)"
+    )
     parser.add_argument("--ranks", default="8,32", help="comma-separated SLANG ranks L (default 8,32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batch", type=int, default=200)
@@ -252,7 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 20:
         parser.error("--steps must be >= 20")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         device = resolve_device(args.device)
     except ConfigError as error:  # --device cuda without a GPU
