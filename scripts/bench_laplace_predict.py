@@ -27,7 +27,6 @@ and ``cuda_peak_mib`` is the peak memory allocated during it. One JSON line per 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ from bdl_bench.runner import resolve_device
 from bdl_bench.threads import set_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_laplace_fit import multiply_adds, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
+from bench_laplace_fit import multiply_adds, step_macs_per_example, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PREDICT_TO = 30_000  # what a def_table1 run predicts: MNIST test (10k) + validation (10k) + notMNIST (about 10k)
@@ -99,13 +98,9 @@ def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_sampl
     ``FULL_N`` images in minibatches like ``x``, ``y`` (one Adam step of ``method=map`` counted): what
     ``ratio_to_epoch`` would be for a sampled predictive if every convolution and matrix product ran at the
     training step's speed; the linearised predictive's tangent passes cost more."""
-    batch = x.shape[0]
     with torch.no_grad():
         forward = multiply_adds(lambda: model(x[:1]))
-    step_method = build_method({"name": "map", "lr": LR})
-    step_method.setup(_problem(copy.deepcopy(model), x.device, 0))
-    step = multiply_adds(lambda: step_method.train_step(x, y))
-    return n_samples * PREDICT_TO * forward / (step * FULL_N / batch)
+    return n_samples * PREDICT_TO * forward / (step_macs_per_example(model, x, y) * FULL_N)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

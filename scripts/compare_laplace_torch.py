@@ -25,6 +25,8 @@ import yaml
 from torch import nn
 
 from bdl_bench.data import build_dataset
+from bdl_bench.likelihoods import Gaussian
+from bdl_bench.metrics import gaussian_predictive_metrics
 
 
 def mlp_twin(in_features: int, hidden: list[int], activation: str) -> nn.Sequential:
@@ -55,9 +57,8 @@ def compare(run: Path, structure: str) -> dict:
     la.fit(loader)
     la.optimize_prior_precision(method="marglik", pred_type="glm")
     f_mu, f_var = la(ds.x_test.double(), pred_type="glm")
-    var = f_var.reshape(-1) + la.sigma_noise.item() ** 2
-    diff = ds.y_test.double() - f_mu.reshape(-1)
-    ll = float((-0.5 * (math.log(2 * math.pi) + var.log() + diff.square() / var)).mean()) - math.log(ds.y_std)
+    noise = Gaussian(la.sigma_noise.item() ** -2)  # N(f_mu, f_var + sigma^2), scored as our runs score theirs
+    ll = gaussian_predictive_metrics(noise, f_mu, f_var, ds.y_test, y_std=ds.y_std)["test_ll"]
     return {
         "split": cfg["data"]["split"],
         "laplace_torch_test_ll": ll,
