@@ -1,66 +1,28 @@
 """``scripts/bench_step.py``'s floors count every matrix-product multiply-add that the steps perform.
 
 The multiply-adds are counted by intercepting the matrix-product operators of one real step (SLANG, GMFVI,
-plain SGD) on small MLPs; ``flop_ratio`` and ``vi_flop_ratio`` must equal their ratio.
+plain SGD) on small MLPs (``bench_laplace_fit.multiply_adds``: in-place and matrix-vector products included);
+``flop_ratio`` and ``vi_flop_ratio`` must equal their ratio.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_laplace_fit  # noqa: E402  (multiply_adds: the benchmarks' own count)
 import bench_step  # noqa: E402
-
-aten = torch.ops.aten
-
-
-def _macs(func, args) -> int:  # noqa: ANN001
-    """Multiply-adds of one matrix-product call (0 for any other operator)."""
-    packet = getattr(func, "overloadpacket", None)
-    if packet in (aten.mm, aten.matmul) and args[0].dim() == 2 and args[1].dim() == 2:
-        (m, k), n = args[0].shape, args[1].shape[1]
-        return m * k * n
-    if packet in (aten.addmm, aten.addmm_):
-        (m, k), n = args[1].shape, args[2].shape[1]
-        return m * k * n
-    if packet in (aten.bmm,):
-        (b, m, k), n = args[0].shape, args[1].shape[2]
-        return b * m * k * n
-    if packet in (aten.baddbmm, aten.baddbmm_):
-        (b, m, k), n = args[1].shape, args[2].shape[2]
-        return b * m * k * n
-    if packet in (aten.mv,):
-        return math.prod(args[0].shape)
-    if packet in (aten.addmv, aten.addmv_):
-        return math.prod(args[1].shape)
-    if packet in (aten.dot, aten.vdot):
-        return 0  # a reduction over one vector: counted as element-wise work, not as a matrix product
-    return 0
-
-
-class _CountMacs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.total += _macs(func, args)
-        return func(*args, **(kwargs or {}))
 
 
 def _count(step: Callable[[], None]) -> int:
     step()  # a first step (U = 0) and a warm one
     step()
-    with _CountMacs() as counter:
-        step()
-    return counter.total
+    return bench_laplace_fit.multiply_adds(step)
 
 
 @pytest.fixture()
