@@ -2,8 +2,8 @@
 
 ``trainer.threads`` sets both: SLANG's update takes its top eigenpairs from LAPACK through SciPy
 (:func:`bdl_bench.curvature.gram.top_eigenpairs`), whose OpenBLAS would otherwise use every core, so a one-thread
-run (bit for bit repeatable) would not be one thread. The BLAS limit goes through ``threadpoolctl`` (installed with
-scikit-learn) for the libraries loaded by then; ``bdl_bench.curvature`` loads SciPy's when it is imported.
+run (bit for bit repeatable) would not be one thread. The BLAS limit goes through ``threadpoolctl`` for the libraries
+loaded by then; ``bdl_bench.curvature`` loads SciPy's when it is imported.
 """
 
 from __future__ import annotations

@@ -23,24 +23,27 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _param_sizes(model: nn.Module, n_entries: int, what: str) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
+    """The model's named parameters and their sizes, checked against the ``n_entries`` of a flat vector."""
+    named = list(model.named_parameters())
+    sizes = [p.numel() for _, p in named]
+    if sum(sizes) != n_entries:
+        raise ValueError(f"{what} {n_entries} entries, model has {sum(sizes)}")
+    return named, sizes
+
+
 def unflatten(model: nn.Module, theta: Tensor) -> dict[str, Tensor]:
     """Split ``theta`` (``(D,)``) into a ``{name: tensor}`` dict shaped like the model's parameters (views; one
     ``torch.split``, so that a backward through them assembles ``theta``'s gradient in one concatenation rather
     than one zero-filled ``(D,)`` tensor per parameter)."""
-    named = list(model.named_parameters())
-    sizes = [p.numel() for _, p in named]
-    if sum(sizes) != theta.numel():
-        raise ValueError(f"parameter vector has {theta.numel()} entries, model has {sum(sizes)}")
+    named, sizes = _param_sizes(model, theta.numel(), "parameter vector has")
     return {name: part.view_as(p) for (name, p), part in zip(named, theta.split(sizes))}
 
 
 def unflatten_stacked(model: nn.Module, thetas: Tensor) -> dict[str, Tensor]:
     """Split R stacked parameter vectors ``thetas`` ``(R, D)`` into ``{name: (R, *shape)}`` views (one split, as
     :func:`unflatten`)."""
-    named = list(model.named_parameters())
-    sizes = [p.numel() for _, p in named]
-    if sum(sizes) != thetas.shape[1]:
-        raise ValueError(f"parameter vectors have {thetas.shape[1]} entries, model has {sum(sizes)}")
+    named, sizes = _param_sizes(model, thetas.shape[1], "parameter vectors have")
     return {name: part.reshape(thetas.shape[0], *p.shape) for (name, p), part in zip(named, thetas.split(sizes, dim=1))}
 
 
