@@ -74,6 +74,7 @@ from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
 from bdl_bench.methods.bbb import standard_normal
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.optim import adam, load_adam_state
 
 _PREDICT_CHUNK = 64  # weight samples per batched forward pass in ``predict``
 
@@ -447,7 +448,7 @@ class LayerwiseVI(Method):
         self.prior_precision = problem.prior_precision.to(self.mean)  # (D,)  lambda
         self.variational = self._init_variational()
         leaves = [self.mean, *self.variational.values()]
-        self.optimizer = torch.optim.Adam(leaves, lr=self.lr, fused=self.mean.device.type in ("cpu", "cuda"))
+        self.optimizer = adam(leaves, self.lr)
         self.n_steps = 0
         self.snr = GradientSNR(self.snr_window) if self.snr_window else None
 
@@ -629,7 +630,7 @@ class LayerwiseVI(Method):
             self.mean.copy_(state["mean"])
             for k, v in self.variational.items():
                 v.copy_(state["variational"][k])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])
         self.n_steps = int(state["n_steps"])
         if self.snr is not None:
             self.snr.reset()

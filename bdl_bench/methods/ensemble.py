@@ -27,7 +27,9 @@ from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import Method, Problem, register_method
+from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.optim import adam, load_adam_state
 
 
 def default_init(model: nn.Module, generator: torch.Generator) -> Tensor:
@@ -76,7 +78,7 @@ class DeepEnsemble(Method):
         first = flat_params(problem.model)
         others = [default_init(problem.model, problem.generator) for _ in range(self.n_members - 1)]
         self.thetas = torch.stack([first, *others]).requires_grad_(True)  # (M, D)
-        self.optimizer = torch.optim.Adam([self.thetas], lr=self.lr)
+        self.optimizer = adam([self.thetas], self.lr)
 
     def _outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
         """``(M, N, out)``: the members' outputs, one forward pass each. (``torch.func.vmap`` over the members
@@ -90,11 +92,11 @@ class DeepEnsemble(Method):
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs(self.thetas, x)
         nll = p.likelihood.nll(f.reshape(-1, f.shape[-1]), y.repeat(self.n_members)).view(self.n_members, -1).mean(1)
-        penalty = 0.5 * (p.prior_precision * self.thetas**2).sum(1) / p.n_data
-        losses = nll + penalty  # (M,)
-        losses.sum().backward()
+        nll.sum().backward()
+        penalty = add_prior_term(self.thetas, p.prior_precision, p.n_data)  # (M,)
         self.optimizer.step()
-        return {"loss": losses.detach().mean(), "nll": nll.detach().mean()}
+        nll = nll.detach()
+        return {"loss": (nll + penalty).mean(), "nll": nll.mean()}
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
@@ -108,4 +110,4 @@ class DeepEnsemble(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.thetas.copy_(state["thetas"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])

@@ -94,6 +94,7 @@ from bdl_bench.methods.vogn import parse_choice
 from bdl_bench.metrics import predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.progress import delayed_bar
 from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
 
@@ -533,7 +534,7 @@ class Laplace(Method):
         if self.map_dir is not None:
             theta = load_map_parameters(self.map_dir, problem.model).to(theta)
         self.theta = theta.requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+        self.optimizer = adam([self.theta], self.lr)
         self._posterior = None
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
@@ -1123,7 +1124,7 @@ class Laplace(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.theta.copy_(state["theta"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])
         fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
         self._posterior = _posterior_class(self.structure, set(fields))(**fields) if fields else None
 

@@ -15,6 +15,19 @@ from torch import Tensor
 from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.optim import adam, load_adam_state
+
+
+@torch.no_grad()
+def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tensor:
+    r"""The prior's part of the per-example objective, :math:`\frac{1}{2N}\sum_d \lambda_d \theta_d^2` for each row
+    of ``theta`` (``(D,)`` or ``(M, D)``), whose gradient :math:`\lambda \theta / N` this adds to ``theta.grad``.
+
+    Two passes over θ; autograd through the same expression makes about ten, which on DEF's LeNet (3.3 M
+    parameters) cost 8 of a 74 ms MAP step. Same value and gradient to float rounding (test).
+    """
+    theta.grad.addcmul_(theta, prior_precision, value=1.0 / n_data)
+    return (theta * theta) @ prior_precision * (0.5 / n_data)
 
 
 def map_step(
@@ -24,10 +37,10 @@ def map_step(
     a leaf tensor that ``optimizer`` updates); shared by the methods that start from a MAP fit."""
     optimizer.zero_grad(set_to_none=True)
     nll = problem.likelihood.nll(forward_with(problem.model, theta, x), y).mean()
-    loss = nll + 0.5 * (problem.prior_precision * theta**2).sum() / problem.n_data
-    loss.backward()
+    nll.backward()
+    penalty = add_prior_term(theta, problem.prior_precision, problem.n_data)
     optimizer.step()
-    return {"loss": loss.detach(), "nll": nll.detach()}
+    return {"loss": nll.detach() + penalty, "nll": nll.detach()}
 
 
 @register_method("map")
@@ -40,7 +53,7 @@ class MAP(Method):
     def setup(self, problem: Problem) -> None:
         super().setup(problem)
         self.theta = flat_params(problem.model).requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+        self.optimizer = adam([self.theta], self.lr)
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
         return map_step(self.problem, self.theta, self.optimizer, x, y)
@@ -59,4 +72,4 @@ class MAP(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.theta.copy_(state["theta"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])

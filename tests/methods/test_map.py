@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -14,8 +15,9 @@ import bdl_bench.progress as progress_module
 from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
+from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.models.params import flat_params, forward_with, prior_precision_vector
 
 NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
 
@@ -132,3 +134,47 @@ def test_long_epochs_show_a_step_bar_when_progress_is_on(enabled: bool, capsys, 
     err = capsys.readouterr().err
     assert ("epoch 1:" in err and "epoch 2:" in err and "/4 [" in err and "step/s" in err) == enabled
     assert enabled or err == ""
+
+
+def autograd_map_step(
+    problem: Problem, theta: Tensor, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
+) -> Tensor:
+    """The slow twin of ``map_step``: the whole objective through autograd, then the optimiser's step."""
+    optimizer.zero_grad(set_to_none=True)
+    nll = problem.likelihood.nll(forward_with(problem.model, theta, x), y).mean()
+    loss = nll + 0.5 * (problem.prior_precision * theta**2).sum() / problem.n_data
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def test_step_equals_autograd_of_the_objective_with_plain_adam() -> None:
+    """The prior's gradient added in place and the fused Adam give the steps of autograd + the plain Adam (float64,
+    several steps, a per-parameter prior with its own bias precision)."""
+    x, y, _, _ = regression_data(0)
+    base = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=1)
+    base.model.double()
+    problem = dataclasses.replace(base, prior_precision=prior_precision_vector(base.model, 3.0, 0.5).double())
+    method = make_map()
+    method.setup(problem)
+    assert method.optimizer.param_groups[0]["fused"]
+    twin = flat_params(problem.model).requires_grad_(True)
+    plain = torch.optim.Adam([twin], lr=0.02)
+    for i in range(5):
+        batch = slice(10 * i, 10 * i + 25)
+        out = method.train_step(x[batch].double(), y[batch].double())
+        loss = autograd_map_step(problem, twin, plain, x[batch].double(), y[batch].double())
+        assert_close(out["loss"], loss, rtol=1e-12, atol=0)
+    assert_close(method.theta.detach(), twin.detach(), rtol=1e-10, atol=1e-12)
+    assert not torch.equal(twin.detach(), flat_params(problem.model))
+
+
+def test_add_prior_term_rows_match_autograd() -> None:
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    prior = torch.rand(7, generator=g, dtype=torch.float64) + 0.1
+    term = 0.5 * (prior * theta**2).sum(1) / 40
+    (grad,) = torch.autograd.grad(term.sum(), theta)
+    theta.grad = torch.full_like(theta, 2.0)
+    assert_close(add_prior_term(theta, prior, 40), term.detach(), rtol=1e-14, atol=0)
+    assert_close(theta.grad, grad + 2.0, rtol=1e-14, atol=0)

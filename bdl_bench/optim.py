@@ -1,0 +1,36 @@
+"""Adam as the point-estimate methods use it: PyTorch's fused kernel where the device has one.
+
+The fused kernel reads the parameters, gradients and both moments once and writes them once per step; the
+default single-tensor Adam on a CPU makes about eight passes (lerp, mul, addcmul, sqrt, div, add, addcdiv).
+Over the 15 x 3.3 M parameters of DEF's LeNet ensemble that is the difference between 0.32 s and 0.12 s per
+step. The two compute the same update up to float rounding. ``meta`` (the device check's stand-in for a
+GPU) has no fused kernel and gets the plain one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FUSED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def adam(params: Iterable[Tensor], lr: float) -> torch.optim.Adam:
+    """``torch.optim.Adam(params, lr)``, fused on a CPU or CUDA device."""
+    params = list(params)
+    return torch.optim.Adam(params, lr=lr, fused=params[0].device.type in FUSED_DEVICE_TYPES)
+
+
+def load_adam_state(optimizer: torch.optim.Adam, state: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, keeping ``optimizer``'s own kernel choice.
+
+    A state dict carries its optimizer's ``fused``/``foreach`` flags, which ``load_state_dict`` would
+    otherwise copy: a checkpoint written by the plain Adam would switch a resumed run back to it.
+    """
+    kernels = [{k: group[k] for k in ("fused", "foreach")} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, kernels):
+        group.update(flags)
