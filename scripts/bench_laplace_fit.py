@@ -1,4 +1,4 @@
-"""Time the KFAC and DEF Laplace fits of DEF's MNIST LeNet against one MAP training epoch (issue 7).
+"""Time the KFAC and DEF Laplace fits of DEF's MNIST LeNet against one MAP training epoch.
 
 Everything runs in this one process, on the same model and data: DEF's LeNet (conv 5x5x32, conv 5x5x64,
 FC 1024, FC 10; ``--channels``/``--hidden``/``--image-size`` shrink it) and ``--n-data`` random images

@@ -1,4 +1,4 @@
-"""Time the Laplace predictive of DEF's MNIST LeNet against one MAP training epoch (issue 19).
+"""Time the Laplace predictive of DEF's MNIST LeNet against one MAP training epoch.
 
 Everything runs in this one process, on the same model: DEF's LeNet (conv 5x5x32, conv 5x5x64, FC 1024, FC 10;
 ``--channels``/``--hidden``/``--image-size`` shrink it), random images ``(1, 28, 28)`` with random labels, float32,

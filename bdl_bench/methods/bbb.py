@@ -143,7 +143,7 @@ class _StackedLocalLinear(torch.autograd.Function):
         \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
 
     (biases: the sums over P), a few passes over the ``(R, P, out)`` activations where autograd's graph of
-    the same expression takes a dozen (issue 17: the backward was two thirds of a stacked BBB step)."""
+    the same expression takes a dozen (the backward was two thirds of a stacked BBB step before)."""
 
     @staticmethod
     def forward(
