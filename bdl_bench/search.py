@@ -15,9 +15,13 @@ train as one stack (:func:`bdl_bench.stacked.run_stack` with per-member precisio
 is seeded from ``search.seed``, the split and the number of trials before the round, so a search is
 deterministic, and a resumed one continues as the uninterrupted one would.
 
-**Grid search** (``search.grids``, per method: Gal & Ghahramani's dropout protocol): every combination of
-the values listed in the dataset's grid files (``data/uci/<set>/dropout_rates.txt``, ``tau_values.txt``)
-is one trial, all in one stack.
+**Grid search** (``search.grids``, per method, e.g. the dropout grid of Gal's later ``experiment.py``): every
+combination of the values listed in the dataset's grid files (``data/uci/<set>/dropout_rates.txt``,
+``tau_values.txt``) is one trial, all in one stack.
+
+**Per-method protocols** (``search.method_settings.<method>``, a nested mapping whose leaves are set in that
+method's search and test configs; ``search.params.<key>: null`` takes a key out of its search) and
+``search.trial_settings`` (leaves set in the trials' configs only, e.g. Gal's shorter BO trainings).
 
 Storage: ``<job folder>/.search/journal.jsonl``, one line per asked and per told trial, replayed into
 the in-memory Optuna studies when the job starts again (optuna 2.10's SQLite storage does not work with
@@ -139,6 +143,8 @@ def read_spec(cfg: DictConfig) -> SearchSpec:
         grid = {str(k): read_grid_file(folder / str(f), str(k)) for k, f in grid_files.items()}
     params = []
     for key, bounds in ({} if grid else search.get("params") or {}).items():  # a grid replaces the search
+        if bounds is None:  # taken out of the search (e.g. by a method's settings)
+            continue
         if not OmegaConf.is_list(bounds) or len(bounds) != 2:
             raise ConfigError(f"search.params.{key}={bounds}: give [low, high]")
         low, high = float(bounds[0]), float(bounds[1])
@@ -191,6 +197,10 @@ class Search:
         import optuna
 
         self.cfg, self.spec, self.splits = cfg, read_spec(cfg), list(splits)
+        # the trials' job config: search.trial_settings (nested, as method_settings) applied, e.g. a shorter
+        # training for the trials than for the test runs
+        self.trial_cfg = copy.deepcopy(cfg)
+        _apply_settings(self.trial_cfg, OmegaConf.select(cfg, "search.trial_settings") or {})
         self.root = Path(job_dir) / SEARCH_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -357,11 +367,12 @@ class Search:
         todo = dict(members)
         while todo:
             configs = {
-                key: _trial_config(self.cfg, key[0], values, self.spec.val_fraction) for key, values in todo.items()
+                key: _trial_config(self.trial_cfg, key[0], values, self.spec.val_fraction)
+                for key, values in todo.items()
             }
             dirs = {key: self.trial_dir(*key) for key in todo}
             try:
-                run_stack(self.cfg, dirs, self.root, member_configs=configs)
+                run_stack(self.trial_cfg, dirs, self.root, member_configs=configs)
             except CannotStack as reason:
                 self._train_one_by_one(configs, dirs, str(reason))
                 return
@@ -482,16 +493,30 @@ def has_search(cfg: DictConfig) -> bool:
     return OmegaConf.select(cfg, "search") is not None
 
 
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of a nested mapping (an empty mapping is a leaf)."""
+    if not isinstance(node, Mapping) or not node:
+        return [(prefix, node)]
+    return [leaf for key, value in node.items() for leaf in _leaves(value, f"{prefix}.{key}" if prefix else str(key))]
+
+
+def _apply_settings(cfg: DictConfig, settings: Any) -> None:
+    """Set every leaf of the nested ``settings`` in ``cfg`` (in place; keys it lacks are added)."""
+    values = OmegaConf.to_container(settings, resolve=True) if isinstance(settings, DictConfig) else settings
+    with open_dict(cfg):
+        for key, value in _leaves(values):
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+
+
 def with_method_settings(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with ``search.method_settings.<method>`` applied (key → value; the protocol a method's
-    search and test runs follow, e.g. Gal's epochs, batch size and learning rate for dropout)."""
+    """``cfg`` with ``search.method_settings.<method>`` applied: a nested mapping whose every leaf is set in the
+    config (the protocol a method's search and test runs follow, e.g. Gal's epochs, batch size and learning rate
+    for dropout; ``search.params.<key>: null`` takes a key out of the search)."""
     settings = (OmegaConf.select(cfg, "search.method_settings") or {}).get(str(cfg.method.name))
     if not settings:
         return cfg
     tuned = copy.deepcopy(cfg)
-    with open_dict(tuned):
-        for key, value in settings.items():
-            OmegaConf.update(tuned, str(key), value, merge=False, force_add=True)
+    _apply_settings(tuned, settings)
     return tuned
 
 

@@ -114,3 +114,16 @@ def test_small_data_sets_default_to_the_cpu_and_large_ones_to_auto(compose_cfg) 
     del without["data"]["protocol"]["device"]
     without["trainer"]["device"] = "auto"
     assert config_hash(with_key) == config_hash(without)  # where a run goes is not what it computes
+
+
+def test_the_dropout_protocol_inputs_leave_other_runs_hashes_alone(compose_cfg) -> None:
+    """``data.protocol.gal_dropout`` feeds tune=slang_table2's dropout settings (which land in the run's config
+    themselves): adding or changing it does not make a finished SLANG or BBB run look like another config."""
+    cfg = OmegaConf.to_container(compose_cfg(["data=uci/yacht", "method=slang"]), resolve=True)
+    assert cfg["data"]["protocol"]["gal_dropout"]["rate"] == 0.01
+    without = copy.deepcopy(cfg)
+    del without["data"]["protocol"]["gal_dropout"]
+    assert config_hash(cfg) == config_hash(without)
+    changed = copy.deepcopy(cfg)
+    changed["method"]["lr"] = 0.5
+    assert config_hash(changed) != config_hash(cfg)

@@ -1,5 +1,5 @@
-"""Hyperparameter search as stacked replicas (bdl_bench/search.py): batched BO and Gal's dropout grid on
-tiny problems (yacht, 2 splits, 2 epochs), resuming after a kill, failed trials, bad input."""
+"""Hyperparameter search as stacked replicas (bdl_bench/search.py): batched BO, Gal's dropout protocol and
+grid on tiny problems (yacht, 2 splits, 2 epochs), resuming after a kill, failed trials, bad input."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import yaml
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.dropout import MCDropout
-from bdl_bench.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec
+from bdl_bench.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec, with_method_settings
 from bdl_bench.sweep import run_job
 
 BO = ["search.n_random=2", "search.n_guided=2", "search.round_size=2"]
+# the dropout grid of Gal's later experiment.py
+GRID = "+search.grids.dropout={method.dropout_rate:dropout_rates.txt,noise_precision:tau_values.txt}"
 
 
 def _cfg(compose_cfg, method: str, *extra: str):
@@ -83,7 +85,7 @@ def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails
         return out
 
     monkeypatch.setattr(MCDropout, "train_step_replicas", diverge_at_rate_01)
-    run_job(_cfg(compose_cfg, "dropout", "~search.method_settings"), tmp_path / "job")  # 2 epochs, not Gal's 40
+    run_job(_cfg(compose_cfg, "dropout", "~search.method_settings", GRID), tmp_path / "job")  # 2 epochs, not Gal's
     trials = _trials(tmp_path / "job")
     assert len(trials) == 2 * 4 * 3  # 2 splits x Gal's 4 rates x 3 taus for yacht
     failed = trials[trials["state"] == "FAIL"]
@@ -119,25 +121,27 @@ def test_an_empty_grid_file_is_refused(tmp_path: Path, compose_cfg) -> None:
     shutil.copytree(Path(__file__).parents[1] / "data" / "uci" / "yacht", root / "uci" / "yacht")
     (root / "uci" / "yacht" / "tau_values.txt").write_text("\n")
     with pytest.raises(DataFileError, match="tau_values.txt is empty"):
-        read_spec(_cfg(compose_cfg, "dropout", f"data.root={root}"))
+        read_spec(_cfg(compose_cfg, "dropout", f"data.root={root}", GRID))
 
 
 def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
-    """tune=slang_table2's dropout runs take Gal's weight decay as a weight prior precision l²(1 − p) s_y² / 2
-    (which makes our objective their Keras loss times τ s_y² / 2); the other methods' runs are untouched."""
+    """tune=slang_table2's dropout runs take the set's dropout rate and lengthscale from Gal's code (yacht: 0.01,
+    0.1), his weight decay as a weight prior precision l²(1 − p) s_y² / 2 (which makes our objective their Keras
+    loss times τ s_y² / 2), Adam 0.001 and batch 32; the other methods' runs are untouched."""
     from bdl_bench.data import build_dataset
     from bdl_bench.models import build_model
     from bdl_bench.runner import run_prior
-    from bdl_bench.search import with_method_settings
 
-    cfg = with_method_settings(_cfg(compose_cfg, "dropout", "method.dropout_rate=0.05", "bias_prior_precision=1e-6"))
-    assert cfg.gal_lengthscale == 0.01
+    cfg = with_method_settings(_cfg(compose_cfg, "dropout", "bias_prior_precision=1e-6"))
+    gal = (cfg.gal_lengthscale, cfg.method.dropout_rate, cfg.method.lr, cfg.trainer.batch_size)
+    assert gal == (0.1, 0.01, 1e-3, 32)
+    assert cfg.trainer.n_epochs == 400 and cfg.search.trial_settings.trainer.n_epochs == 200
     assert "gal_lengthscale" not in with_method_settings(_cfg(compose_cfg, "slang"))  # other methods untouched
     data = build_dataset({"name": "uci/yacht", "split": 0})
     model = build_model({"name": "mlp", "hidden": [50], "activation": "relu"}, in_features=6, out_features=1)
     prior = run_prior(model, cfg, data)
     weights = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith("weight")]).numel()
-    expected = 0.01**2 * (1 - 0.05) * data.y_std**2 / 2
+    expected = 0.1**2 * (1 - 0.01) * data.y_std**2 / 2
     assert prior[:300].tolist() == pytest.approx([expected] * 300)  # the first layer's weights
     on_weights = torch.isclose(prior, torch.tensor(expected, dtype=prior.dtype))
     assert int(on_weights.sum()) == weights and bool((prior[~on_weights] == 1e-6).all())
@@ -155,3 +159,30 @@ def test_table_lists_what_each_split_search_chose(tmp_path: Path, compose_cfg, c
         best = _trials(tmp_path / "job").query(f"split == {split} and best").iloc[0]
         assert summary.loc[split, "noise_precision"] == pytest.approx(best["noise_precision"])
     assert "noise_precision" in out and "yacht" in out
+
+
+def test_gal_protocol_searches_tau_alone_with_shorter_trials(tmp_path: Path, compose_cfg) -> None:
+    """tune=slang_table2's dropout column: BO over τ alone, between the ends of the set's τ grid, each trial
+    trained for search.trial_settings' epochs, the test run for the protocol's (here 2 and 3 instead of 200 and
+    400), with the set's dropout rate."""
+    settings = "search.method_settings.dropout"
+    cfg = _cfg(
+        compose_cfg,
+        "dropout",
+        *BO,
+        f"{settings}.search.trial_settings.trainer.n_epochs=2",
+        f"{settings}.trainer.n_epochs=3",
+    )
+    spec = read_spec(with_method_settings(cfg))
+    assert [(p.key, p.low, p.high) for p in spec.params] == [("noise_precision", 0.25, 0.75)] and spec.grid is None
+    run_job(cfg, tmp_path / "job")
+    trials = _trials(tmp_path / "job")
+    assert len(trials) == 8 and (trials["state"] == "COMPLETE").all()
+    assert trials["noise_precision"].between(0.25, 0.75).all() and "prior_precision" not in trials
+    trial = yaml.safe_load((tmp_path / "job" / SEARCH_DIR / "split=0" / "trial=000" / "config.yaml").read_text())
+    assert trial["trainer"]["n_epochs"] == 2 and trial["data"]["val_fraction"] == 0.2
+    for split in (0, 1):
+        config = yaml.safe_load((tmp_path / "job" / f"split={split}" / "config.yaml").read_text())
+        assert config["trainer"]["n_epochs"] == 3 and config["method"]["dropout_rate"] == 0.01
+        best = trials[(trials["split"] == split) & trials["best"]].iloc[0]
+        assert config["noise_precision"] == pytest.approx(best["noise_precision"])
