@@ -27,11 +27,17 @@ class Likelihood(ABC):
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         """Per-example negative log-likelihood ``-log p(y_i | f_i)``, shape ``(N,)``."""
 
+    def sample_nll(self, f_samples: Tensor, y: Tensor) -> Tensor:
+        """``-log p(y_i | f_{s,i})`` of every sample, ``(S, N)``, for samples ``(S, N, out)``: one call of
+        :meth:`nll` on all S·N rows (the targets repeated), not one per sample."""
+        n_samples, n = f_samples.shape[:2]
+        rows = f_samples.reshape(n_samples * n, f_samples.shape[-1])
+        return self.nll(rows, y.expand(n_samples, n).reshape(-1)).view(n_samples, n)
+
     def log_predictive(self, f_samples: Tensor, y: Tensor) -> Tensor:
         """``log (1/S) Σ_s p(y_i | f_{s,i})`` for samples ``(S, N, out)``; returns ``(N,)``."""
         n_samples = f_samples.shape[0]
-        log_liks = torch.stack([-self.nll(f, y) for f in f_samples])  # (S, N)
-        return torch.logsumexp(log_liks, dim=0) - math.log(n_samples)
+        return torch.logsumexp(self.sample_nll(f_samples, y).neg_(), dim=0) - math.log(n_samples)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def joint_test_ll(likelihood: Likelihood, f_samples: Tensor, y: Tensor) -> Tenso
 
     Differs from the per-point mixture (see paper_numbers/README.md); reported beside it.
     """
-    joint = torch.stack([-likelihood.nll(f, y).sum() for f in f_samples])  # (S,)
+    joint = likelihood.sample_nll(f_samples, y).sum(-1).neg_()  # (S,)
     return (torch.logsumexp(joint, 0) - math.log(len(joint))) / y.shape[0]
 
 

@@ -584,10 +584,15 @@ def finish_run(
     train_time: float,
     eval_generator: torch.Generator,
     extra_metrics: Mapping[str, float] | None = None,
+    predictions: Mapping[str, torch.Tensor] | None = None,
 ) -> RunResult:
     """A fitted run's final metrics (test, validation, ELBO, OOD, ``sym_kl``), ``posterior.pt``,
     ``params.pt`` and ``metrics.json`` (written last: its presence marks the run finished); removes
     the run's checkpoint.
+
+    ``predictions``: the test and validation outputs ``(S, N, out)`` ``method.predict`` would give from
+    ``eval_generator``'s state, already made (a stacked job's shared predictions, :mod:`bdl_bench.stacked`),
+    with the generator left where those calls would leave it.
 
     Raises:
         FloatingPointError: when a final metric is not finite (no ``metrics.json`` is written).
@@ -607,7 +612,12 @@ def finish_run(
         # the others predict set by set: test, val, (the ELBO's samples), OOD. The OOD metrics reuse the
         # test predictions.
         predict_sets = getattr(method, "predict_sets", None)
-        f = predict_sets(sets, n_test) if callable(predict_sets) else {}
+        if predictions is not None:
+            f = dict(predictions)
+        elif callable(predict_sets):
+            f = predict_sets(sets, n_test)
+        else:
+            f = {}
         for part in ("test", "val"):
             if part in sets and part not in f:
                 f[part] = method.predict(sets[part], n_test)

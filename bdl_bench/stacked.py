@@ -12,7 +12,11 @@ Each split still gets the run folder a single run of it would get (the job's fol
 ``bdl-bench reproduce`` treat stacked and single runs alike, and finished splits are left out of a
 re-run. Copy k draws the noise a single run with the same seed draws (one draw shared by the copies),
 so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; each copy is
-evaluated as an ordinary method (``Method.replica``) with its own evaluation generator.
+evaluated as an ordinary method (``Method.replica``) with its own evaluation generator. All of them start
+from one seed, so a method that can (MC dropout's ``predict_replicas``) makes the final test and validation
+predictions of all copies at once, drawing each random number once for all (:class:`SharedPredictions`):
+the same outputs, bit for bit, for the products alone (a tuned MC-dropout search predicts 1000 samples of
+every trial: drawn one copy at a time, their masks took as long as the training).
 ``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
 
 The stack checkpoints into the job's own folder (``checkpoint.pt``: the stacked state, the generators
@@ -31,6 +35,7 @@ examples and inputs (Gal's UCI splits do), no training augmentation, and a metho
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
@@ -280,6 +285,7 @@ def _run_stack(
     progress.done = max(progress.done, n_epochs)
     train_time = (time.perf_counter() - start) / len(splits)
     results = {}
+    shared = SharedPredictions(method, [datasets[k] for k in splits], [eval_generators[k] for k in splits])
     for r, k in enumerate(splits):
         results[k] = finish_run(
             members[k],
@@ -292,9 +298,65 @@ def _run_stack(
             train_time=train_time,
             eval_generator=eval_generators[k],
             extra_metrics={"stack_size": float(len(splits))},
+            predictions=shared.of_copy(r, int(_cfg_get(members[k], "trainer.n_test_mc_samples"))),
         )
     checkpoint_path.unlink(missing_ok=True)
     return results
+
+
+class SharedPredictions:
+    """The final test and validation predictions of a stack's copies, made together where the method can
+    (``predict_replicas``: MC dropout draws each mask once for all copies) and every copy would make them
+    alike: all evaluation generators in one state and every split's parts of one shape. Copies are
+    predicted in groups of at most ``PREDICTION_ELEMENTS`` outputs per part; each group replays the shared
+    generator state, and each copy's generator is then left where its own ``predict`` calls would leave it,
+    so the metrics equal those of the copies predicted one by one (``finish_run`` without ``predictions``)."""
+
+    PREDICTION_ELEMENTS = 2**26  # outputs (copies x samples x rows x out) held at once: 256 MB in float32
+
+    def __init__(self, method: Any, datasets: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
+        self.method, self.datasets, self.generators = method, list(datasets), list(generators)
+        self._group: list[int] = []
+        self._outputs: dict[str, torch.Tensor] = {}
+        states = [g.get_state() for g in self.generators]
+        self.enabled = (
+            callable(getattr(method, "predict_replicas", None))
+            and all(torch.equal(s, states[0]) for s in states)
+            and all(self._shapes(d) == self._shapes(self.datasets[0]) for d in self.datasets)
+        )
+        self._start = states[0]
+
+    @staticmethod
+    def _shapes(dataset: Any) -> tuple:
+        return tuple(tuple(getattr(dataset, f"x_{part}").shape) for part in ("test", "val"))
+
+    def _parts(self) -> list[str]:
+        return ["test"] + (["val"] if self.datasets[0].x_val.shape[0] > 0 else [])
+
+    def of_copy(self, r: int, n_samples: int) -> dict[str, torch.Tensor] | None:
+        """Copy ``r``'s ``{part: (S, N, out)}`` (``None`` where the copies are predicted one by one)."""
+        if not self.enabled:
+            return None
+        if r not in self._group:
+            rows = sum(getattr(self.datasets[0], f"x_{p}").shape[0] for p in self._parts())
+            size = max(1, self.PREDICTION_ELEMENTS // (n_samples * rows))
+            self._group = list(range(r, min(r + size, len(self.datasets))))  # copy r's generator is still at the start
+            generator = self.generators[r]
+            saved = self.method.problem
+            self.method.problem = dataclasses.replace(saved, generator=generator)
+            try:
+                self._outputs = {
+                    p: self.method.predict_replicas(
+                        torch.stack([getattr(self.datasets[c], f"x_{p}") for c in self._group]), n_samples, self._group
+                    )
+                    for p in self._parts()
+                }
+            finally:
+                self.method.problem = saved
+            self._end = generator.get_state()
+        self.generators[r].set_state(self._end)
+        index = self._group.index(r)
+        return {p: f[index] for p, f in self._outputs.items()}
 
 
 _SHARED = ("model", "trainer", "likelihood")  # what every member of a stack shares (one network, one loop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -89,3 +90,22 @@ def test_categorical_predictive_averages_probabilities_not_logits() -> None:
     assert_close(probs, torch.tensor([[0.5, 0.5]]), atol=1e-4, rtol=0)
     m = predictive_metrics(Categorical(), f, torch.tensor([1]))
     assert math.isclose(m["nll"], math.log(2), rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "bernoulli", "categorical"])
+def test_sample_nll_equals_one_nll_per_sample(kind: str) -> None:
+    """The vectorised per-sample NLL behind the MC predictive and the joint LL equals one ``nll`` call per sample."""
+    g = torch.Generator().manual_seed(0)
+    likelihood, out = {
+        "gaussian": (Gaussian(3.0), 1),
+        "bernoulli": (Bernoulli(), 1),
+        "categorical": (Categorical(), 4),
+    }[kind]
+    f = torch.randn(7, 11, out, generator=g, dtype=torch.float64)
+    if kind == "gaussian":
+        y = torch.randn(11, generator=g, dtype=torch.float64)
+    else:  # labels 0..1 (Bernoulli) or 0..3
+        y = torch.randint(0, max(out, 2), (11,), generator=g).double()
+    expected = torch.stack([likelihood.nll(fs, y) for fs in f])
+    assert_close(likelihood.sample_nll(f, y), expected, rtol=1e-14, atol=0)
+    assert_close(likelihood.log_predictive(f, y), torch.logsumexp(-expected, 0) - math.log(7), rtol=1e-14, atol=0)

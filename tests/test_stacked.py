@@ -218,6 +218,32 @@ def test_stacked_job_writes_each_split_as_its_single_run(tmp_path: Path, compose
         assert (member / "metrics.json").exists()  # the old run is kept
 
 
+@pytest.mark.parametrize("group_elements", [None, 1])
+def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
+    tmp_path: Path, compose_cfg, monkeypatch: pytest.MonkeyPatch, group_elements: int | None
+) -> None:
+    """MC dropout's final test and validation predictions are made for all copies at once (shared masks,
+    ``SharedPredictions``; with ``group_elements=1`` one copy per group, each replaying the shared
+    generator state), and every split's metrics equal its single run's."""
+    from bdl_bench import stacked
+    from bdl_bench.methods.dropout import MCDropout
+
+    if group_elements is not None:
+        monkeypatch.setattr(stacked.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
+    calls = []
+    original = MCDropout.predict_replicas
+    monkeypatch.setattr(MCDropout, "predict_replicas", lambda self, *a: calls.append(a[2]) or original(self, *a))
+    common = ["method=dropout", "data=uci/yacht", "data.val_fraction=0.2", "trainer.n_test_mc_samples=70"]
+    job = run_job(compose_cfg([*common, "data.split=[1,4,6]"]), tmp_path / "stack")
+    assert not job.skipped
+    assert calls == ([[0, 1, 2]] * 2 if group_elements is None else [[0], [0], [1], [1], [2], [2]])  # test, val
+    for split in (1, 4, 6):
+        single = run(compose_cfg([*common, f"data.split={split}"]), tmp_path / f"single{split}").metrics
+        stacked_metrics = json.loads((tmp_path / "stack" / f"split={split}" / "metrics.json").read_text())
+        for key in ("rmse", "test_ll", "test_ll_joint", "val_rmse", "val_test_ll"):
+            assert stacked_metrics[key] == pytest.approx(single[key], rel=1e-5), (split, key)
+
+
 class Crash(Exception):
     pass
 

@@ -55,6 +55,7 @@ from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
 _PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
+_SLICE_ELEMENTS = 2**19  # predict_replicas: (mask draws x examples x widest layer) per slice, 2 MB in float32
 _PREFIX_ROWS = 1024  # module-wise path: examples per pass through the deterministic modules in ``predict``
 
 
@@ -141,9 +142,17 @@ class MCDropout(Method):
     def _drop(self, h: Tensor, shared_dims: int = 0) -> Tensor:
         """``h`` times a fresh inverted-dropout mask from the generator, one entry per element; the
         mask is drawn without ``h``'s first ``shared_dims`` dimensions and shared along them."""
+        return h * self._scaled_masks(h.shape[shared_dims:], h, [self.dropout_rate])[self.dropout_rate]
+
+    def _scaled_masks(self, shape: torch.Size, like: Tensor, rates: Sequence[float]) -> dict[float, Tensor]:
+        r"""Inverted-dropout masks :math:`m/(1 - p)`, :math:`m = [u \ge p]`, of ``shape`` for each rate p of
+        ``rates``, all from one uniform draw u of the generator (in place for a single rate)."""
         g = self.problem.generator
-        u = torch.rand(h.shape[shared_dims:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
-        return h * (u >= self.dropout_rate).to(h.dtype) / (1 - self.dropout_rate)
+        u = torch.rand(shape, generator=g, device=g.device, dtype=like.dtype).to(like.device)
+        distinct = list(dict.fromkeys(rates))
+        if len(distinct) == 1:
+            return {distinct[0]: u.ge_(distinct[0]).div_(1 - distinct[0])}
+        return {p: u.ge(p).to(u.dtype).div_(1 - p) for p in distinct}
 
     def _outputs(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
         """Network outputs under ``n_samples`` independent mask draws: ``(S, N, out)``."""
@@ -258,7 +267,60 @@ class MCDropout(Method):
         g = self.problem.generator
         u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
         rate = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
-        return h * (u >= rate).to(h.dtype) / (1 - rate)
+        return h * (u >= rate).to(h.dtype).div_(1 - rate)
+
+    @torch.no_grad()
+    def predict_replicas(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
+        """:meth:`predict` of the stacked copies ``copies`` on their inputs ``x`` ``(len(copies), N, in)``:
+        ``(len(copies), S, N, out)``, copy r's slice what ``self.replica(r).predict(x[r], S)`` returns from
+        the generator's present state, and the generator left where that call leaves it. The masks a
+        single run draws are drawn once, in its order and chunks, and shared by the copies (one per distinct
+        rate), so the copies cost their products only, not their random numbers.
+
+        Raises:
+            CannotStack: for models with layers other than ``nn.Linear``.
+        """
+        if not self._linear_only:
+            raise CannotStack("dropout: shared predictions need a model of nn.Linear layers")
+        thetas = self.theta.detach()[list(copies)]
+        rates = [self._replica_rate_values[r] for r in copies]
+        layers = [(name, m) for name, m in self.problem.model.named_children()]
+        params = unflatten_stacked(self.problem.model, thetas)
+        n_examples = x.shape[1]
+        widest = max(max(m.in_features, m.out_features) for _, m in layers if isinstance(m, nn.Linear))
+        rows = max(1, _SLICE_ELEMENTS // (n_examples * widest))
+        chunks = []
+        for start in range(0, n_samples, _PREDICT_CHUNK):
+            size = min(_PREDICT_CHUNK, n_samples - start)
+            masks, first = [], True  # each Linear's masks, drawn in the order _outputs draws them
+            for _, module in layers:
+                if isinstance(module, nn.Linear):
+                    drop = not first or self.dropout_inputs
+                    first = False
+                    shape = torch.Size((size, n_examples, module.in_features))
+                    masks.append(self._scaled_masks(shape, thetas, rates) if drop else None)
+            out = None
+            for c, rate in enumerate(rates):
+                for lo in range(0, size, rows):  # a slice of the chunk's samples at a time (activations in cache)
+                    hi = min(size, lo + rows)
+                    h, linear = x[c].unsqueeze(0).expand(hi - lo, *x.shape[1:]), 0
+                    for name, module in layers:
+                        if isinstance(module, nn.Linear):
+                            if masks[linear] is not None:
+                                mask = masks[linear][rate][lo:hi]
+                                h = h * mask if linear == 0 else h.mul_(mask)  # later inputs are this slice's own
+                            linear += 1
+                            bias = params.get(f"{name}.bias")
+                            h = F.linear(h, params[f"{name}.weight"][c], None if bias is None else bias[c])
+                        elif isinstance(module, nn.ReLU) and linear:  # h is this slice's own
+                            h = h.relu_()
+                        elif not isinstance(module, nn.modules.dropout._DropoutNd):
+                            h = module(h)
+                    if out is None:
+                        out = h.new_empty(len(rates), size, *h.shape[1:])
+                    out[c, lo:hi] = h
+            chunks.append(out)
+        return torch.cat(chunks, dim=1)
 
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""

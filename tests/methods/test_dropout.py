@@ -288,3 +288,39 @@ def test_def_table1_mc_dropout_variant_builds_a_lenet_with_matching_rates() -> N
     method = build_method(container["method"])
     method.setup(Problem(model, Categorical(), 10, prior_precision_vector(model, 1.0, None), torch.Generator()))
     assert method.predict(torch.rand(2, 1, 8, 8), 3).shape == (3, 2, 10)
+
+
+@pytest.mark.parametrize("dropout_inputs", [True, False])
+def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stacked copies with their own rates (a grid's trials), predicted together with shared masks: each
+    copy's outputs are bit for bit its replica's ``predict`` from the same generator state, in slices
+    of a chunk too, and the generator ends where that ``predict`` leaves it."""
+    import bdl_bench.methods.dropout as dropout_module
+
+    monkeypatch.setattr(dropout_module, "_SLICE_ELEMENTS", 2 * 40 * 32)  # two samples per slice
+    model_cfg = {"name": "mlp", "hidden": [32, 16], "activation": "relu"}
+    problems = [
+        make_problem(3, Gaussian(noise_precision=NOISE_PRECISION), seed=0, model_cfg=model_cfg) for _ in range(3)
+    ]
+    rates = (0.1, 0.3, 0.1)
+    method = make_dropout(dropout_inputs=dropout_inputs)
+    method.configure_replicas([{"dropout_rate": r} for r in rates])
+    method.setup_replicas(problems)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(3, 40, 3, generator=g), torch.randn(3, 40, generator=g)
+    for _ in range(3):
+        method.train_step_replicas(x, y)  # the copies' weights now differ
+    n_samples = 70  # more than one chunk of mask draws, and a partial last one
+
+    shared = torch.Generator().manual_seed(9)
+    method.problem = dataclasses.replace(method.problem, generator=shared)
+    outputs = method.predict_replicas(x[[2, 0, 1]], n_samples, [2, 0, 1])
+    assert outputs.shape == (3, n_samples, 40, 1)
+    for position, r in enumerate((2, 0, 1)):
+        single = method.replica(r)
+        own = torch.Generator().manual_seed(9)
+        single.problem = dataclasses.replace(single.problem, generator=own)
+        assert single.dropout_rate == rates[r]
+        assert torch.equal(outputs[position], single.predict(x[r], n_samples)), r
+        assert torch.equal(own.get_state(), shared.get_state())
+    assert not torch.equal(outputs[0], outputs[2])  # copies 0 and 2 share a rate, not their weights
