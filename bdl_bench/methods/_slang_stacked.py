@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from bdl_bench.curvature.gram import canonical_signs, workspace_buffer
-from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky
+from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky, thin_matmul
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.likelihoods import Likelihood, stacked_nll
 from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
@@ -95,7 +95,7 @@ def stacked_factors(
                 pre_activations.append(z)
                 h = z
                 continue
-            z = h @ weight.mT
+            z = thin_matmul(h, weight.mT)
             if slot.bias_slice is not None:
                 z = z + thetas[..., slot.bias_slice].unsqueeze(2)
             if not z.requires_grad:
@@ -206,11 +206,11 @@ def stacked_slang_update(
     direction = new_momentum / (1.0 - momentum**step) + prior_precision * state.mean
     inv_diag = prec_diag.reciprocal()
     scaled_u = new_u * inv_diag[..., None]  # (R, D, L)
-    capacitance = new_u.mT @ scaled_u
-    proj = (scaled_u.mT @ direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
+    capacitance = thin_matmul(new_u.mT, scaled_u)
+    proj = thin_matmul(scaled_u.mT, direction[..., None])[..., 0]  # U^T D^{-1} direction, (R, L)
     chol = capacitance_cholesky(capacitance)
     inner = torch.cholesky_solve(proj[..., None], chol)[..., 0]
-    mean = state.mean - lr * inv_diag * (direction - (new_u @ inner[..., None])[..., 0])
+    mean = state.mean - lr * inv_diag * (direction - thin_matmul(new_u, inner[..., None])[..., 0])
     new_state = SlangState(mean=mean, prec_factor=new_u, prec_diag=prec_diag, momentum=new_momentum, step=step)
     new_cache = PrecisionCache(
         factor_gram=torch.diag_embed(eigenvalues),
@@ -250,7 +250,7 @@ def _gram_update(
     for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
         cross += _factor_cross(dl, uw, a)
         if ub is not None:
-            cross += torch.einsum("rpo,rol->rpl", dl, ub)
+            cross += thin_matmul(dl, ub)
             a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
         if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
             scaled = a * dl
@@ -277,15 +277,20 @@ def _gram_update(
         for dl, a, (ref_w, ref_b) in zip(deltas, acts, _per_layer(sign_reference[..., None], layout)):
             g_ref += _factor_cross(dl, ref_w, a)[..., 0]
             if ref_b is not None:
-                g_ref += (dl @ ref_b)[..., 0]
-        coefficient_sums = torch.cat([(u.mT @ sign_reference[..., None])[..., 0] * w0**0.5, g_ref * w1**0.5], -1)
+                g_ref += thin_matmul(dl, ref_b)[..., 0]
+        coefficient_sums = torch.cat(
+            [thin_matmul(u.mT, sign_reference[..., None])[..., 0] * w0**0.5, g_ref * w1**0.5], -1
+        )
     eigenvalues, top = eigenvalues.clamp_min(0.0), canonical_signs(top, coefficient_sums)
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
-    new_u = u @ top[:, :rank] * w0**0.5
+    new_u = thin_matmul(u, top[:, :rank]) * w0**0.5
     new_u += _assemble(
         layout,
-        [(_weighted_outer_sum(dl, g_top, a), dl.mT @ g_top if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
+        [
+            (_weighted_outer_sum(dl, g_top, a), thin_matmul(dl.mT, g_top) if b else None)
+            for dl, a, b in zip(deltas, acts, has_bias)
+        ],
         u,
         (rank,),
     )
@@ -386,8 +391,8 @@ def top_eigenpairs(matrix: Tensor, rank: int, *, tol: float | None = None) -> tu
         ritz_values, ritz_vectors = torch.linalg.eigh(basis.mT @ image)  # ascending, (R, b)
         values = ritz_values[:, -rank:].flip(-1)
         top = ritz_vectors[:, :, -rank:].flip(-1)
-        vectors = basis @ top
-        residual = (image @ top - vectors * values[:, None, :]).norm(dim=(1, 2))
+        vectors = thin_matmul(basis, top)
+        residual = (thin_matmul(image, top) - vectors * values[:, None, :]).norm(dim=(1, 2))
         done = residual <= tol * values[:, 0].abs().clamp_min(torch.finfo(matrix.dtype).tiny)
         if bool(done.all()):
             return values, vectors
@@ -402,9 +407,9 @@ def top_eigenpairs(matrix: Tensor, rank: int, *, tol: float | None = None) -> tu
 def stacked_cache(state: SlangState) -> PrecisionCache:
     """:func:`bdl_bench.curvature.low_rank.build_cache` for every copy of a stacked state."""
     u, d = state.prec_factor, state.prec_diag
-    capacitance = u.mT @ (u / d[..., None])
+    capacitance = thin_matmul(u.mT, u / d[..., None])
     return PrecisionCache(
-        factor_gram=u.mT @ u,
+        factor_gram=thin_matmul(u.mT, u),
         factor_sqnorms=u.square().sum(-1),
         capacitance=capacitance,
         capacitance_chol=capacitance_cholesky(capacitance),
