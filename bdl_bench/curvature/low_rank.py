@@ -91,8 +91,8 @@ def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> PrecisionCache:
 
 
 def thin_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` of (batched) matrices, by broadcasting where the inner dimension or a result dimension is 1
-    (rank L = 1 factors): a batched GEMM with such a dimension runs one tiny product per matrix, about ten
+    """``a @ b`` of (batched) matrices, by broadcasting where the inner dimension or ``b``'s number of columns
+    is 1 (rank L = 1 factors): a batched GEMM with such a dimension runs one tiny product per matrix, 2-30
     times slower than the element-wise form for 100 stacked copies. Else ``a @ b``."""
     if a.dim() < 3 and b.dim() < 3:
         return a @ b
@@ -100,8 +100,6 @@ def thin_matmul(a: Tensor, b: Tensor) -> Tensor:
         return a * b
     if b.shape[-1] == 1:  # matrix-vector products
         return (a * b.mT).sum(-1, keepdim=True)
-    if a.shape[-2] == 1:
-        return (a.mT * b).sum(-2, keepdim=True)
     return a @ b
 
 
