@@ -186,9 +186,11 @@ def stacked_slang_update(
     w0, w1 = 1.0 - beta, beta * scale
     merged = merged_columns(factors, layout)
     sign_reference = None  # B 1 of the unmerged B (gram.canonical_signs), when G's columns are merged
+    shared_input = None  # the first layer's input (R, M, in) when it is the same for all S samples
     if merged is None:
         deltas = factors.output_grads
         acts = [factors.input_columns(layer) for layer in range(len(deltas))]
+        shared_input = factors.inputs[0] if factors.first_input_shared else None
     else:
         deltas, acts = merged
         sign_reference = grad * w1**0.5 + u.sum(-1) * w0**0.5
@@ -197,7 +199,7 @@ def stacked_slang_update(
         new_u, eigenvalues, residual = _dense_update(u, deltas, acts, layout, w0, w1, step, sign_reference)
     else:
         new_u, eigenvalues, residual = _gram_update(
-            u, cache, deltas, acts, layout, w0, w1, step, workspace, sign_reference
+            u, cache, deltas, acts, layout, w0, w1, step, workspace, sign_reference, shared_input
         )
     new_sqnorms = new_u.square().sum(-1)
     # eq. (9), eq. (11) with momentum and the Woodbury solve (Alg. 2)
@@ -232,9 +234,13 @@ def _gram_update(
     step: int,
     workspace: dict[str, Tensor] | None,
     sign_reference: Tensor | None = None,
+    shared_input: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The top-L update by the Gram trick (gram.py): ``(U_new, eigenvalues, diag residual)`` of every copy.
-    ``sign_reference``: :math:`B\\mathbf 1` ``(R, D)`` of the unmerged B when the columns are merged."""
+    ``sign_reference``: :math:`B\\mathbf 1` ``(R, D)`` of the unmerged B when the columns are merged.
+    ``shared_input``: the first layer's input ``(R, M, in)`` when ``acts[0]`` repeats it for each of the S
+    samples: its products are then taken once (:math:`AA^\\top` is the M x M block :math:`XX^\\top`
+    tiled S x S, and sums over the P = S·M columns against A sum over the samples first)."""
     n_copies, _, rank = u.shape
     n_cols = deltas[0].shape[1]
     has_bias = [slot.bias_slice is not None for slot in layout.slots]
@@ -247,10 +253,24 @@ def _gram_update(
     # run as one small GEMM per copy), then scaled into btb in one pass
     gram = workspace_buffer(workspace, "gram", (n_copies, n_cols, n_cols), u)
     first = True
-    for dl, a, (uw, ub) in zip(deltas, acts, u_layers):
+    for layer, (dl, a, (uw, ub)) in enumerate(zip(deltas, acts, u_layers)):
         cross += _factor_cross(dl, uw, a)
         if ub is not None:
             cross += thin_matmul(dl, ub)
+        if layer == 0 and shared_input is not None and dl.shape[-1] > 1:
+            # (A A^T) o (Delta Delta^T) with A A^T the tiled X X^T (+ 1: the bias's input)
+            xxt = shared_input @ shared_input.mT
+            if ub is not None:
+                xxt.add_(1.0)
+            target = gram if first else workspace_buffer(workspace, "outer", gram.shape, u)
+            torch.bmm(dl, dl.mT, out=target)
+            n_rows = shared_input.shape[1]
+            target.view(n_copies, -1, n_rows, n_cols // n_rows, n_rows).mul_(xxt[:, None, :, None, :])
+            if not first:
+                gram += target
+            first = False
+            continue
+        if ub is not None:
             a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
         if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
             scaled = a * dl
@@ -285,18 +305,20 @@ def _gram_update(
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
     new_u = thin_matmul(u, top[:, :rank]) * w0**0.5
+    inputs = list(acts) if shared_input is None else [shared_input, *acts[1:]]  # (R, M, in) or (R, P, in)
     new_u += _assemble(
         layout,
         [
             (_weighted_outer_sum(dl, g_top, a), thin_matmul(dl.mT, g_top) if b else None)
-            for dl, a, b in zip(deltas, acts, has_bias)
+            for dl, a, b in zip(deltas, inputs, has_bias)
         ],
         u,
         (rank,),
     )
+    squares = [dl.square() for dl in deltas]
     sq_diag = _assemble(
         layout,
-        [(dl.square().mT @ a.square(), dl.square().sum(1) if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
+        [(_sample_sum(sq, a).mT @ a.square(), sq.sum(1) if b else None) for sq, a, b in zip(squares, inputs, has_bias)],
         u,
         (),
     )
@@ -317,13 +339,23 @@ def _factor_cross(deltas: Tensor, weights: Tensor, inputs: Tensor) -> Tensor:
     return (prod.view(n_copies, n_cols, n_in, rank) * inputs[..., None]).sum(2)
 
 
+def _sample_sum(columns: Tensor, inputs: Tensor) -> Tensor:
+    """``columns`` ``(R, P, k)`` summed over the samples (``(R, M, k)``) when ``inputs`` has M < P rows (a first
+    layer's input shared by the S samples, P = S·M, sample-major), else ``columns``."""
+    n_rows = inputs.shape[1]
+    if n_rows == columns.shape[1]:
+        return columns
+    return columns.view(columns.shape[0], -1, n_rows, columns.shape[-1]).sum(1)
+
+
 def _weighted_outer_sum(deltas: Tensor, coeffs: Tensor, inputs: Tensor) -> Tensor:
     """:math:`\\sum_p c_{pl}\\,\\delta_p a_p^\\top` of every copy as ``(R, out, in, L)`` (a layer's rows of
-    :math:`GC`), for ``coeffs`` ``(R, P, L)``: one batched GEMM of :math:`[\\delta_{po}c_{pl}]` with A."""
+    :math:`GC`), for ``coeffs`` ``(R, P, L)``: one batched GEMM of :math:`[\\delta_{po}c_{pl}]` with A (``inputs``
+    ``(R, P, in)``, or ``(R, M, in)`` shared by the S samples: the left factor summed over them first)."""
     n_copies, n_cols, n_out = deltas.shape
     rank = coeffs.shape[-1]
     left = (deltas[..., :, None] * coeffs[..., None, :]).view(n_copies, n_cols, n_out * rank)
-    return (left.mT @ inputs).view(n_copies, n_out, rank, -1).transpose(2, 3)
+    return (_sample_sum(left, inputs).mT @ inputs).view(n_copies, n_out, rank, -1).transpose(2, 3)
 
 
 def _dense_update(
