@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from bdl_bench.curvature.gram import canonical_signs, workspace_buffer
-from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky, thin_matmul
+from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky
 from bdl_bench.curvature.per_example import LinearLayout
+from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.likelihoods import Likelihood, stacked_nll
 from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
 
@@ -120,7 +121,7 @@ def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
     for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
             d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        parts.append((d.mT @ a, d.sum(1)))
+        parts.append((t_matmul(d, a), d.sum(1)))
     return _assemble(layout, parts, factors.output_grads[0], ())
 
 
@@ -318,7 +319,10 @@ def _gram_update(
     squares = [dl.square() for dl in deltas]
     sq_diag = _assemble(
         layout,
-        [(_sample_sum(sq, a).mT @ a.square(), sq.sum(1) if b else None) for sq, a, b in zip(squares, inputs, has_bias)],
+        [
+            (t_matmul(_sample_sum(sq, a), a.square()), sq.sum(1) if b else None)
+            for sq, a, b in zip(squares, inputs, has_bias)
+        ],
         u,
         (),
     )
@@ -355,7 +359,7 @@ def _weighted_outer_sum(deltas: Tensor, coeffs: Tensor, inputs: Tensor) -> Tenso
     n_copies, n_cols, n_out = deltas.shape
     rank = coeffs.shape[-1]
     left = (deltas[..., :, None] * coeffs[..., None, :]).view(n_copies, n_cols, n_out * rank)
-    return (_sample_sum(left, inputs).mT @ inputs).view(n_copies, n_out, rank, -1).transpose(2, 3)
+    return t_matmul(_sample_sum(left, inputs), inputs).reshape(n_copies, n_out, rank, -1).transpose(2, 3)
 
 
 def _dense_update(

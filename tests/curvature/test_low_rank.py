@@ -67,21 +67,3 @@ def test_sample_noise_with_a_workspace_draws_the_same(generator: torch.Generator
         drawn = low_rank.sample_noise(factor, diag, cache, n_samples, reused, workspace)
         torch.testing.assert_close(drawn, expected, rtol=1e-12, atol=1e-12)
     assert "noise" in workspace
-
-
-@pytest.mark.parametrize(
-    ("a_shape", "b_shape"),
-    [
-        ((5, 7, 1), (5, 1, 3)),  # outer products
-        ((5, 4, 9), (5, 9, 1)),  # matrix-vector
-        ((5, 1, 9), (5, 9, 1)),  # dot products
-        ((6, 1), (5, 1, 4)),  # a shared left factor, broadcast over the batch
-        ((5, 4, 3), (5, 3, 2)),  # no dimension of 1: the plain product
-        ((4, 3), (3, 1)),  # unbatched
-    ],
-)
-def test_thin_matmul_equals_the_matrix_product(a_shape: tuple, b_shape: tuple) -> None:
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(a_shape, generator=g, dtype=torch.float64)
-    b = torch.randn(b_shape, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(low_rank.thin_matmul(a, b), a @ b, rtol=1e-13, atol=1e-14)
