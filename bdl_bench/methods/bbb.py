@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bdl_bench.curvature.products import t_matmul
+from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
@@ -165,7 +165,7 @@ class _StackedLocalLinear(torch.autograd.Function):
         a, a2, w_mean, w_var, std, eps, clamped = ctx.saved_tensors
         need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
         g_var = torch.mul(g, eps).div_(std).masked_fill_(clamped, 0.0)  # g' = 2 dL/d(s^2)
-        grad_a = torch.bmm(g, w_mean).addcmul_(torch.bmm(g_var, w_var), a) if need_a else None
+        grad_a = thin_matmul(g, w_mean).addcmul_(thin_matmul(g_var, w_var), a) if need_a else None
         grad_wm = t_matmul(g, a) if need_wm else None  # g^T a
         grad_bm = g.sum(1) if need_bm and ctx.has_bias[0] else None
         grad_wv = t_matmul(g_var, a2).mul(0.5) if need_wv else None
