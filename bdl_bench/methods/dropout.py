@@ -51,7 +51,9 @@ from torch.func import functional_call
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
+from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
+from bdl_bench.optim import adam, load_adam_state
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
 _PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
@@ -112,7 +114,7 @@ class MCDropout(Method):
         if not self._linear_only:
             self._check_dropout_modules(model, others[0])
         self.theta = flat_params(model).requires_grad_(True)  # (D,)
-        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+        self.optimizer = adam([self.theta], self.lr)
 
     def _check_dropout_modules(self, model: nn.Sequential, first_other: tuple[str, nn.Module]) -> None:
         """The module-wise path's requirements (module docstring)."""
@@ -241,7 +243,7 @@ class MCDropout(Method):
         self._replica_rate_values = [float(p) for p in rates]
         self._replica_rates = torch.tensor(rates, dtype=self.theta.dtype, device=self.theta.device)  # (R,)
         self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
-        self.optimizer = torch.optim.Adam([self.theta], lr=self.lr)
+        self.optimizer = adam([self.theta], self.lr)
 
     def _outputs_replicas(self, x: Tensor, n_samples: int) -> Tensor:
         """:meth:`_outputs` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``; each mask
@@ -328,11 +330,13 @@ class MCDropout(Method):
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs_replicas(x, self.n_train_mc_samples)
         nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=(1, 2))  # (R,)
-        penalty = 0.5 * (self._replica_prior * self.theta**2).sum(-1) / p.n_data
-        loss = nll + penalty
-        loss.sum().backward()
+        nll.sum().backward()
+        with torch.no_grad():  # the prior's term and gradient by hand, as map.add_prior_term, copy by copy
+            self.theta.grad.addcmul_(self.theta, self._replica_prior, value=1.0 / p.n_data)
+            penalty = (self.theta * self.theta * self._replica_prior).sum(-1) * (0.5 / p.n_data)
         self.optimizer.step()
-        return {"loss": loss.detach(), "nll": nll.detach()}
+        nll = nll.detach()
+        return {"loss": nll + penalty, "nll": nll}
 
     def replica(self, index: int) -> MCDropout:
         single = copy.copy(self)
@@ -347,12 +351,11 @@ class MCDropout(Method):
         p = self.problem
         self.optimizer.zero_grad(set_to_none=True)
         f = self._outputs(self.theta, x, self.n_train_mc_samples)
-        nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
-        penalty = 0.5 * (p.prior_precision * self.theta**2).sum() / p.n_data
-        loss = nll + penalty
-        loss.backward()
+        nll = p.likelihood.sample_nll(f, y).mean()
+        nll.backward()
+        penalty = add_prior_term(self.theta, p.prior_precision, p.n_data)
         self.optimizer.step()
-        return {"loss": loss.detach(), "nll": nll.detach()}
+        return {"loss": nll.detach() + penalty, "nll": nll.detach()}
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
@@ -375,4 +378,4 @@ class MCDropout(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.theta.copy_(state["theta"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])

@@ -16,7 +16,7 @@ from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.models.params import flat_params, prior_precision_vector
 
 NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
 MLP = {"name": "mlp", "hidden": [32], "activation": "relu"}
@@ -324,3 +324,33 @@ def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, mon
         assert torch.equal(outputs[position], single.predict(x[r], n_samples)), r
         assert torch.equal(own.get_state(), shared.get_state())
     assert not torch.equal(outputs[0], outputs[2])  # copies 0 and 2 share a rate, not their weights
+
+
+def test_step_equals_autograd_of_the_objective_with_plain_adam() -> None:
+    """The prior's gradient added in place (map.add_prior_term) and the fused Adam give the steps of autograd
+    through the whole objective + the plain Adam, with the same masks (float64, several steps, a
+    per-parameter prior with its own bias precision)."""
+    x, y, _, _ = regression_data(0)
+    x, y = x.double(), y.double()
+    base = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=1)
+    base.model.double()
+    problem = dataclasses.replace(base, prior_precision=prior_precision_vector(base.model, 3.0, 0.5).double())
+    method = make_dropout(dropout_rate=0.2, n_train_mc_samples=2)
+    method.setup(problem)
+    assert method.optimizer.param_groups[0]["fused"]
+    twin = flat_params(problem.model).requires_grad_(True)
+    plain = torch.optim.Adam([twin], lr=method.lr)
+    for i in range(5):
+        batch = slice(10 * i, 10 * i + 25)
+        state = problem.generator.get_state()
+        out = method.train_step(x[batch], y[batch])
+        problem.generator.set_state(state)  # the twin draws the same masks
+        plain.zero_grad()
+        f = method._outputs(twin, x[batch], 2)
+        nll = torch.stack([problem.likelihood.nll(f_s, y[batch]) for f_s in f]).mean()
+        loss = nll + 0.5 * (problem.prior_precision * twin**2).sum() / problem.n_data
+        loss.backward()
+        plain.step()
+        assert_close(out["loss"], loss.detach(), rtol=1e-12, atol=0)
+    assert_close(method.theta.detach(), twin.detach(), rtol=1e-10, atol=1e-12)
+    assert not torch.equal(twin.detach(), flat_params(problem.model))
