@@ -247,7 +247,7 @@ class Method(ABC):
             batches = _minibatches(x.shape[1], batch_size, data_generator, x.device)
             try:
                 for idx in _step_bar(batches, epoch, self.step_progress):
-                    out = self.train_step_replicas(x[:, idx], y[:, idx])
+                    out = self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
                     losses.append(out["loss"].detach())
                     for k, v in out.items():
                         totals[k] = totals[k] + v if k in totals else v.clone()
