@@ -35,7 +35,6 @@ examples and inputs (Gal's UCI splits do), no training augmentation, and a metho
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
@@ -66,6 +65,7 @@ from bdl_bench.runner import (
     EpochProgress,
     RunResult,
     _cfg_get,
+    _swap_generator,
     _to_device,
     announce_resume,
     device_record,
@@ -318,13 +318,13 @@ class SharedPredictions:
         self.method, self.datasets, self.generators = method, list(datasets), list(generators)
         self._group: list[int] = []
         self._outputs: dict[str, torch.Tensor] = {}
+        self._end: torch.Tensor | None = None  # the generators' state after the present group's predictions
         states = [g.get_state() for g in self.generators]
         self.enabled = (
             callable(getattr(method, "predict_replicas", None))
             and all(torch.equal(s, states[0]) for s in states)
             and all(self._shapes(d) == self._shapes(self.datasets[0]) for d in self.datasets)
         )
-        self._start = states[0]
 
     @staticmethod
     def _shapes(dataset: Any) -> tuple:
@@ -341,19 +341,14 @@ class SharedPredictions:
             rows = sum(getattr(self.datasets[0], f"x_{p}").shape[0] for p in self._parts())
             size = max(1, self.PREDICTION_ELEMENTS // (n_samples * rows))
             self._group = list(range(r, min(r + size, len(self.datasets))))  # copy r's generator is still at the start
-            generator = self.generators[r]
-            saved = self.method.problem
-            self.method.problem = dataclasses.replace(saved, generator=generator)
-            try:
+            with _swap_generator(self.method, self.generators[r]):
                 self._outputs = {
                     p: self.method.predict_replicas(
                         torch.stack([getattr(self.datasets[c], f"x_{p}") for c in self._group]), n_samples, self._group
                     )
                     for p in self._parts()
                 }
-            finally:
-                self.method.problem = saved
-            self._end = generator.get_state()
+            self._end = self.generators[r].get_state()
         self.generators[r].set_state(self._end)
         index = self._group.index(r)
         return {p: f[index] for p, f in self._outputs.items()}
