@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from bdl_bench.curvature.products import stacked_linear
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
@@ -257,8 +258,7 @@ class MCDropout(Method):
                 if not first or self.dropout_inputs:
                     h = self._drop_replicas(h.view(n_copies, n_samples, n_examples, -1)).view(h.shape)
                 first = False
-                weight_t, bias = params[f"{name}.weight"].mT, params.get(f"{name}.bias")
-                h = h @ weight_t if bias is None else torch.baddbmm(bias.unsqueeze(1), h, weight_t)
+                h = stacked_linear(h, params[f"{name}.weight"], params.get(f"{name}.bias"))
             elif not isinstance(module, nn.modules.dropout._DropoutNd):
                 h = module(h)
         return h.view(n_copies, n_samples, n_examples, -1)
@@ -268,6 +268,9 @@ class MCDropout(Method):
         shared by the copies, copy r keeping the units whose draw is at least its own rate."""
         g = self.problem.generator
         u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
+        if len(set(self._replica_rate_values)) == 1:  # one mask for all copies (e.g. trials of tau alone)
+            rate = self._replica_rates[:1].view(*([1] * u.dim()))
+            return h * (u >= rate).to(h.dtype).div_(1 - rate)
         rate = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
         return h * (u >= rate).to(h.dtype).div_(1 - rate)
 
