@@ -226,3 +226,44 @@ def test_state_dict_round_trip_gives_identical_next_step(estimator: str) -> None
     c.problem.generator.manual_seed(5)
     c.train_step(x[:25], y[:25])
     assert_close(c.state_dict()["rho"], a.state_dict()["rho"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_samples", [1, 3])
+@pytest.mark.parametrize("bias", ["none", "zero_var", "positive_var"])
+def test_stacked_local_linear_matches_autograd_of_the_plain_expression(n_samples: int, bias: str) -> None:
+    """The stacked layer's hand-written backward, with an input shared by S samples (S = 3: its products
+    taken once per example) or not, and with the variance clamp needed (no bias, or a bias variance of 0
+    with all-zero input rows) or skipped (a positive bias variance), against autograd of
+    ``a mu^T + b + sqrt(max(a^2 var^T + b_var, tiny)) eps`` on the inputs repeated S times (float64)."""
+    from bdl_bench.methods.bbb import _StackedLocalLinear
+
+    gen = torch.Generator().manual_seed(3)
+    r, m, n_in, n_out = 2, 5, 4, 3
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    a = rand(r, m, n_in)
+    a[:, 0] = 0.0  # rows whose variance is the bias variance alone
+    w_mean, w_var = rand(r, n_out, n_in), rand(r, n_out, n_in).square()
+    b_mean = None if bias == "none" else rand(r, n_out)
+    b_var = {
+        "none": None,
+        "zero_var": torch.zeros(r, n_out, dtype=torch.float64),
+        "positive_var": rand(r, n_out).square(),
+    }[bias]
+    eps, upstream = rand(n_samples * m, n_out), rand(r, n_samples * m, n_out)
+    leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (a, w_mean, b_mean, w_var, b_var)]
+    out = _StackedLocalLinear.apply(*leaves, eps)
+    grads = torch.autograd.grad(out, [t for t in leaves if t is not None], upstream)
+
+    ref_leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (a, w_mean, b_mean, w_var, b_var)]
+    ra, rwm, rbm, rwv, rbv = ref_leaves
+    rows = ra.unsqueeze(1).expand(r, n_samples, m, n_in).reshape(r, n_samples * m, n_in)
+    mean = rows @ rwm.mT + (0.0 if rbm is None else rbm.unsqueeze(1))
+    var = (rows * rows) @ rwv.mT + (0.0 if rbv is None else rbv.unsqueeze(1))
+    ref = mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps
+    ref_grads = torch.autograd.grad(ref, [t for t in ref_leaves if t is not None], upstream)
+    assert_close(out, ref)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want)
