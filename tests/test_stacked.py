@@ -327,6 +327,12 @@ def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
     torch.testing.assert_close(
         vectors.mT @ vectors, torch.eye(rank, dtype=dtype).expand(4, -1, -1), rtol=0, atol=1e3 * eps
     )
+    # started from the matrix's first L columns (as the SLANG update does), one copy's start all zero
+    start = matrix[:, :, :rank].clone()
+    start[1] = 0.0
+    values, vectors = top_eigenpairs(matrix, rank, start=start)
+    torch.testing.assert_close(values, evals[:, -rank:].flip(-1), rtol=1e3 * eps, atol=0.0)
+    torch.testing.assert_close(vectors @ vectors.mT, top @ top.mT, rtol=0.0, atol=1e4 * eps)
     # equal top eigenvalues: the iteration cannot separate them, so eigh answers (same eigenvalues)
     tied = torch.diag_embed(torch.tensor([[5.0, 5.0, 5.0, 1.0] + [0.5] * 8], dtype=dtype))
     values, vectors = top_eigenpairs(tied, 2)
