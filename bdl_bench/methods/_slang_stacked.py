@@ -253,9 +253,10 @@ def _gram_update(
     # G^T G, summed over the layers in a contiguous buffer (a product into the strided block of btb would
     # run as one small GEMM per copy), then scaled into btb in one pass
     gram = workspace_buffer(workspace, "gram", (n_copies, n_cols, n_cols), u)
+    inputs = list(acts) if shared_input is None else [shared_input, *acts[1:]]  # (R, M, in) or (R, P, in)
     first = True
-    for layer, (dl, a, (uw, ub)) in enumerate(zip(deltas, acts, u_layers)):
-        cross += _factor_cross(dl, uw, a)
+    for layer, (dl, a, x, (uw, ub)) in enumerate(zip(deltas, acts, inputs, u_layers)):
+        cross += _factor_cross(dl, uw, x)
         if ub is not None:
             cross += thin_matmul(dl, ub)
         if layer == 0 and shared_input is not None and dl.shape[-1] > 1:
@@ -308,7 +309,6 @@ def _gram_update(
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
     new_u = thin_matmul(u, top[:, :rank]) * w0**0.5
-    inputs = list(acts) if shared_input is None else [shared_input, *acts[1:]]  # (R, M, in) or (R, P, in)
     new_u += _assemble(
         layout,
         [
@@ -332,15 +332,18 @@ def _gram_update(
 
 
 def _factor_cross(deltas: Tensor, weights: Tensor, inputs: Tensor) -> Tensor:
-    """:math:`u_l^\\top g_p = \\delta_p^\\top U_l a_p` of every copy, ``(R, P, L)``, for ``deltas`` ``(R, P, out)``,
-    a layer's weight rows ``weights`` ``(R, out, in, L)`` and ``inputs`` ``(R, P, in)``: one batched GEMM on
-    the smaller of in and out, then a row-wise product with the other (an einsum of the three chose an
-    outer product of ``deltas`` and ``inputs`` first: 10x slower for USPS's 257 inputs)."""
+    r""":math:`u_l^\top g_p = \delta_p^\top U_l a_p` of every copy, ``(R, P, L)``, for ``deltas`` ``(R, P, out)``,
+    a layer's weight rows ``weights`` ``(R, out, in, L)`` and ``inputs`` ``(R, P, in)``, or ``(R, M, in)`` shared by
+    the S samples (P = S·M, sample-major): one batched GEMM on the smaller of in and out (with a shared input,
+    on the inputs: once per example), then a row-wise product with the other (an einsum of the three chose
+    an outer product of ``deltas`` and ``inputs`` first: 10x slower for USPS's 257 inputs). A one-output
+    layer's product is a broadcast one (:func:`thin_matmul`: 1.45 -> 0.2 ms at kin8nm's search shape)."""
     n_copies, n_cols, n_out = deltas.shape
-    n_in, rank = weights.shape[2], weights.shape[3]
-    if n_out <= n_in:  # A U_l^T, (R, P, out, L), then the sum over out with Delta
-        prod = inputs @ weights.permute(0, 2, 1, 3).reshape(n_copies, n_in, n_out * rank)
-        return (prod.view(n_copies, n_cols, n_out, rank) * deltas[..., None]).sum(2)
+    n_rows, n_in, rank = inputs.shape[1], weights.shape[2], weights.shape[3]
+    if n_rows < n_cols or n_out <= n_in:  # A U_l^T, (R, rows, out, L), then the sum over out with Delta
+        prod = thin_matmul(inputs, weights.permute(0, 2, 1, 3).reshape(n_copies, n_in, n_out * rank))
+        prod = prod.view(n_copies, 1, n_rows, n_out, rank)
+        return (prod * deltas.view(n_copies, -1, n_rows, n_out, 1)).sum(3).view(n_copies, n_cols, rank)
     prod = deltas @ weights.reshape(n_copies, n_out, n_in * rank)  # Delta U_l, (R, P, in, L)
     return (prod.view(n_copies, n_cols, n_in, rank) * inputs[..., None]).sum(2)
 
