@@ -158,7 +158,8 @@ class _StackedLocalLinear(torch.autograd.Function):
         a2 = a * a
         var = torch.bmm(a2, w_var.mT) if b_var is None else torch.baddbmm(b_var.unsqueeze(1), a2, w_var.mT)
         tiny = torch.finfo(var.dtype).tiny
-        if b_var is not None and bool((b_var >= tiny).all()):  # var >= b_var >= tiny: the clamp changes nothing
+        # var >= b_var >= tiny: the clamp changes nothing (read on the host only: on a device it would wait)
+        if b_var is not None and b_var.device.type == "cpu" and bool((b_var >= tiny).all()):
             clamped, std = None, var.sqrt_()
         else:
             clamped = var < tiny  # where the clamp stops the gradient (clamp_min's rule)
