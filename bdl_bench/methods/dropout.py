@@ -243,6 +243,8 @@ class MCDropout(Method):
             raise ValueError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
         self._replica_rate_values = [float(p) for p in rates]
         self._replica_rates = torch.tensor(rates, dtype=self.theta.dtype, device=self.theta.device)  # (R,)
+        # one rate for all copies (e.g. trials of tau alone): one mask of a single run's shape serves them all
+        self._mask_rates = self._replica_rates[:1] if len(set(self._replica_rate_values)) == 1 else self._replica_rates
         self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
         self.optimizer = adam([self.theta], self.lr)
 
@@ -268,10 +270,7 @@ class MCDropout(Method):
         shared by the copies, copy r keeping the units whose draw is at least its own rate."""
         g = self.problem.generator
         u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
-        if len(set(self._replica_rate_values)) == 1:  # one mask for all copies (e.g. trials of tau alone)
-            rate = self._replica_rates[:1].view(*([1] * u.dim()))
-            return h * (u >= rate).to(h.dtype).div_(1 - rate)
-        rate = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
+        rate = self._mask_rates.view(-1, *([1] * (h.dim() - 1)))
         return h * (u >= rate).to(h.dtype).div_(1 - rate)
 
     @torch.no_grad()
