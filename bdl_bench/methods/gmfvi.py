@@ -458,8 +458,9 @@ class _LocalLinear(torch.autograd.Function):
         else:
             g2, g_var2, a_2d, a2_2d = g, g_var, a, a2
         grads: list[Tensor | None] = [None] * 10
-        if need_a:
-            grads[0] = torch.matmul(g, w_mean).addcmul_(torch.matmul(g_var, w_var), a)
+        if need_a:  # a (g' sigma_W^2) + g mu_W: the second product accumulated in the first's output
+            grad_a = torch.mm(g_var2, w_var).view(a.shape).mul_(a)
+            grads[0] = grad_a.view(-1, a.shape[-1]).addmm_(g2, w_mean).view(a.shape)
         if need_wm:
             grads[1] = mm_into(g2.t(), a_2d, into_wm)
         if need_bm:
