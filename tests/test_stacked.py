@@ -389,6 +389,57 @@ def test_stacked_dense_update_equals_the_gram_update(n_cols: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_gram_update_from_the_lower_blocks_equals_the_whole_gram(monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """From ``_HALF_GRAM_COLUMNS`` columns on, the Gram update forms only the lower 3/4 of G^T G and never
+    writes B^T B's upper right block (the eigensolver multiplies by its transpose): the same U_new, eigenvalues
+    and diagonal residual as from the whole matrix and as the dense update, with a first-layer input shared by
+    S = 2 samples (the blocks start at whole samples) and without (P = 13, an odd split)."""
+    from types import SimpleNamespace
+
+    import bdl_bench.methods._slang_stacked as stacked_slang
+    from bdl_bench.curvature.per_example import linear_layout
+
+    g = torch.Generator().manual_seed(5)
+    model = build_model({"name": "mlp", "hidden": [4], "activation": "relu"}, in_features=3, out_features=1)
+    layout = linear_layout(model)
+    n_copies, rank, f64 = 3, 2, torch.float64
+    n_samples, n_examples = (2, 9) if shared else (1, 13)
+    n_cols = n_samples * n_examples
+    u = torch.randn(n_copies, layout.n_params, rank, generator=g, dtype=f64)
+    x = torch.randn(n_copies, n_examples, 3, generator=g, dtype=f64)
+    first = x.repeat(1, n_samples, 1) if shared else x  # sample-major columns
+    acts = [first, torch.randn(n_copies, n_cols, 4, generator=g, dtype=f64)]
+    deltas = [torch.randn(n_copies, n_cols, s.out_features, generator=g, dtype=f64) for s in layout.slots]
+    cache = SimpleNamespace(factor_gram=u.mT @ u, factor_sqnorms=u.square().sum(-1))
+    shared_input = x if shared else None
+    products = []
+    monkeypatch.setattr(stacked_slang, "top_eigenpairs", _recording(stacked_slang.top_eigenpairs, products))
+    whole = stacked_slang._gram_update(u, cache, deltas, acts, layout, 0.9, 2.5, 1, {}, None, shared_input)
+    monkeypatch.setattr(stacked_slang, "_HALF_GRAM_COLUMNS", 4)
+    workspace = {"btb": torch.full((n_copies * (rank + n_cols) ** 2,), torch.nan, dtype=f64)}  # never read there
+    lower = stacked_slang._gram_update(u, cache, deltas, acts, layout, 0.9, 2.5, 1, workspace, None, shared_input)
+    assert products[0].split == rank + n_cols and products[1].split == rank + (9 if shared else 6)
+    # the lower part stands for the whole matrix: filled in, and in the eigensolver's products
+    torch.testing.assert_close(products[1].dense(), products[0].data, rtol=1e-12, atol=1e-12)
+    vectors = torch.linalg.qr(torch.randn(n_copies, rank + n_cols, 6, generator=g, dtype=f64)).Q
+    torch.testing.assert_close(products[1] @ vectors, products[0].data @ vectors, rtol=1e-12, atol=1e-12)
+    dense = stacked_slang._dense_update(u, deltas, acts, layout, 0.9, 2.5, step=1)
+    for a, b, c in zip(whole, lower, dense):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(b, c, rtol=1e-9, atol=1e-9)
+
+
+def _recording(function, calls: list):
+    """``function``, recording the matrix each call gets."""
+
+    def wrapped(matrix, *args, **kwargs):
+        calls.append(matrix)
+        return function(matrix, *args, **kwargs)
+
+    return wrapped
+
+
 @pytest.mark.parametrize("variant", ["full_hess", "mf_ef"])
 def test_stacked_table1_vogn_job_equals_its_single_runs(tmp_path: Path, compose_cfg, variant: str) -> None:
     """SLANG Table 1's natural-gradient columns (logistic regression) stack their splits too."""

@@ -224,6 +224,74 @@ def stacked_slang_update(
     return new_state, new_cache
 
 
+_HALF_GRAM_COLUMNS = 128  # from this many gradient columns only the lower 3/4 of G^T G is formed
+
+
+def _gram_blocks(
+    factor: Tensor,
+    half: int,
+    out: tuple[Tensor, Tensor] | None,
+    *,
+    accumulate: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The stored blocks of :math:`FF^\top` for rows F ``(R, P, k)``: rows ``[0, half)`` against columns
+    ``[0, half)`` ``(R, half, half)`` and rows ``[half, P)`` against all ``(R, P - half, P)``; written into
+    ``out`` (added to it with ``accumulate``), or fresh (``out=None``)."""
+    top, rows = factor[:, :half], factor[:, half:]
+    if out is None:
+        return top @ top.mT, rows @ factor.mT
+    beta = 1.0 if accumulate else 0.0
+    out[0].baddbmm_(top, top.mT, beta=beta)
+    if out[1].shape[1] > 0:
+        out[1].baddbmm_(rows, factor.mT, beta=beta)
+    return out
+
+
+def _workspace_blocks(
+    workspace: dict[str, Tensor] | None, name: str, like: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Scratch blocks shaped as ``like`` (:func:`_gram_blocks`' pair), from ``workspace``."""
+    return (
+        workspace_buffer(workspace, name, like[0].shape, like[0]),
+        workspace_buffer(workspace, f"{name}_rows", like[1].shape, like[1]),
+    )
+
+
+@dataclass(frozen=True)
+class _LowerStored:
+    """Symmetric matrices ``(R, K, K)`` of which ``data`` holds the rows ``[0, split)`` up to column ``split``
+    and the rows ``[split, K)`` whole: the block above-right of ``split`` is the transpose of the one below-left,
+    and is not stored (``split = K``: all of it is)."""
+
+    data: Tensor
+    split: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def __matmul__(self, vectors: Tensor) -> Tensor:
+        """The product with ``vectors`` ``(R, K, b)``: three batched GEMMs on the stored blocks."""
+        s, data = self.split, self.data
+        if s == data.shape[-1]:
+            return data @ vectors
+        # the unstored block's product as (V_2^T B)^T: with Q's column-major V, B^T V_2 itself runs 5x slower
+        top = torch.bmm(data[:, :s, :s], vectors[:, :s]).add_(torch.bmm(vectors[:, s:].mT, data[:, s:, :s]).mT)
+        return torch.cat([top, torch.bmm(data[:, s:], vectors)], dim=1)
+
+    def dense(self, copies: Tensor | None = None) -> Tensor:
+        """The whole matrices (of the ``copies`` given, else of all), the unstored block filled in."""
+        matrix = (self.data if copies is None else self.data[copies]).clone()
+        s = self.split
+        matrix[:, :s, s:] = matrix[:, s:, :s].mT
+        return matrix
+
+    def stored_sums(self) -> Tensor:
+        """Each copy's sum over the stored entries ``(R,)`` (finite exactly when the whole matrix is)."""
+        s, data = self.split, self.data
+        return data[:, :s, :s].sum((1, 2)) + data[:, s:].sum((1, 2))
+
+
 def _gram_update(
     u: Tensor,
     cache: PrecisionCache,
@@ -250,9 +318,18 @@ def _gram_update(
     size = rank + n_cols
     btb = workspace_buffer(workspace, "btb", (n_copies, size, size), u)
     cross = torch.zeros(n_copies, n_cols, rank, dtype=u.dtype, device=u.device)  # U^T g_p as rows
-    # G^T G, summed over the layers in a contiguous buffer (a product into the strided block of btb would
-    # run as one small GEMM per copy), then scaled into btb in one pass
-    gram = workspace_buffer(workspace, "gram", (n_copies, n_cols, n_cols), u)
+    # G^T G, summed over the layers in contiguous buffers (a product into the strided block of btb would
+    # run as one small GEMM per copy), then scaled into btb. G^T G is symmetric: from P = 128 columns on, only
+    # its first h rows against the first h columns and its last P - h rows against all columns are formed
+    # (h = P / 2, whole samples with a shared first input; 3/4 of the products), and the upper right block of
+    # B^T B is never written: the eigensolver multiplies by its transpose (_LowerStored)
+    n_rows = shared_input.shape[1] if shared_input is not None else 1
+    half = n_rows * (n_cols // n_rows // 2) if n_cols >= _HALF_GRAM_COLUMNS else 0
+    half = half or n_cols  # one sample on a shared input: whole
+    blocks = (
+        workspace_buffer(workspace, "gram", (n_copies, half, half), u),
+        workspace_buffer(workspace, "gram_rows", (n_copies, n_cols - half, n_cols), u),
+    )
     inputs = list(acts) if shared_input is None else [shared_input, *acts[1:]]  # (R, M, in) or (R, P, in)
     first = True
     for layer, (dl, a, x, (uw, ub)) in enumerate(zip(deltas, acts, inputs, u_layers)):
@@ -264,37 +341,39 @@ def _gram_update(
             xxt = shared_input @ shared_input.mT
             if ub is not None:
                 xxt.add_(1.0)
-            target = gram if first else workspace_buffer(workspace, "outer", gram.shape, u)
-            torch.bmm(dl, dl.mT, out=target)
-            n_rows = shared_input.shape[1]
-            target.view(n_copies, -1, n_rows, n_cols // n_rows, n_rows).mul_(xxt[:, None, :, None, :])
+            targets = blocks if first else _workspace_blocks(workspace, "outer", blocks)
+            _gram_blocks(dl, half, targets)
+            for target in targets:  # rows and columns start at whole samples: X X^T tiles every block
+                target.view(n_copies, -1, n_rows, target.shape[-1] // n_rows, n_rows).mul_(xxt[:, None, :, None, :])
             if not first:
-                gram += target
+                for block, target in zip(blocks, targets):
+                    block += target
             first = False
             continue
         if ub is not None:
             a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
         if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
-            scaled = a * dl
-            if first:
-                torch.bmm(scaled, scaled.mT, out=gram)
-            else:
-                gram.baddbmm_(scaled, scaled.mT)
+            _gram_blocks(a * dl, half, blocks, accumulate=not first)
         else:
-            outer = torch.bmm(dl, dl.mT, out=workspace_buffer(workspace, "outer", gram.shape, u))
+            outer = _gram_blocks(dl, half, _workspace_blocks(workspace, "outer", blocks))
             if first:
-                torch.bmm(a, a.mT, out=gram).mul_(outer)
+                for block, factor in zip(_gram_blocks(a, half, blocks), outer):
+                    block.mul_(factor)
             else:
-                gram.addcmul_(a @ a.mT, outer)
+                for block, a_block, factor in zip(blocks, _gram_blocks(a, half, None), outer):
+                    block.addcmul_(a_block, factor)
         first = False
-    torch.mul(gram, w1, out=btb[:, rank:, rank:])
+    split = rank + half  # B^T B's rows from here on are stored whole, those above it up to column split
+    torch.mul(blocks[0], w1, out=btb[:, rank:split, rank:split])
+    torch.mul(blocks[1], w1, out=btb[:, split:, rank:])
     btb[:, :rank, :rank] = cache.factor_gram * w0
     btb[:, rank:, :rank] = cross * (w0 * w1) ** 0.5
-    btb[:, :rank, rank:] = btb[:, rank:, :rank].mT
-    _check_finite(btb.flatten(1).sum(1), step, "Gram matrix B^T B")
+    btb[:, :rank, rank:split] = btb[:, rank:split, :rank].mT
+    matrix = _LowerStored(btb, split)
+    _check_finite(matrix.stored_sums(), step, "Gram matrix B^T B")
     # started from B^T B's first L columns: the images of the U block, one power step ahead of it (with
     # P = 200, kin8nm's search needs 2 products a step instead of 3)
-    eigenvalues, top = top_eigenpairs(btb, rank, start=btb[:, :, :rank])  # (R, L), (R, L + P, L)
+    eigenvalues, top = top_eigenpairs(matrix, rank, start=btb[:, :, :rank])  # (R, L), (R, L + P, L)
     coefficient_sums = None
     if sign_reference is not None:  # B^T b = [sqrt(w0) U^T b; sqrt(w1) G^T b]
         g_ref = torch.zeros_like(deltas[0][..., 0])  # (R, P)
@@ -406,10 +485,10 @@ _MAX_ITERATIONS = 60
 
 
 def top_eigenpairs(
-    matrix: Tensor, rank: int, *, tol: float | None = None, start: Tensor | None = None
+    matrix: Tensor | _LowerStored, rank: int, *, tol: float | None = None, start: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    r"""The top-``rank`` eigenpairs of symmetric PSD matrices ``(R, K, K)``, largest first:
-    eigenvalues ``(R, L)`` and unit eigenvectors ``(R, K, L)``.
+    r"""The top-``rank`` eigenpairs of symmetric PSD matrices ``(R, K, K)`` (whole, or their lower part:
+    :class:`_LowerStored`), largest first: eigenvalues ``(R, L)`` and unit eigenvectors ``(R, K, L)``.
 
     Block subspace iteration with Rayleigh-Ritz (Saad, *Numerical Methods for Large Eigenvalue
     Problems*, Alg. 5.2) on ``rank + 4`` vectors, started from ``start`` ``(R, K, L)`` (default: the first
@@ -421,15 +500,18 @@ def top_eigenpairs(
     decomposed by ``torch.linalg.eigh``. For K = L + P in the hundreds (UCI batches of 100 with 2 MC
     samples) this is ~10-30x cheaper than a full ``eigh`` of every copy.
     """
+    if not isinstance(matrix, _LowerStored):
+        matrix = _LowerStored(matrix, matrix.shape[-1])
     n_copies, size, _ = matrix.shape
+    like = matrix.data
     if size <= rank + _OVERSAMPLING:
-        evals, evecs = torch.linalg.eigh(matrix)
+        evals, evecs = torch.linalg.eigh(matrix.dense())
         return evals[:, -rank:].flip(-1), evecs[:, :, -rank:].flip(-1)
-    tol = 100 * torch.finfo(matrix.dtype).eps if tol is None else tol
+    tol = 100 * torch.finfo(like.dtype).eps if tol is None else tol
     block = rank + _OVERSAMPLING
-    noise = torch.randn(size, block, generator=torch.Generator().manual_seed(0), dtype=matrix.dtype).to(matrix.device)
+    noise = torch.randn(size, block, generator=torch.Generator().manual_seed(0), dtype=like.dtype).to(like.device)
     vectors = noise.expand(n_copies, size, block).clone()
-    vectors[..., :rank] += 10.0 * torch.eye(size, rank, dtype=matrix.dtype, device=matrix.device)
+    vectors[..., :rank] += 10.0 * torch.eye(size, rank, dtype=like.dtype, device=like.device)
     if start is not None:  # the given directions exactly (a copy's all-zero start keeps the coordinates)
         norms = start.norm(dim=1, keepdim=True)
         vectors[..., :rank] = torch.where(
@@ -443,12 +525,12 @@ def top_eigenpairs(
         top = ritz_vectors[:, :, -rank:].flip(-1)
         vectors = thin_matmul(basis, top)
         residual = (thin_matmul(image, top) - vectors * values[:, None, :]).norm(dim=(1, 2))
-        done = residual <= tol * values[:, 0].abs().clamp_min(torch.finfo(matrix.dtype).tiny)
+        done = residual <= tol * values[:, 0].abs().clamp_min(torch.finfo(like.dtype).tiny)
         if bool(done.all()):
             return values, vectors
         basis = torch.linalg.qr(image).Q
     stuck = (~done).nonzero()[:, 0]
-    evals, evecs = torch.linalg.eigh(matrix[stuck])
+    evals, evecs = torch.linalg.eigh(matrix.dense(stuck))
     values, vectors = values.clone(), vectors.clone()
     values[stuck], vectors[stuck] = evals[:, -rank:].flip(-1), evecs[:, :, -rank:].flip(-1)
     return values, vectors
