@@ -234,7 +234,7 @@ def _gram_blocks(
     *,
     accumulate: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """The stored blocks of :math:`FF^\top` for rows F ``(R, P, k)``: rows ``[0, half)`` against columns
+    """The stored blocks of :math:`FF^\\top` for rows F ``(R, P, k)``: rows ``[0, half)`` against columns
     ``[0, half)`` ``(R, half, half)`` and rows ``[half, P)`` against all ``(R, P - half, P)``; written into
     ``out`` (added to it with ``accumulate``), or fresh (``out=None``)."""
     top, rows = factor[:, :half], factor[:, half:]
@@ -281,8 +281,11 @@ class _LowerStored:
 
     def dense(self, copies: Tensor | None = None) -> Tensor:
         """The whole matrices (of the ``copies`` given, else of all), the unstored block filled in."""
-        matrix = (self.data if copies is None else self.data[copies]).clone()
+        matrix = self.data if copies is None else self.data[copies]
         s = self.split
+        if s == matrix.shape[-1]:  # stored whole
+            return matrix
+        matrix = matrix.clone()
         matrix[:, :s, s:] = matrix[:, s:, :s].mT
         return matrix
 
