@@ -57,6 +57,7 @@ from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with, unflatten, unflatten_stacked
+from bdl_bench.optim import adam, load_adam_state
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
@@ -245,7 +246,7 @@ class BayesByBackprop(Method):
         self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
         init = torch.full_like(self.mean, float(self.init_std))
         self.rho = softplus_inverse(init).requires_grad_(True)  # (D,)  sigma = softplus(rho)
-        self.optimizer = torch.optim.Adam([self.mean, self.rho], lr=self.lr)
+        self.optimizer = adam([self.mean, self.rho], self.lr)
 
     def std(self) -> Tensor:
         """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)`` (differentiable)."""
@@ -295,7 +296,7 @@ class BayesByBackprop(Method):
         n_copies = len(problems)
         self.mean = self.mean.detach().expand(n_copies, -1).clone().requires_grad_(True)  # (R, D)
         self.rho = self.rho.detach().expand(n_copies, -1).clone().requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.mean, self.rho], lr=self.lr)
+        self.optimizer = adam([self.mean, self.rho], self.lr)
 
     def _outputs_local_replicas(self, x: Tensor, n_samples: int) -> Tensor:
         """:meth:`_outputs_local` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``.
@@ -379,7 +380,7 @@ class BayesByBackprop(Method):
         with torch.no_grad():
             self.mean.copy_(state["mean"])
             self.rho.copy_(state["rho"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_adam_state(self.optimizer, state["optimizer"])
 
 
 def _check_linear_sequential(model: nn.Module) -> None:

@@ -228,6 +228,30 @@ def test_state_dict_round_trip_gives_identical_next_step(estimator: str) -> None
     assert_close(c.state_dict()["rho"], a.state_dict()["rho"], rtol=0, atol=0)
 
 
+def test_fused_adam_single_and_stacked_steps_equal_the_plain_adam_and_survive_a_resume() -> None:
+    """BBB's Adam is the fused kernel (bdl_bench.optim.adam) for one run and for stacked copies, a resumed
+    run keeps it, and its steps are the plain Adam's up to float rounding."""
+    x, y, _, _ = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    fused, plain = make_bbb(), make_bbb()
+    fused.setup(make_problem(1, likelihood, seed=1))
+    plain.setup(make_problem(1, likelihood, seed=1))
+    plain.optimizer = torch.optim.Adam([plain.mean, plain.rho], lr=plain.lr)
+    assert fused.optimizer.param_groups[0]["fused"] and not plain.optimizer.param_groups[0]["fused"]
+    for _ in range(5):
+        for method in (fused, plain):
+            method.train_step(x[:25], y[:25])
+    for key in ("mean", "rho"):
+        assert_close(fused.state_dict()[key], plain.state_dict()[key], rtol=1e-5, atol=1e-7)
+    resumed = make_bbb()
+    resumed.setup(make_problem(1, likelihood, seed=2))
+    resumed.load_state_dict(plain.state_dict())  # a checkpoint of the plain kernel
+    assert resumed.optimizer.param_groups[0]["fused"]
+    stacked = make_bbb()
+    stacked.setup_replicas([make_problem(1, likelihood, seed=1) for _ in range(2)])
+    assert stacked.optimizer.param_groups[0]["fused"]
+
+
 @pytest.mark.parametrize("n_samples", [1, 3])
 @pytest.mark.parametrize("bias", ["none", "zero_var", "positive_var"])
 def test_stacked_local_linear_matches_autograd_of_the_plain_expression(n_samples: int, bias: str) -> None:
