@@ -275,9 +275,12 @@ class _LowerStored:
         s, data = self.split, self.data
         if s == data.shape[-1]:
             return data @ vectors
-        # the unstored block's product as (V_2^T B)^T: with Q's column-major V, B^T V_2 itself runs 5x slower
-        top = torch.bmm(data[:, :s, :s], vectors[:, :s]).add_(torch.bmm(vectors[:, s:].mT, data[:, s:, :s]).mT)
-        return torch.cat([top, torch.bmm(data[:, s:], vectors)], dim=1)
+        # as (V^T A)^T, every block read row by row: V^T A's first s columns from the stored blocks left of the
+        # split, the rest as (A_2 V)^T from the whole rows A_2 below it; b x K products of a column-major V (QR's)
+        # run faster than K x b ones (1.2 -> 1.0 ms at 100 copies, K = 201, b = 5)
+        rows = vectors.mT  # (R, b, K)
+        left = torch.bmm(rows[:, :, :s], data[:, :s, :s]).add_(torch.bmm(rows[:, :, s:], data[:, s:, :s]))
+        return torch.cat([left, torch.bmm(rows, data[:, s:].mT)], dim=2).mT
 
     def dense(self, copies: Tensor | None = None) -> Tensor:
         """The whole matrices (of the ``copies`` given, else of all), the unstored block filled in."""
