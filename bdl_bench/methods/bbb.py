@@ -189,7 +189,13 @@ class _StackedLocalLinear(torch.autograd.Function):
             if clamped is not None:
                 g_var.masked_fill_(clamped.unsqueeze(1), 0.0)
             g, g_var = g.sum(1), g_var.sum(1)
-        grad_a = thin_matmul(g, w_mean).addcmul_(thin_matmul(g_var, w_var), a) if need_a else None
+        grad_a = None
+        if need_a:  # a o (g' sigma_W^2) + g mu_W: the mean path's product added into the variance path's output
+            grad_a = thin_matmul(g_var, w_var).mul_(a)
+            if w_mean.shape[1] == 1:  # one output: g mu_W is an outer product
+                grad_a.addcmul_(g, w_mean)
+            else:
+                grad_a.baddbmm_(g, w_mean)
         grad_wm = t_matmul(g, a) if need_wm else None  # g^T a
         grad_bm = g.sum(1) if need_bm and ctx.has_bias[0] else None
         grad_wv = t_matmul(g_var, a2).mul(0.5) if need_wv else None

@@ -252,17 +252,19 @@ def test_fused_adam_single_and_stacked_steps_equal_the_plain_adam_and_survive_a_
     assert stacked.optimizer.param_groups[0]["fused"]
 
 
+@pytest.mark.parametrize("n_out", [1, 3])
 @pytest.mark.parametrize("n_samples", [1, 3])
 @pytest.mark.parametrize("bias", ["none", "zero_var", "positive_var"])
-def test_stacked_local_linear_matches_autograd_of_the_plain_expression(n_samples: int, bias: str) -> None:
+def test_stacked_local_linear_matches_autograd_of_the_plain_expression(n_samples: int, bias: str, n_out: int) -> None:
     """The stacked layer's hand-written backward, with an input shared by S samples (S = 3: its products
     taken once per example) or not, and with the variance clamp needed (no bias, or a bias variance of 0
-    with all-zero input rows) or skipped (a positive bias variance), against autograd of
+    with all-zero input rows) or skipped (a positive bias variance), for one output (broadcast products) and
+    several, against autograd of
     ``a mu^T + b + sqrt(max(a^2 var^T + b_var, tiny)) eps`` on the inputs repeated S times (float64)."""
     from bdl_bench.methods.bbb import _StackedLocalLinear
 
     gen = torch.Generator().manual_seed(3)
-    r, m, n_in, n_out = 2, 5, 4, 3
+    r, m, n_in = 2, 5, 4
 
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
