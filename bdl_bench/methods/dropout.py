@@ -270,8 +270,11 @@ class MCDropout(Method):
         shared by the copies, copy r keeping the units whose draw is at least its own rate."""
         g = self.problem.generator
         u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
-        rate = self._mask_rates.view(-1, *([1] * (h.dim() - 1)))
-        return h * (u >= rate).to(h.dtype).div_(1 - rate)
+        if len(self._mask_rates) == 1:  # one rate for all copies: the single run's mask (_scaled_masks), in place
+            rate = self._replica_rate_values[0]
+            return h * u.ge_(rate).div_(1 - rate)
+        rates = self._mask_rates.view(-1, *([1] * (h.dim() - 1)))
+        return h * (u >= rates).to(h.dtype).div_(1 - rates)
 
     @torch.no_grad()
     def predict_replicas(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
