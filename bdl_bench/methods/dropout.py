@@ -243,8 +243,8 @@ class MCDropout(Method):
             raise ValueError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
         self._replica_rate_values = [float(p) for p in rates]
         self._replica_rates = torch.tensor(rates, dtype=self.theta.dtype, device=self.theta.device)  # (R,)
-        # one rate for all copies (e.g. trials of tau alone): one mask of a single run's shape serves them all
-        self._mask_rates = self._replica_rates[:1] if len(set(self._replica_rate_values)) == 1 else self._replica_rates
+        # one rate for all copies (e.g. trials of tau alone): the single run's mask serves them all
+        self._shared_rate = self._replica_rate_values[0] if len(set(self._replica_rate_values)) == 1 else None
         self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
         self.optimizer = adam([self.theta], self.lr)
 
@@ -268,12 +268,11 @@ class MCDropout(Method):
     def _drop_replicas(self, h: Tensor) -> Tensor:
         """:meth:`_drop` of stacked copies ``h`` ``(R, ...)``: one uniform draw with a single run's shape,
         shared by the copies, copy r keeping the units whose draw is at least its own rate."""
+        if self._shared_rate is not None:  # one rate for all copies: the single run's mask, in place
+            return h * self._scaled_masks(h.shape[1:], h, [self._shared_rate])[self._shared_rate]
         g = self.problem.generator
         u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
-        if len(self._mask_rates) == 1:  # one rate for all copies: the single run's mask (_scaled_masks), in place
-            rate = self._replica_rate_values[0]
-            return h * u.ge_(rate).div_(1 - rate)
-        rates = self._mask_rates.view(-1, *([1] * (h.dim() - 1)))
+        rates = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
         return h * (u >= rates).to(h.dtype).div_(1 - rates)
 
     @torch.no_grad()
