@@ -32,6 +32,7 @@ from typing import Any
 
 import pandas as pd
 import yaml
+from packaging.version import Version
 
 from bdl_bench.errors import ResultsError
 
@@ -77,6 +78,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_csv_exact(path: Path) -> pd.DataFrame:
+    """``pandas.read_csv`` with every float parsed to the value its text was written from (``repr`` round trip).
+
+    The default parser of pandas before 3.1 can miss by an ulp (pandas 3.0.6 read ``0.07460103817013915`` as
+    ``0.0746010381701391``), and a searched value read back so would change a test run's config and its hash;
+    pandas 3.1 parses exactly and deprecates the option, so it is passed before 3.1 only."""
+    exact = {"float_precision": "round_trip"} if Version(pd.__version__) < Version("3.1") else {}
+    return pd.read_csv(path, **exact)
 
 
 def _json_safe(value: Any) -> Any:

@@ -53,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.base import CannotStack, NonFiniteLossError
-from bdl_bench.results import METRICS_FILE, atomic_write_text
+from bdl_bench.results import METRICS_FILE, atomic_write_text, read_csv_exact
 from bdl_bench.stacked import member_config, run_stack
 
 SEARCH_DIR = ".search"
@@ -336,10 +336,11 @@ class Search:
         return pending
 
     def _score(self, split: int, number: int) -> float:
-        metrics = pd.read_json(self.trial_dir(split, number) / METRICS_FILE, typ="series")
+        metrics = json.loads((self.trial_dir(split, number) / METRICS_FILE).read_text())  # floats exactly as written
         if self.spec.objective not in metrics:
             raise KeyError(f"search.objective={self.spec.objective!r} is not among the trial's metrics")
-        return float(metrics[self.spec.objective])
+        value = metrics[self.spec.objective]
+        return math.nan if value is None else float(value)  # a non-finite metric is written as null
 
     def run(self) -> dict[int, dict[str, Any]]:
         """Every round until each split's budget is spent; the best values per split.
@@ -454,7 +455,7 @@ def write_split_trials(job_dir: Path, member_dirs: Mapping[int, Path]) -> None:
     path = Path(job_dir) / SEARCH_DIR / TRIALS_FILE
     if not path.exists():
         return
-    trials = pd.read_csv(path)
+    trials = read_csv_exact(path)
     for k, d in member_dirs.items():
         Path(d).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(d) / SPLIT_TRIALS_FILE, trials[trials["split"] == k].to_csv(index=False))
@@ -473,7 +474,7 @@ def search_summary(folder: Path) -> pd.DataFrame:
         if not path.exists():
             continue
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        trials = pd.read_csv(path)
+        trials = read_csv_exact(path)
         best = trials[trials["best"].astype(bool)]
         chosen = best.drop(columns=["split", "trial", "state", "best", "error"]).iloc[0].to_dict() if len(best) else {}
         rows.append(
@@ -526,7 +527,7 @@ def apply_searched(cfg: DictConfig, run_dir: Path) -> DictConfig:
     path = Path(run_dir) / SPLIT_TRIALS_FILE
     if not has_search(cfg) or not path.exists():
         return cfg
-    trials = pd.read_csv(path)
+    trials = read_csv_exact(path)
     best = trials[trials["best"].astype(bool)]
     if best.empty:
         return cfg

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from bdl_bench.reproduce import _expand, agreement, main, make_plan, markdown
-from bdl_bench.results import code_version
+from bdl_bench.results import code_version, read_csv_exact
 
 
 def test_unknown_experiment_lists_the_available_ones() -> None:
@@ -99,7 +99,7 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     assert "agrees_rmse" in pd.read_csv(runs / "reproduce.csv", comment="#").columns
     search = "search.n_guided=2,search.n_random=2,search.round_size=2"
     run_dir = runs / f"data.split=0,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
-    trials = pd.read_csv(run_dir / "search.csv")  # the stacked search's 4 trials, the best marked
+    trials = read_csv_exact(run_dir / "search.csv")  # the stacked search's 4 trials, the best marked
     assert len(trials) == 4 and trials["best"].sum() == 1
     best = trials[trials["best"]].iloc[0]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -13,6 +13,7 @@ import yaml
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.dropout import MCDropout
+from bdl_bench.results import read_csv_exact
 from bdl_bench.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec, with_method_settings
 from bdl_bench.sweep import run_job
 
@@ -28,7 +29,7 @@ def _cfg(compose_cfg, method: str, *extra: str):
 
 
 def _trials(job: Path) -> pd.DataFrame:
-    return pd.read_csv(job / SEARCH_DIR / TRIALS_FILE)
+    return read_csv_exact(job / SEARCH_DIR / TRIALS_FILE)
 
 
 def test_batched_search_beats_the_default_and_resumes_after_a_kill(tmp_path: Path, compose_cfg) -> None:
