@@ -80,8 +80,9 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def read_csv_exact(path: Path) -> pd.DataFrame:
-    """``pandas.read_csv`` with every float parsed to the value its text was written from (``repr`` round trip).
+def read_csv_exact(path: Any) -> pd.DataFrame:
+    """``pandas.read_csv`` of ``path`` (or an open file) with every float parsed to the value its text was written
+    from (``repr`` round trip).
 
     The default parser of pandas before 3.1 can miss by an ulp (pandas 3.0.6 read ``0.07460103817013915`` as
     ``0.0746010381701391``), and a searched value read back so would change a test run's config and its hash;

@@ -15,12 +15,13 @@ from typing import Any
 import pandas as pd
 
 from bdl_bench.errors import ResultsError
+from bdl_bench.results import read_csv_exact
 
 
 def read_paper_csv(name: str) -> pd.DataFrame:
     """One of the transcribed CSVs shipped in ``bdl_bench/report/paper_numbers``."""
     with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
-        return pd.read_csv(f)
+        return read_csv_exact(f)  # the printed value's nearest float (before pandas 3.1, not always)
 
 
 def read_paper_csv_text(name: str) -> pd.DataFrame:
