@@ -118,12 +118,11 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return out
 
 
-def _finished_on_cuda(folder: Path) -> dict:
+def _finished_on_cuda(folder: Path) -> None:
     record = json.loads((folder / "run.json").read_text())
     assert record["status"] == "finished" and record["device"] == "cuda", (folder, record)
     metrics = json.loads((folder / "metrics.json").read_text())
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), (folder, metrics)
-    return metrics
 
 
 SINGLE = ["slang", "bbb", "dropout", "gmfvi", "ktied", "elrg", "vogn", "map", "ensemble", "laplace", "hmc"]
@@ -154,11 +153,10 @@ def test_every_method_runs_on_the_gpu(tmp_path: Path) -> None:
 def test_a_stacked_search_runs_on_the_gpu(tmp_path: Path) -> None:
     """Trials as stacked copies, two splits, three methods: every split's test run and its trials on the GPU."""
     search = ["search.n_random=2", "search.n_guided=2", "search.round_size=2"]
-    methods = "method=slang,bbb,dropout"
     _cli(
         "run",
         "-m",
-        methods,
+        "method=slang,bbb,dropout",
         "data=uci/yacht",
         "data.split=[0,1]",
         "tune=slang_table2",
@@ -177,7 +175,7 @@ def test_a_stacked_search_runs_on_the_gpu(tmp_path: Path) -> None:
             assert len(trials) == 1 + 4 and all(",COMPLETE," in row for row in trials[1:]), trials
 
 
-def test_bench_step_reports_the_gpu(tmp_path: Path) -> None:
+def test_bench_step_reports_the_gpu() -> None:
     out = subprocess.run(
         [
             sys.executable,
