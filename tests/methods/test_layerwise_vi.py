@@ -136,7 +136,8 @@ def test_kl_annealing_and_step_record(kind: str) -> None:
     for _ in range(6):
         out = method.train_step(x[:20], y[:20])
         assert set(out) >= {"loss", "nll", "kl", "kl_weight"}
-        assert out["loss"] == pytest.approx(out["nll"] + out["kl_weight"] * out["kl"], rel=1e-5)
+        loss, nll, kl = (float(out[k]) for k in ("loss", "nll", "kl"))
+        assert loss == pytest.approx(nll + out["kl_weight"] * kl, rel=1e-5)
         weights.append(out["kl_weight"])
     assert weights == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert [kl_annealing_weight(t, 0) for t in (1, 100)] == [1.0, 1.0]
