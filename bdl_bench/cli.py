@@ -30,6 +30,8 @@ commands:
   plot <folder> [...]     figures from run folders (convergence, covariance, ood)
   data list|fetch|verify  the download registry: list files, fetch them into the cache, verify checksums
   reproduce <experiment>  run (or resume) a paper experiment's sweep, tuning included, and compare with the paper
+  list [group ...]        what can be chosen: methods, datasets, models, experiments, … with one line each
+  --version               the package version, its git checkout and the main packages' versions
 
 examples:
   bdl-bench run                                  # SLANG on UCI boston, split 0
@@ -250,10 +252,34 @@ def plot_command(args: list[str]) -> None:
     plot_main(args)
 
 
+STATUS_PAGE = CONF_DIR.parent / "results" / "README.md"
+
+
 def reproduce_command(args: list[str]) -> None:
+    """``reproduce <experiment>``; ``reproduce --list``: every paper artefact with its status and command;
+    ``reproduce --status-page``: rewrite ``results/README.md`` from the artefact catalogue."""
+    if args in (["--list"], ["--status-page"]):
+        from bdl_bench.report.status import listing, load_catalogue, render_page
+
+        artefacts = load_catalogue()
+        if args == ["--list"]:
+            print(listing(artefacts))
+        else:
+            STATUS_PAGE.write_text(render_page(artefacts, STATUS_PAGE.parent) + "\n")
+            print(f"wrote {STATUS_PAGE}")
+        return
     from bdl_bench.reproduce import main as reproduce_main
 
     reproduce_main(args)
+
+
+def list_command(args: list[str]) -> None:
+    from bdl_bench.catalogue import LISTED_GROUPS, listing
+
+    unknown = [group for group in args if group not in LISTED_GROUPS]
+    if unknown:
+        raise SystemExit(f"bdl-bench list: unknown group {unknown[0]!r}; available: {', '.join(LISTED_GROUPS)}")
+    print(listing(CONF_DIR, tuple(args) or LISTED_GROUPS))
 
 
 def data_command(args: list[str]) -> None:
@@ -287,6 +313,11 @@ def dispatch(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return
+    if argv[0] == "--version":
+        from bdl_bench.catalogue import version_text
+
+        print(version_text())
+        return
     command, rest = argv[0], argv[1:]
     commands = {
         "run": run_command,
@@ -294,6 +325,7 @@ def dispatch(argv: list[str]) -> None:
         "plot": plot_command,
         "reproduce": reproduce_command,
         "data": data_command,
+        "list": list_command,
     }
     if command not in commands:
         raise SystemExit(f"bdl-bench: unknown command {command!r}; available: {', '.join(commands)}\n\n{USAGE}")

@@ -126,11 +126,15 @@ def resolve_device(name: str) -> torch.device:
 
 def device_record(device: torch.device) -> dict[str, Any]:
     """What ``run.json`` records of the device a run used: its type (``cpu``, ``cuda``), the GPU's name,
-    and the torch and CUDA versions (results of different devices differ in the last digits)."""
+    the torch and CUDA versions (results of different devices differ in the last digits), and the installed
+    versions of the main packages (``packages``: Python, numpy, pandas, Hydra, Optuna, …)."""
+    from bdl_bench.catalogue import package_versions
+
     record: dict[str, Any] = {
         "device": device.type,
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
+        "packages": package_versions(),
     }
     if device.type == "cuda":
         record["device_name"] = torch.cuda.get_device_name(device)

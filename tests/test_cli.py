@@ -58,3 +58,34 @@ def test_unknown_command_and_help(tmp_path: Path) -> None:
     out = _cli("frobnicate", cwd=tmp_path)
     assert out.returncode != 0 and "unknown command 'frobnicate'" in out.stderr
     assert "bdl-bench run" in _cli("--help", cwd=tmp_path).stdout
+
+
+def test_version_names_the_package_and_its_main_dependencies(tmp_path: Path) -> None:
+    import torch
+
+    from bdl_bench import __version__
+
+    out = _cli("--version", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.splitlines()[:2]
+    assert first.startswith(f"bdl-bench {__version__}") and "(git " in first  # run from this checkout
+    assert f"torch {torch.__version__}" in second and "hydra-core " in second
+
+
+def test_list_shows_every_option_with_its_description(tmp_path: Path) -> None:
+    from bdl_bench.catalogue import LISTED_GROUPS, describe, listing
+    from bdl_bench.cli import CONF_DIR
+
+    out = _cli("list", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for group in LISTED_GROUPS:
+        for choice in group_choices(group):
+            line = next((x for x in out.stdout.splitlines() if x.split()[:1] == [choice]), None)
+            assert line is not None, f"{group}={choice} missing from `bdl-bench list`"
+    # every method, model, dataset and experiment says what it is
+    for group in ("method", "model", "data", "experiment"):
+        for path in (CONF_DIR / group).rglob("*.yaml"):
+            assert describe(path), f"{path} has no description comment"
+    assert listing(CONF_DIR, ("method",)).startswith("method= (")
+    bad = _cli("list", "nope", cwd=tmp_path)
+    assert bad.returncode == 1 and "unknown group 'nope'" in bad.stderr

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -84,6 +85,7 @@ def test_checkpoint_names_its_device_and_is_refused_on_another(tmp_path: Path, c
         run(cfg, tmp_path, epoch_hook=_crash_after(1))
     record = read_run_record(tmp_path)
     assert record["device"] == "cpu" and record["torch_version"] == torch.__version__
+    assert record["packages"]["pandas"] == pd.__version__ and record["packages"]["hydra-core"]
     assert "cuda_version" in record
     checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
     assert checkpoint is not None and checkpoint.device == "cpu"
