@@ -295,7 +295,8 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
     ``finished`` column says which is which. A run whose ``config.yaml`` or ``metrics.json`` cannot be
     read (cut short by a full disk or a killed copy) is left out with one warning line on stderr naming
     the file, or refused with ``strict``. ``frame.attrs["config_columns"]`` lists the columns that are
-    config keys (the others are metrics and bookkeeping).
+    config keys (the others are metrics and bookkeeping); ``config_nulls`` names each run's keys that are
+    null in its config (pandas would otherwise not tell them from keys the run lacks).
 
     Raises:
         ResultsError: with ``strict``, for the first unreadable file.
@@ -317,6 +318,8 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
             continue
         row = flatten(config)
         config_columns |= set(row)
+        # keys set to null: pandas reads them as missing, like keys a run lacks, but null is a setting of its own
+        row["config_nulls"] = tuple(sorted(k for k, v in row.items() if v is None))
         row.update(metrics)
         row["run_dir"] = str(run_dir)
         row["finished"] = finished

@@ -77,11 +77,22 @@ def setting_labels(runs: pd.DataFrame, base: pd.Series, ignore: Sequence[str] = 
     labels = base.astype(str).copy()
     dataset = runs["data.name"].astype(str) if "data.name" in runs.columns else pd.Series("", index=runs.index)
     for (_, name), group in runs.groupby([dataset, labels], sort=False):
-        varying = [c for c in keys if _differs(group[c], nested=c.startswith("method.") and c.count(".") >= 2)]
+        values = {c: _with_nulls(group, c) for c in keys}
+        varying = [c for c in keys if _differs(values[c], nested=c.startswith("method.") and c.count(".") >= 2)]
         for idx in group.index:
-            parts = [f"{c.removeprefix('method.')}={_plain(group.at[idx, c])}" for c in varying]
+            parts = [f"{c.removeprefix('method.')}={_plain(values[c][idx])}" for c in varying]
             labels[idx] = " ".join([str(name), *parts])
     return labels
+
+
+def _with_nulls(group: pd.DataFrame, key: str) -> pd.Series:
+    """``group[key]`` with the runs whose config sets ``key`` to null reading ``"null"`` (a setting of its own,
+    e.g. DEF at full rank, ``method.rank: null``, beside ``method.rank: 1``) instead of missing."""
+    values = group[key]
+    if "config_nulls" not in group.columns:
+        return values
+    is_null = group["config_nulls"].map(lambda nulls: isinstance(nulls, tuple) and key in nulls)
+    return values.astype(object).mask(is_null, "null") if is_null.any() else values
 
 
 def _differs(values: pd.Series, *, nested: bool) -> bool:

@@ -52,6 +52,30 @@ def test_generic_labels_name_the_varying_option(tmp_path: Path) -> None:
     assert set(table.frame["method"]) == {"slang rank=1", "slang rank=5"}
 
 
+def test_a_setting_null_in_one_run_and_set_in_another_splits_the_rows(tmp_path: Path) -> None:
+    """def_toy's DEF at full rank (``method.rank: null``) and rank 1 are two rows, never one mean of both; a key
+    that some runs lack altogether (an option added since) still does not split them."""
+    for rank, test_ll in ((None, -11.68), (1, -61.62)):
+        _fake_run(
+            tmp_path,
+            f"def_rank{rank}",
+            {"data": {"name": "toy/cubic"}, "method": {"name": "laplace", "structure": "def", "rank": rank}},
+            {"test_ll": test_ll},
+        )
+    _fake_run(tmp_path, "older", {"data": {"name": "toy/cubic"}, "method": {"name": "laplace", "structure": "def"}}, {})
+    (tmp_path / "older" / "metrics.json").unlink()  # unfinished: not in the table
+    table = build_table(tmp_path, metrics=["test_ll"]).frame.set_index("method")
+    assert set(table.index) == {"laplace rank=null", "laplace rank=1"}
+    assert table.loc["laplace rank=null", "test_ll"] == pytest.approx(-11.68)
+    assert table.loc["laplace rank=1", "n_runs"] == 1
+    for split in (0, 1):  # a key only the newer run has does not split a row
+        config = {"data": {"name": "toy/cubic", "split": split}, "method": {"name": "map"}}
+        if split:
+            config["method"]["new_option"] = None
+        _fake_run(tmp_path / "maps", f"map{split}", config, {"test_ll": -3.0})
+    assert set(build_table(tmp_path / "maps", metrics=["test_ll"]).frame["method"]) == {"map"}
+
+
 def test_a_row_of_runs_from_different_devices_is_warned_about(tmp_path: Path) -> None:
     for split, device in enumerate(["cpu", "cuda", "cpu"]):
         _fake_run(
