@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
 from bdl_bench.errors import ConfigError
+from bdl_bench.report.figures import draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
     METRICS_FILE,
@@ -471,6 +472,9 @@ def main(args: list[str]) -> None:
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
     md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
+    figures, skipped = draw_figures(OmegaConf.to_container(plan.config.get("figures") or []), plan.sweep_dir)
+    text += "".join(f"\n\n![{png.stem}]({png.name})" for png in figures)
+    text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
     atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
     csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
     atomic_write_text(plan.sweep_dir / "reproduce.csv", csv_header + frame.to_csv(index=False))

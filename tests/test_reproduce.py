@@ -115,3 +115,23 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     with pytest.raises(SystemExit, match=r"holds 1 run\(s\) of another config version, so no table(.|\n)*config hash"):
         main(args)
     assert "0 ran, 1 skipped" in capsys.readouterr().out  # the sweep's own run was reused, not re-run
+
+
+def test_quick_reproduce_of_a_figure_draws_it_beside_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slang_fig4_bnn's ``figures`` entry: reproduce writes fig4_right.png and shows it in reproduce.md."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
+    args = ["slang_fig4_bnn", "--quick", "--jobs", "1", f"results_root={tmp_path}", "data=libsvm/breast_cancer"]
+    main([*args, "variant=slang_fig4_bnn/slang_L8,slang_fig4_bnn/bbb"])
+    folder = tmp_path / "slang_fig4_bnn_quick"
+    png = folder / "fig4_right.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![fig4_right](fig4_right.png)" in (folder / "reproduce.md").read_text()
+
+
+def test_a_figure_without_its_runs_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    from bdl_bench.report.figures import draw_figures
+
+    drawn, skipped = draw_figures([{"name": "fig1", "kind": "covariance", "dataset": "usps_3vs5"}], tmp_path)
+    assert drawn == [] and skipped[0].startswith("fig1: no finished runs")
+    with pytest.raises(ValueError, match="needs a name and a kind"):
+        draw_figures([{"name": "x", "kind": "histogram"}], tmp_path)
