@@ -400,6 +400,24 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
     }
 
 
+COST_METRICS = ("train_time_s", "cpu_time_s", "peak_rss_mib")
+
+
+def cost_table(folder: Path, paper: str | None) -> str:
+    """The cost of each row's runs (mean ± SE): training wall time, training CPU time and the process's peak
+    resident memory, as each run's ``metrics.json`` records them (a stacked job's time divided among its
+    splits); the columns older runs lack are left out."""
+    from bdl_bench.report.tables import build_table
+    from bdl_bench.results import load_runs
+
+    runs = load_runs(folder)
+    metrics = [m for m in COST_METRICS if m in runs.columns and runs[m].notna().any()]
+    if not metrics:
+        return ""
+    table = build_table(folder, paper=paper, metrics=metrics).markdown.split("\n\n", 1)[-1]
+    return f"\n\nCost per run (training wall and CPU seconds, peak resident memory in MiB):\n\n{table}"
+
+
 def _default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -472,6 +490,7 @@ def main(args: list[str]) -> None:
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
     md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
+    text += cost_table(plan.sweep_dir, str(paper) if paper else None)
     figures, skipped = draw_figures(OmegaConf.to_container(plan.config.get("figures") or []), plan.sweep_dir)
     text += "".join(f"\n\n![{png.stem}]({png.name})" for png in figures)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
