@@ -491,7 +491,8 @@ def main(args: list[str]) -> None:
     header = provenance(args, time.perf_counter() - started)
     md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
     text += cost_table(plan.sweep_dir, str(paper) if paper else None)
-    figures, skipped = draw_figures(OmegaConf.to_container(plan.config.get("figures") or []), plan.sweep_dir)
+    specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
+    figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
     text += "".join(f"\n\n![{png.stem}]({png.name})" for png in figures)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
     atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
