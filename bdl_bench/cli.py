@@ -259,7 +259,7 @@ def reproduce_command(args: list[str]) -> None:
     """``reproduce <experiment>``; ``reproduce --list``: every paper artefact with its status and command;
     ``reproduce --status-page``: rewrite ``results/README.md`` from the artefact catalogue."""
     if args in (["--list"], ["--status-page"]):
-        from bdl_bench.report.status import listing, load_catalogue, render_page
+        from bdl_bench.report.artefacts import listing, load_catalogue, render_page
 
         artefacts = load_catalogue()
         if args == ["--list"]:

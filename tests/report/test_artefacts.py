@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bdl_bench.cli import CONF_DIR, STATUS_PAGE, check_group_overrides, group_choices
-from bdl_bench.report.status import listing, load_catalogue, render_page
+from bdl_bench.report.artefacts import listing, load_catalogue, render_page
 
 ROOT = CONF_DIR.parent
 ARTEFACTS = load_catalogue()
