@@ -397,7 +397,18 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
         "code": code_version(),
         "date": now.strftime("%Y-%m-%d %H:%M UTC"),
         "wall time": f"{wall_s:.0f} s (this invocation; runs reused from an earlier one not included)",
+        "machine": machine_description(),
     }
+
+
+def machine_description() -> str:
+    """The cores, the GPU if any, and the load average when the table was written (a loaded machine stretches
+    the cost table's wall times, not its CPU times)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    load = f"; load average {os.getloadavg()[1]:.1f} over the last 5 min" if hasattr(os, "getloadavg") else ""
+    return f"{_default_jobs()} usable CPU cores, {gpu}{load}"
 
 
 COST_METRICS = ("train_time_s", "cpu_time_s", "peak_rss_mib")
