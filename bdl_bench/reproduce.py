@@ -47,6 +47,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.report.figures import draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
+    COST_METRICS,
     METRICS_FILE,
     atomic_write_text,
     code_version,
@@ -409,9 +410,6 @@ def machine_description() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     load = f"; load average {os.getloadavg()[1]:.1f} over the last 5 min" if hasattr(os, "getloadavg") else ""
     return f"{_default_jobs()} usable CPU cores, {gpu}{load}"
-
-
-COST_METRICS = ("train_time_s", "cpu_time_s", "peak_rss_mib")
 
 
 def cost_table(folder: Path, paper: str | None) -> str:

@@ -439,6 +439,7 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
         leave=False,
     )
     start = time.perf_counter() - elapsed_before
+    cpu_start = time.process_time()
 
     def save(epoch: int) -> None:
         state = make_checkpoint(
@@ -480,6 +481,7 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
     finally:
         bar.close()
     train_time = time.perf_counter() - start
+    cpu_time = time.process_time() - cpu_start
     progress.done = max(progress.done, n_epochs)
     return finish_run(
         cfg,
@@ -491,9 +493,22 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
         prior=prior,
         config_hash_=chash,
         train_time=train_time,
+        cpu_time=cpu_time,
         eval_generator=eval_generator,
         extra_metrics=method.extra_metrics,
     )
+
+
+def peak_rss_mib(model: torch.nn.Module) -> float:
+    """The process's peak resident memory in MiB (Linux's ``ru_maxrss`` is in KiB, macOS's in bytes); on a GPU,
+    the peak memory torch allocated there instead."""
+    device = next(model.parameters(), torch.empty(0)).device
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def make_checkpoint(
@@ -587,12 +602,17 @@ def finish_run(
     config_hash_: str,
     train_time: float,
     eval_generator: torch.Generator,
+    cpu_time: float | None = None,
     extra_metrics: Mapping[str, float] | None = None,
     predictions: Mapping[str, torch.Tensor] | None = None,
 ) -> RunResult:
     """A fitted run's final metrics (test, validation, ELBO, OOD, ``sym_kl``), ``posterior.pt``,
     ``params.pt`` and ``metrics.json`` (written last: its presence marks the run finished); removes
     the run's checkpoint.
+
+    Cost: ``train_time_s`` (training wall time, resumed attempts included), ``cpu_time_s`` (CPU seconds of the
+    process while the attempt that finished it trained) and ``peak_rss_mib`` (the process's peak resident memory
+    so far: in a sweep worker that ran earlier jobs, the largest of them).
 
     ``predictions``: the test and validation outputs ``(S, N, out)`` ``method.predict`` would give from
     ``eval_generator``'s state, already made (a stacked job's shared predictions, :mod:`bdl_bench.stacked`),
@@ -640,6 +660,9 @@ def finish_run(
         if authors is not None:
             metrics["elbo_no_bias_logdet"] = authors
     metrics["train_time_s"] = train_time
+    if cpu_time is not None:
+        metrics["cpu_time_s"] = cpu_time
+    metrics["peak_rss_mib"] = peak_rss_mib(model)
     metrics.update(extra_metrics or {})
     metrics["n_params"] = int(prior.numel())
     reference_cfg = _cfg_get(cfg, "reference")

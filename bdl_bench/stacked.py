@@ -243,6 +243,7 @@ def _run_stack(
         leave=False,
     )
     start = time.perf_counter() - elapsed_before
+    cpu_start = time.process_time()
 
     def on_epoch_end(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
         evaluate_now = eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs)
@@ -284,6 +285,7 @@ def _run_stack(
         bar.close()
     progress.done = max(progress.done, n_epochs)
     train_time = (time.perf_counter() - start) / len(splits)
+    cpu_time = (time.process_time() - cpu_start) / len(splits)
     results = {}
     shared = SharedPredictions(method, [datasets[k] for k in splits], [eval_generators[k] for k in splits])
     for r, k in enumerate(splits):
@@ -296,6 +298,7 @@ def _run_stack(
             prior=priors[k],
             config_hash_=hashes[k],
             train_time=train_time,
+            cpu_time=cpu_time,
             eval_generator=eval_generators[k],
             extra_metrics={"stack_size": float(len(splits))},
             predictions=shared.of_copy(r, int(_cfg_get(members[k], "trainer.n_test_mc_samples"))),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bdl_bench.methods.base import NonFiniteLossError
+from bdl_bench.results import without_cost
 from bdl_bench.runner import run
 
 
@@ -19,7 +20,9 @@ def test_run_writes_config_history_and_metrics(tmp_path: Path, compose_cfg) -> N
     result = run(cfg, tmp_path)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics == pytest.approx(result.metrics)
-    assert {"rmse", "test_ll", "test_ll_joint", "nll", "train_time_s"} <= set(metrics)
+    assert {"rmse", "test_ll", "test_ll_joint", "nll", "train_time_s", "cpu_time_s", "peak_rss_mib"} <= set(metrics)
+    # the cost: CPU seconds of the training (one thread: at most its wall time, plus clock granularity)
+    assert 0 < metrics["cpu_time_s"] <= metrics["train_time_s"] + 0.5 and metrics["peak_rss_mib"] > 50
     history = (tmp_path / "history.csv").read_text().splitlines()
     assert len(history) == 1 + cfg.trainer.n_epochs
 
@@ -100,5 +103,5 @@ def test_deterministic_mode_is_opt_in_and_gives_the_same_cpu_numbers(tmp_path: P
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    plain.pop("train_time_s"), strict.pop("train_time_s")
+    plain, strict = without_cost(plain), without_cost(strict)
     assert strict == plain  # CPU, one thread: bit for bit either way
