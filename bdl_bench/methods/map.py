@@ -13,34 +13,12 @@ import torch
 from torch import Tensor
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.methods._shared import add_prior_term, map_step
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 
-
-@torch.no_grad()
-def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tensor:
-    r"""The prior's part of the per-example objective, :math:`\frac{1}{2N}\sum_d \lambda_d \theta_d^2` for each row
-    of ``theta`` (``(D,)`` or ``(M, D)``), whose gradient :math:`\lambda \theta / N` this adds to ``theta.grad``.
-
-    Two passes over θ; autograd through the same expression makes about ten, which on DEF's LeNet (3.3 M
-    parameters) cost 8 of a 74 ms MAP step. Same value and gradient to float rounding (test).
-    """
-    theta.grad.addcmul_(theta, prior_precision, value=1.0 / n_data)
-    return (theta * theta) @ prior_precision * (0.5 / n_data)
-
-
-def map_step(
-    problem: Problem, theta: Tensor, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
-) -> dict[str, Tensor]:
-    """One optimiser step on the per-example MAP objective (module docstring) at ``theta`` (``(D,)``,
-    a leaf tensor that ``optimizer`` updates); shared by the methods that start from a MAP fit."""
-    optimizer.zero_grad(set_to_none=True)
-    nll = problem.likelihood.nll(forward_with(problem.model, theta, x), y).mean()
-    nll.backward()
-    penalty = add_prior_term(theta, problem.prior_precision, problem.n_data)
-    optimizer.step()
-    return {"loss": nll.detach() + penalty, "nll": nll.detach()}
+__all__ = ["MAP", "add_prior_term", "map_step"]  # the helpers live in methods/_shared.py (methods share them)
 
 
 @register_method("map")

@@ -63,6 +63,7 @@ from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods._shared import parse_choice
 from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.methods.slang import decayed_rate
 from bdl_bench.models.params import flat_params, forward_with
@@ -100,15 +101,6 @@ class Curvature(str, Enum):
     """Empirical Fisher g_i g_iᵀ."""
     HESSIAN = "hessian"
     """Generalised Gauss–Newton J_iᵀ Λ_i J_i (the exact Hessian for logistic regression)."""
-
-
-def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> Any:
-    """``enum_cls(value)``, or a ``ValueError`` naming the bad value and listing the choices."""
-    try:
-        return enum_cls(value)
-    except ValueError:
-        choices = ", ".join(str(e.value) for e in enum_cls)
-        raise ConfigError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
 
 
 @dataclass(frozen=True)

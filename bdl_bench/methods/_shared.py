@@ -1,0 +1,55 @@
+r"""Helpers several methods share; no method of its own (it registers nothing).
+
+* :func:`parse_choice`: an option's value as one of an ``Enum``'s members, or a one-line error listing them.
+* :func:`map_step` and :func:`add_prior_term`: one Adam step on the per-example MAP objective
+
+  .. math:: \frac1N\textstyle\sum_i -\log p(y_i\mid x_i,\theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2,
+
+  estimated on a minibatch (``method=map``, and the MAP phase of ``laplace`` and ``hmc``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bdl_bench.errors import ConfigError
+from bdl_bench.methods.base import Problem
+from bdl_bench.models.params import forward_with
+
+
+def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> Any:
+    """``enum_cls(value)``, or a ``ValueError`` naming the bad value and listing the choices."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(str(e.value) for e in enum_cls)
+        raise ConfigError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
+
+
+@torch.no_grad()
+def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tensor:
+    r"""The prior's part of the per-example objective, :math:`\frac{1}{2N}\sum_d \lambda_d \theta_d^2` for each row
+    of ``theta`` (``(D,)`` or ``(M, D)``), whose gradient :math:`\lambda \theta / N` this adds to ``theta.grad``.
+
+    Two passes over θ; autograd through the same expression makes about ten, which on DEF's LeNet (3.3 M
+    parameters) cost 8 of a 74 ms MAP step. Same value and gradient to float rounding (test).
+    """
+    theta.grad.addcmul_(theta, prior_precision, value=1.0 / n_data)
+    return (theta * theta) @ prior_precision * (0.5 / n_data)
+
+
+def map_step(
+    problem: Problem, theta: Tensor, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
+) -> dict[str, Tensor]:
+    """One optimiser step on the per-example MAP objective (module docstring) at ``theta`` (``(D,)``,
+    a leaf tensor that ``optimizer`` updates); shared by the methods that start from a MAP fit."""
+    optimizer.zero_grad(set_to_none=True)
+    nll = problem.likelihood.nll(forward_with(problem.model, theta, x), y).mean()
+    nll.backward()
+    penalty = add_prior_term(theta, problem.prior_precision, problem.n_data)
+    optimizer.step()
+    return {"loss": nll.detach() + penalty, "nll": nll.detach()}
