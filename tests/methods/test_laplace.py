@@ -301,6 +301,41 @@ def test_other_bad_values_are_refused(key: str, value: float) -> None:
         make_laplace(**{key: value})
 
 
+RANGE_CASES = [
+    ("rank", 0, False),
+    ("rank", 2.5, False),
+    ("rank", None, True),
+    ("curvature_subset", 0, False),
+    ("curvature_subset", None, True),
+    ("curvature_cache_mib", -1, False),
+    ("curvature_cache_mib", 0, True),
+    ("curvature_batch_size", 0, False),
+    ("n_curvature_samples", 1.5, False),
+    ("lr", float("inf"), False),
+    ("dataset_scale", -1.0, False),
+    ("dataset_scale", 1e-9, True),
+    ("prior_precision", 0.0, False),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "valid"), RANGE_CASES)
+def test_constructor_and_config_check_share_each_range(compose_cfg, key: str, value: object, valid: bool) -> None:
+    """The constructor checks config_checks.METHOD_RULES' ranges: it refuses exactly what a composed config's check
+    refuses (one source of each range)."""
+    from bdl_bench.config_checks import check_config
+    from bdl_bench.errors import ConfigError
+
+    override = f"method.{key}={'null' if value is None else value}"
+    if valid:
+        check_config(compose_cfg(["method=laplace", override]))
+        make_laplace(**{key: value})
+        return
+    with pytest.raises(ConfigError, match=f"method.{key}="):
+        check_config(compose_cfg(["method=laplace", override]))
+    with pytest.raises(ConfigError, match=f"laplace: {key}.* must be"):
+        make_laplace(**{key: value})
+
+
 def _mlp_problem(bias_prior: float | None, seed: int = 0) -> tuple[Problem, Tensor, Tensor]:
     """A 3-4-2 ReLU MLP, softmax likelihood, 40 points (float64): two weight layers with biases."""
     g = torch.Generator().manual_seed(seed)
@@ -418,7 +453,7 @@ def test_lenet_convolutions_are_supported(structure: str) -> None:
 @pytest.mark.parametrize("predictive", ["sample", "linearised"])
 def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch, predictive: str) -> None:
     """Slicing a large test set (memory bound for a conv net) draws the same posterior samples."""
-    import bdl_bench.methods.laplace as laplace_module
+    import bdl_bench.methods.laplace.predictive as predictive_module
 
     problem, x, y = _tiny_lenet_problem()
     method = make_laplace(structure="diag", predictive=predictive)
@@ -426,8 +461,8 @@ def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch
     method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
     problem.generator.manual_seed(5)
     whole = method.predict(x, 5)
-    width = laplace_module._widest_activation(problem.model, method.theta.detach(), x[:1])
-    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 7 * width)  # 7 rows per pass: 30 = 4 x 7 + 2
+    width = predictive_module.widest_activation(problem.model, method.theta.detach(), x[:1])
+    monkeypatch.setattr(predictive_module, "_PREDICT_BUDGET", 7 * width)  # 7 rows per pass: 30 = 4 x 7 + 2
     problem.generator.manual_seed(5)
     assert_close(method.predict(x, 5), whole)
 
@@ -440,7 +475,7 @@ def test_predict_sets_equals_a_per_sample_loop(
 ) -> None:
     """The sliced, chunked, shared-sample path (the linearised one: all of a chunk's samples on a row slice around
     one MAP pass; images channels-last) gives what a plain loop over the same draws gives."""
-    import bdl_bench.methods.laplace as laplace_module
+    import bdl_bench.methods.laplace.predictive as predictive_module
 
     problem, x, y = _tiny_lenet_problem(images)
     method = make_laplace(structure=structure, rank=4, predictive=predictive)
@@ -448,9 +483,9 @@ def test_predict_sets_equals_a_per_sample_loop(
     method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
     q = method.posterior()
     assert q is not None
-    width = laplace_module._widest_activation(problem.model, method.theta.detach(), x[:1])
-    monkeypatch.setattr(laplace_module, "_SAMPLE_BUDGET", 2 * q.dim)  # draws of 2, 2, 1 samples
-    monkeypatch.setattr(laplace_module, "_PREDICT_BUDGET", 8 * width)  # 8 (samples x rows) per pass
+    width = predictive_module.widest_activation(problem.model, method.theta.detach(), x[:1])
+    monkeypatch.setattr(predictive_module, "_SAMPLE_BUDGET", 2 * q.dim)  # draws of 2, 2, 1 samples
+    monkeypatch.setattr(predictive_module, "_PREDICT_BUDGET", 8 * width)  # 8 (samples x rows) per pass
     sets = {"big": x, "small": x[:3], "middle": x[5:25]}  # sliced rows; 2 samples vmapped; sliced rows
     problem.generator.manual_seed(5)
     fast = method.predict_sets(sets, 5)
@@ -506,9 +541,9 @@ def test_a_run_draws_each_laplace_sample_once_for_test_val_and_ood(
 
 
 def test_def_refuses_a_rank_too_large_for_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bdl_bench.methods.laplace as laplace_module
+    import bdl_bench.methods.laplace.structures as structures_module
 
-    monkeypatch.setattr(laplace_module, "MAX_DEF_RANK", 10)
+    monkeypatch.setattr(structures_module, "MAX_DEF_RANK", 10)
     problem, x, y = _tiny_lenet_problem()
     method = make_laplace(structure="def", rank=None)
     method.setup(problem)
@@ -565,7 +600,7 @@ def test_float32_curvature_gives_the_float64_posterior(structure: str) -> None:
 
 
 def test_curvature_subset_uses_exactly_that_many_examples(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bdl_bench.methods.laplace as laplace_module
+    import bdl_bench.methods.laplace.method as laplace_module
 
     seen: list[Tensor] = []
     original = laplace_module.iter_pseudo_grads

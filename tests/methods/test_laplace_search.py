@@ -15,9 +15,9 @@ from torch.testing import assert_close
 
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
-from bdl_bench.methods import laplace as laplace_module
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import SEARCH_FILE, Laplace
+from bdl_bench.methods.laplace import search as search_module
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.runner import run
@@ -102,7 +102,7 @@ def test_search_picks_the_min_ece_point_within_the_accuracy_tolerance(
         seen.append((scale, float(tau[0])))
         return original(self, theta, curvature, scale, tau)
 
-    monkeypatch.setattr(laplace_module, "predictive_metrics", lambda *args, **kwargs: next(table))
+    monkeypatch.setattr(search_module, "predictive_metrics", lambda *args, **kwargs: next(table))
     monkeypatch.setattr(Laplace, "_assemble", assemble)
     search = {
         "dataset_scale": [1, 2, 3],

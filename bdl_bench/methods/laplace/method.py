@@ -1,0 +1,391 @@
+"""``method=laplace``: the MAP fit, the curvature pass, and the posterior at the configured or searched (N, τ).
+
+The structures live in :mod:`.structures`, the predictives in :mod:`.predictive`, the hyperparameter searches in
+:mod:`.search` and ``map_dir`` in :mod:`.map_dir`; the package docstring states the approximation.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bdl_bench.config_checks import METHOD_RULES
+from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, iter_pseudo_grads, kron_layout
+from bdl_bench.errors import ConfigError
+from bdl_bench.gaussians import StructuredGaussian
+from bdl_bench.likelihoods import Gaussian
+from bdl_bench.methods._shared import map_step, parse_choice
+from bdl_bench.methods.base import EpochCallback, Problem, register_method
+from bdl_bench.methods.laplace.map_dir import load_map_parameters
+from bdl_bench.methods.laplace.predictive import GaussianPredictive, Predictive, forward_rows
+from bdl_bench.methods.laplace.search import (
+    SEARCH_FILE,
+    LaplaceEvidence,
+    MarglikSettings,
+    SearchResult,
+    SearchSettings,
+    grid_search,
+    maximise_evidence,
+    parse_search,
+    prior_groups,
+    write_search_table,
+)
+from bdl_bench.methods.laplace.structures import STRUCTURES, KfacPrior, Structure
+from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.progress import delayed_bar
+
+_CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
+
+# The ranges of the numeric options are config_checks.METHOD_RULES' (the CLI checks a composed config against them
+# before it builds the method; this constructor, which scripts and tests call directly, checks the same ones).
+_OPTION_WORDS = {  # where an error says more than the range
+    "prior_precision": ("prior_precision τ", "positive (or null for the run's prior)"),
+    "dataset_scale": ("dataset_scale N", "positive (or null for the training-set size)"),
+}
+
+
+def _check_option(option: str, value: Any) -> None:
+    """Refuse ``value`` of ``option`` outside its range in :data:`bdl_bench.config_checks.METHOD_RULES`."""
+    allowed = METHOD_RULES.get(f"laplace.{option}", METHOD_RULES.get(option))
+    assert allowed is not None, option
+    if not allowed.accepts(value):
+        label, words = _OPTION_WORDS.get(option, (option, allowed.describe()))
+        raise ConfigError(f"laplace: {label} must be {words}, got {value!r}")
+
+
+@register_method("laplace")
+class Laplace(GaussianPredictive):
+    """Post-hoc Laplace approximation (see the package docstring).
+
+    Args:
+        structure: ``diag``, ``kfac``, ``efb``, ``def``, ``block`` or ``full``.
+        curvature: ``ggn`` or ``fisher`` (labels sampled from the model).
+        n_curvature_samples: label draws per example for ``curvature=fisher``.
+        prior_precision: :math:`\\tau` > 0 of the posterior, or ``None`` for the run's prior.
+        dataset_scale: the paper's N > 0, or ``None`` for the number of training examples.
+        rank: ``def`` only: the number K of top eigenvalues kept per layer, or ``None`` for all.
+        predictive: ``sample`` or ``linearised``.
+        lr: Adam learning rate of the MAP fit.
+        map_dir: a finished run folder to take the MAP from instead of training, or ``None``.
+        curvature_batch_size: examples per chunk when accumulating the curvature.
+        curvature_dtype: ``model`` (the model's dtype), ``float32`` or ``float64``: the dtype of the
+            per-chunk curvature work (sums across chunks are float64 either way).
+        curvature_subset: estimate the curvature on this many training examples, drawn without
+            replacement (``None``: all of them).
+        curvature_cache_mib: ``efb`` and ``def``: MiB of pass 1's per-chunk tensors (layer inputs and output
+            gradients) kept for the second pass over the data (EFB eigenvalues and the exact diagonal), which
+            then skips the network's forward and backward passes; chunks beyond it are recomputed, on the same
+            sampled labels. 0: recompute them all. DEF's MNIST LeNet (Fisher, float32) needs about 4.7 GiB
+            for 50,000 images (:class:`~bdl_bench.curvature.kron.ChunkCache`).
+        search: a :class:`~.search.SearchSettings` mapping: choose N and τ on the validation set given by
+            :meth:`use_validation` (overrides ``dataset_scale`` and ``prior_precision``), ``marglik`` or
+            ``{marglik: {...}}`` (:class:`~.search.MarglikSettings`), or ``None``.
+        kfac_prior: ``kfac`` only: ``damped`` (eq. 3; exact for a layer with a bias prior of its own) or
+            ``exact`` (:math:`NG\\otimes A + \\operatorname{diag}(\tau)` in every layer).
+
+    Attributes (after a fit):
+        fit_info: what the curvature pass and the assembly report (``n_curvature_examples``, EFB/DEF's cached
+            chunks, DEF's ``kept_rank`` and ``n_clipped``).
+        extra_metrics: the ``metrics.json`` entries of the search (the chosen hyperparameters, its time).
+        search_rows: the grid search's points (``laplace_search.csv``).
+        fitted_likelihood: the Gaussian likelihood at the noise ``search=marglik`` chose (the runner scores the
+            run with it), else ``None``.
+        last_evidence: ``search=marglik``'s objective (:class:`~.search.LaplaceEvidence`), for inspection.
+
+    Raises:
+        ValueError: on an unknown structure, curvature or predictive (the choices are listed), or a numeric
+            option outside its range (:data:`bdl_bench.config_checks.METHOD_RULES`).
+    """
+
+    def __init__(
+        self,
+        *,
+        structure: str,
+        curvature: str,
+        n_curvature_samples: int,
+        prior_precision: float | None,
+        dataset_scale: float | None,
+        rank: int | None,
+        predictive: str,
+        lr: float,
+        map_dir: str | None,
+        curvature_batch_size: int,
+        curvature_dtype: str = "model",
+        curvature_subset: int | None = None,
+        curvature_cache_mib: int = 6144,
+        search: Mapping[str, Any] | str | None = None,
+        kfac_prior: str = "damped",
+    ) -> None:
+        self.structure = parse_choice(Structure, structure, "structure", "laplace")
+        self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
+        self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
+        self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
+        for option, value in (
+            ("prior_precision", prior_precision),
+            ("dataset_scale", dataset_scale),
+            ("lr", lr),
+            ("n_curvature_samples", n_curvature_samples),
+            ("curvature_batch_size", curvature_batch_size),
+            ("curvature_subset", curvature_subset),
+            ("curvature_cache_mib", curvature_cache_mib),
+            ("rank", rank),
+        ):
+            _check_option(option, value)
+        if curvature_dtype not in _CURVATURE_DTYPES:
+            raise ConfigError(
+                f"laplace: unknown curvature_dtype {curvature_dtype!r}; choices: {', '.join(_CURVATURE_DTYPES)}"
+            )
+        self.prior_precision = None if prior_precision is None else float(prior_precision)
+        self.dataset_scale = None if dataset_scale is None else float(dataset_scale)
+        self.rank = None if rank is None else int(rank)
+        self.n_curvature_samples = int(n_curvature_samples)
+        self.curvature_batch_size = int(curvature_batch_size)
+        self.curvature_dtype = _CURVATURE_DTYPES[curvature_dtype]
+        self.curvature_subset = None if curvature_subset is None else int(curvature_subset)
+        self.curvature_cache_mib = int(curvature_cache_mib)
+        self.lr = lr
+        self.map_dir = map_dir
+        self.search = parse_search(search)
+        self._posterior: StructuredGaussian | None = None
+        self.fit_info: dict[str, float] = {}
+        self.extra_metrics: dict[str, float] = {}  # metrics.json entries of the search (runner: finish_run)
+        self.search_rows: list[dict[str, Any]] = []
+        self._val: tuple[Tensor, Tensor] | None = None
+        self._run_dir: Path | None = None
+        self.fitted_likelihood: Gaussian | None = None  # the noise method.search=marglik chose (runner: final metrics)
+        self.last_evidence: LaplaceEvidence | None = None
+
+    # ------------------------------------------------------------------ MAP part
+    def setup(self, problem: Problem) -> None:
+        """Start the MAP fit from the model's parameters (or load them from ``map_dir``).
+
+        Raises:
+            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and
+                parameter-free modules, or ``map_dir`` does not match it.
+        """
+        super().setup(problem)
+        try:
+            self._layout: KronLayout = kron_layout(problem.model)
+        except ValueError as err:
+            raise ConfigError(f"laplace: {err}") from None
+        theta = flat_params(problem.model)
+        if self.map_dir is not None:
+            theta = load_map_parameters(self.map_dir, problem.model).to(theta)
+        self.theta = theta.requires_grad_(True)
+        self.optimizer = adam([self.theta], self.lr)
+        self._posterior = None
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One MAP step (as ``methods/map.py``)."""
+        return map_step(self.problem, self.theta, self.optimizer, x, y)
+
+    def fit(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        n_epochs: int,
+        batch_size: int,
+        data_generator: torch.Generator,
+        on_epoch_end: EpochCallback | None = None,
+        start_epoch: int = 0,
+    ) -> None:
+        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)``, right before the last
+        epoch's callback (so that the last ``history.csv`` row is the Laplace predictive).
+
+        Raises:
+            ValueError: if ``search`` is on and there is no validation set (before any training).
+        """
+        self._check_validation()
+        if self.map_dir is not None:
+            self.fit_posterior(x, y)
+            if on_epoch_end is not None:
+                on_epoch_end(max(n_epochs, 1), {})
+            return
+
+        def callback(epoch: int, stats: Any) -> None:
+            if epoch == n_epochs:
+                self.fit_posterior(x, y)
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, stats)
+
+        super().fit(
+            x,
+            y,
+            n_epochs=n_epochs,
+            batch_size=batch_size,
+            data_generator=data_generator,
+            on_epoch_end=callback,
+            start_epoch=start_epoch,
+        )
+        if self._posterior is None:
+            self.fit_posterior(x, y)
+
+    # ------------------------------------------------------------------ Laplace part
+    def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
+        """Compute the curvature at the current parameters (one data pass; EFB/DEF: a second one over the kept
+        chunks) and build the posterior: at ``dataset_scale`` and ``prior_precision``, or at the (N, τ) that
+        ``search`` picks."""
+        p = self.problem
+        self.fit_info, self.extra_metrics = {}, {}
+        self._check_validation()
+        theta = self.theta.detach().double()
+        x_all, y_all = x, y
+        x, y = self._curvature_data(x, y)
+        theta_c = theta.to(self.curvature_dtype or self.theta.dtype)
+
+        def batches(start: int = 0, labels: list[Tensor | None] | None = None):
+            """Pseudo-gradients of the chunks of rows ``start:``, on ``labels`` (one entry per chunk) or new draws."""
+            chunks = iter_pseudo_grads(
+                p.model,
+                theta_c,
+                x[start:],
+                y[start:],
+                p.likelihood,
+                batch_size=self.curvature_batch_size,
+                kind=self.curvature,
+                n_samples=self.n_curvature_samples,
+                generator=p.generator,
+                labels=None if self.curvature is CurvatureKind.GGN else labels,
+            )
+            n_chunks = math.ceil((x.shape[0] - start) / self.curvature_batch_size)
+            return delayed_bar(chunks, desc="curvature pass", unit="chunk", enabled=self.step_progress, total=n_chunks)
+
+        self._structure = STRUCTURES[self.structure](
+            self._layout,
+            self.fit_info,
+            rank=self.rank,
+            kfac_prior=self.kfac_prior,
+            cache_mib=self.curvature_cache_mib,
+            progress=self.step_progress,
+        )
+        started = time.perf_counter()
+        curvature = self._structure.curvature(theta, batches)
+        self.fit_info["n_curvature_examples"] = x.shape[0]
+        if self.search is None:
+            scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
+            self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))
+            return self._posterior
+        self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
+        if isinstance(self.search, MarglikSettings):
+            started = time.perf_counter()
+            self.last_evidence = self.evidence(theta, curvature, x_all, y_all)
+            result = maximise_evidence(self.search, self.last_evidence, self._prior(theta), self._cast, started)
+            if result.likelihood is not None:
+                self.fitted_likelihood = result.likelihood
+        else:
+            result = self._grid_search(theta, curvature)
+        self.extra_metrics.update(result.metrics)
+        self._posterior = result.posterior
+        return self._posterior
+
+    def _prior(self, theta: Tensor) -> Tensor:
+        """τ ``(D,)`` like ``theta``: ``prior_precision`` everywhere, or the run's per-parameter prior."""
+        if self.prior_precision is None:
+            return self.problem.prior_precision.detach().double()
+        return torch.full_like(theta, self.prior_precision)
+
+    def _curvature_data(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x, y)``, or ``curvature_subset`` of its rows drawn without replacement (in their original order)."""
+        if self.curvature_subset is None or self.curvature_subset >= x.shape[0]:
+            return x, y
+        generator = self.problem.generator
+        keep = torch.randperm(x.shape[0], generator=generator, device=generator.device)[: self.curvature_subset]
+        keep = keep.sort().values.to(x.device)
+        return x[keep], y[keep]
+
+    def _assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        """The float64 posterior of precision N·I + diag(τ) from the curvature pass's output (no data pass)."""
+        return self._structure.assemble(theta, curvature, scale, tau)
+
+    def _cast(self, posterior: StructuredGaussian) -> StructuredGaussian:
+        """``posterior`` with its floating tensors in the model's dtype."""
+        fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
+        dtype = self.theta.dtype
+        return type(posterior)(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in fields.items()})
+
+    # ------------------------------------------------------------------ method.search
+    def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
+        """Give ``search`` its validation set (the runner passes the run's; never test data) and the run
+        folder that receives the grid's ``laplace_search.csv``."""
+        self._val = (x_val, y_val)
+        self._run_dir = None if run_dir is None else Path(run_dir)
+
+    def _check_validation(self) -> None:
+        if isinstance(self.search, SearchSettings) and (self._val is None or self._val[0].shape[0] == 0):
+            raise ConfigError(
+                "laplace: method.search chooses (N, τ) on the validation set, but this run has none; give the data "
+                "one (data.n_val=10000 for vision/mnist, data.val_fraction=0.1 for UCI) or set method.search=null"
+            )
+
+    def _grid_search(self, theta: Tensor, curvature: dict[str, Any]) -> SearchResult:
+        """:func:`~.search.grid_search` on the validation set; its rows go to ``search_rows`` and, given a run
+        folder, to ``laplace_search.csv`` there."""
+        self._check_validation()
+        assert self._val is not None and isinstance(self.search, SearchSettings)
+        result = grid_search(
+            self.search,
+            theta=theta,
+            assemble=lambda scale, tau: self._cast(self._assemble(theta, curvature, scale, tau)),
+            outputs=self._val_outputs,
+            likelihood=self.problem.likelihood,
+            generator=self.problem.generator,
+            x_val=self._val[0],
+            y_val=self._val[1],
+        )
+        self.search_rows = result.rows
+        if self._run_dir is not None:
+            write_search_table(result.rows, self._run_dir / SEARCH_FILE)
+        return result
+
+    def _val_outputs(self, posterior: StructuredGaussian | None, x: Tensor, n_samples: int, seed: int) -> Tensor:
+        """Outputs at ``n_samples`` draws of ``posterior`` (``None``: the MAP), from a generator seeded
+        with ``seed``: every grid point sees the same noise (common random numbers)."""
+        generator = torch.Generator(device=self.problem.generator.device).manual_seed(seed)
+        return self.sample_sets(posterior, {"val": x}, n_samples, generator)["val"]
+
+    def evidence(self, theta: Tensor, curvature: dict[str, Any], x: Tensor, y: Tensor) -> LaplaceEvidence:
+        """The log marginal likelihood of :class:`~.search.MarglikSettings` as a function of (log τ per group,
+        log γ), at the float64 MAP ``theta``, the curvature pass's output and the training set ``(x, y)``."""
+        p = self.problem
+        settings = self.search if isinstance(self.search, MarglikSettings) else MarglikSettings()
+        with torch.no_grad():
+            rows = forward_rows(p.model, self.theta.detach(), x)
+            f = torch.cat([forward_with(p.model, self.theta.detach(), xs) for xs in x.split(rows)]).double()
+        return LaplaceEvidence(
+            lambda scale, tau: self._assemble(theta, curvature, scale, tau),
+            theta,
+            prior_groups(settings.prior, self._layout.slots, theta),
+            f,
+            y,
+            p.likelihood,
+            float(p.n_data) if self.dataset_scale is None else self.dataset_scale,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "theta": self.theta.detach().clone(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
+        if self._posterior is not None:
+            for f in dataclasses.fields(self._posterior):
+                state[f"posterior.{f.name}"] = getattr(self._posterior, f.name).detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.theta.copy_(state["theta"])
+        load_adam_state(self.optimizer, state["optimizer"])
+        fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
+        gaussian = STRUCTURES[self.structure].posterior_class(set(fields))
+        self._posterior = gaussian(**fields) if fields else None

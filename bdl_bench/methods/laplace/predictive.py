@@ -1,0 +1,193 @@
+r"""The predictives of a Gaussian posterior :math:`q = \mathcal N(\theta_{MAP}, P^{-1})` over a network's parameters.
+
+``predictive: sample`` evaluates the network at posterior samples (Lee et al. 2020, eq. 7); ``predictive: linearised``
+evaluates its first-order expansion :math:`f(x;\theta_{MAP}) + J(x)(\theta_s - \theta_{MAP})` at them, which also
+has a closed form (:meth:`GaussianPredictive.predictive_moments`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import jacrev, jvp, vmap
+
+from bdl_bench.gaussians import StructuredGaussian
+from bdl_bench.methods.base import Method
+from bdl_bench.models.params import forward_with
+
+_PREDICT_CHUNK = 64  # most posterior samples drawn at once
+_SAMPLE_BUDGET = 2**24  # entries of the parameter samples drawn at once (samples x D): 64 MiB in float32
+_PREDICT_BUDGET = 2**21  # activation entries (samples x examples x widest layer) per forward pass
+
+
+class Predictive(str, Enum):
+    """How ``predict`` turns parameter samples into output samples."""
+
+    SAMPLE = "sample"
+    """Evaluate the network at sampled parameters."""
+    LINEARISED = "linearised"
+    """Evaluate the network's first-order Taylor expansion around the MAP."""
+
+
+class GaussianPredictive(Method):
+    """Base of a method whose posterior is a ``StructuredGaussian`` centred at its parameters ``theta``: the
+    predictives (module docstring), chosen by ``predictive``. Before the posterior exists (``_posterior`` is
+    ``None``) every sample is the MAP's output."""
+
+    theta: Tensor
+    predictive: Predictive
+    _posterior: StructuredGaussian | None = None
+
+    def posterior(self) -> StructuredGaussian | None:
+        return self._posterior
+
+    def point_estimate(self) -> Tensor:
+        """:math:`\\theta_{MAP}` (the posterior's mean once it is fitted)."""
+        return self.theta.detach()
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """``(n_samples, N, out)`` outputs at posterior samples (the MAP's, repeated, before the posterior is fitted)."""
+        return self.predict_sets({"x": x}, n_samples)["x"]
+
+    @torch.no_grad()
+    def predict_sets(self, sets: Mapping[str, Tensor], n_samples: int) -> dict[str, Tensor]:
+        """:meth:`predict` on several inputs, with the same posterior samples for all of them."""
+        return self.sample_sets(self._posterior, sets, n_samples, self.problem.generator)
+
+    @torch.no_grad()
+    def sample_sets(
+        self,
+        posterior: StructuredGaussian | None,
+        sets: Mapping[str, Tensor],
+        n_samples: int,
+        generator: torch.Generator,
+    ) -> dict[str, Tensor]:
+        r"""Outputs ``(n_samples, N, out)`` per set at ``n_samples`` draws of ``posterior`` from ``generator``
+        (``None``: the MAP's outputs, repeated).
+
+        The samples are drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries (one (S, D) tensor per
+        chunk, no model copies: the network is evaluated functionally at each row of it), and each chunk is
+        evaluated on every set before the next is drawn, writing into the preallocated ``(n_samples, N, out)``
+        outputs. Forward passes are sliced so that no activation exceeds ``_PREDICT_BUDGET`` entries (large fresh
+        tensors cost more in page faults than in arithmetic on the CPU): a small set takes several samples per
+        pass (vmapped), a large one is cut into row slices; the linearised predictive then evaluates all of the
+        chunk's samples on a slice at once, so :math:`f(x;\theta_{MAP})` and the activations it linearises around
+        are computed once per slice, not once per sample. Image inputs are evaluated channels-last (the faster
+        convolution layout on the CPU; same numbers up to rounding).
+        """
+        model, theta = self.problem.model, self.theta.detach()
+        probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
+        rows = 1 if probe is None else forward_rows(model, theta, probe)
+        sets = {name: _channels_last(x) for name, x in sets.items()}
+        if posterior is None or probe is None:
+            maps = {
+                name: torch.cat([forward_with(model, theta, xs) for xs in x.split(rows)]) for name, x in sets.items()
+            }
+            return {name: f[None].expand(n_samples, *f.shape) for name, f in maps.items()}
+        out_shape = forward_with(model, theta, probe).shape[1:]
+        outs = {name: theta.new_empty(n_samples, x.shape[0], *out_shape) for name, x in sets.items()}
+        chunk = max(1, min(_PREDICT_CHUNK, _SAMPLE_BUDGET // theta.numel()))
+        for start in range(0, n_samples, chunk):
+            thetas = posterior.rsample(min(chunk, n_samples - start), generator)
+            for name, x in sets.items():
+                self._outputs_at(thetas, x, rows, outs[name][start : start + len(thetas)])
+        return outs
+
+    def _outputs_at(self, thetas: Tensor, x: Tensor, rows: int, out: Tensor) -> None:
+        """Write ``(S, N, out)`` outputs at the parameter samples ``thetas`` ``(S, D)`` into ``out``, in passes of
+        at most ``rows`` (samples x examples): several samples vmapped over a small ``x``; else row slices, one
+        sample at a time (``sample``) or all S at once around one shared MAP pass (``linearised``)."""
+        per_pass = rows // max(1, x.shape[0])  # samples per pass over the whole of x
+        if per_pass >= 2 or len(thetas) == 1:
+            for k, group in zip(range(0, len(thetas), max(1, per_pass)), thetas.split(max(1, per_pass))):
+                for r, xs in zip(range(0, x.shape[0], rows), x.split(rows)):
+                    out[k : k + len(group), r : r + len(xs)] = self._forward(group, xs)
+            return
+        if self.predictive is Predictive.LINEARISED:
+            step = max(1, rows // len(thetas))
+            for r, xs in zip(range(0, x.shape[0], step), x.split(step)):
+                out[:, r : r + len(xs)] = self._forward(thetas, xs)
+            return
+        for k, th in enumerate(thetas):
+            for r, xs in zip(range(0, x.shape[0], rows), x.split(rows)):
+                out[k, r : r + len(xs)] = self._forward(th[None], xs)[0]
+
+    def _forward(self, thetas: Tensor, x: Tensor) -> Tensor:
+        """One pass: ``(S, N, out)`` outputs at ``thetas`` ``(S, D)`` (per ``predictive``)."""
+        model, theta = self.problem.model, self.theta.detach()
+        if self.predictive is Predictive.SAMPLE:
+            if len(thetas) == 1:
+                return forward_with(model, thetas[0], x)[None]
+            return vmap(lambda th: forward_with(model, th, x))(thetas)
+
+        def linear(delta: Tensor) -> Tensor:  # under vmap the MAP pass (unbatched primal) runs once
+            f0, jd = jvp(lambda th: forward_with(model, th, x), (theta,), (delta,))
+            return f0 + jd
+
+        if len(thetas) == 1:
+            return linear(thetas[0] - theta)[None]
+        return vmap(linear)(thetas - theta)
+
+    @torch.no_grad()
+    def predictive_moments(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        r"""The linearised predictive in closed form: :math:`f(x;\theta_{MAP})` and
+        :math:`\operatorname{diag}(J\Sigma J^\top)` per example and output, ``(N, out)`` each (laplace-torch's
+        ``pred_type="glm"``). With a Gaussian likelihood the predictive is exactly
+        :math:`\mathcal N(f, \operatorname{diag}(J\Sigma J^\top) + \gamma^{-1})`; the runner scores it beside
+        the MC mixture of ``trainer.n_test_mc_samples`` samples, which underestimates its spread when γ⁻¹ is
+        small against the function variance. ``None`` for ``predictive: sample`` or before the posterior exists.
+
+        The Jacobian rows :math:`J(x_i)` are formed per example (vmapped) in slices of at most ``_SAMPLE_BUDGET``
+        entries (a Jacobian of the whole slice would hold slice² activations), and
+        :math:`\Sigma J^\top` comes from the posterior's ``solve`` (Kronecker, low-rank or dense alike).
+        """
+        if self.predictive is not Predictive.LINEARISED or self._posterior is None:
+            return None
+        model, theta, posterior = self.problem.model, self.theta.detach(), self._posterior
+        means, variances = [], []
+        out_dim = int(forward_with(model, theta, x[:1]).shape[-1]) if x.shape[0] else 1
+        rows = max(1, _SAMPLE_BUDGET // (theta.numel() * out_dim))
+
+        def one(th: Tensor, xi: Tensor) -> Tensor:  # one example's outputs: Jacobians cost O(out·D) per example
+            return forward_with(model, th, xi[None])[0]
+
+        for xs in x.split(rows):
+            mean = forward_with(model, theta, xs)  # (n, out)
+            jac = vmap(jacrev(one), in_dims=(None, 0))(theta, xs).reshape(-1, theta.numel())  # per-example rows
+            jac = jac.to(posterior.dtype)
+            var = (jac * posterior.solve(jac.mT).mT).sum(-1).reshape(mean.shape)
+            means.append(mean)
+            variances.append(var.to(mean.dtype))
+        return torch.cat(means), torch.cat(variances)
+
+
+def forward_rows(model: nn.Module, theta: Tensor, x: Tensor) -> int:
+    """How many examples of ``x`` one forward pass takes within ``_PREDICT_BUDGET`` activation entries."""
+    return max(1, _PREDICT_BUDGET // widest_activation(model, theta, x[:1]))
+
+
+def widest_activation(model: nn.Module, theta: Tensor, x: Tensor) -> int:
+    """The most entries any module's output (or the input) has per example of ``x`` (one example)."""
+    sizes = [x[0].numel()]
+
+    def record(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        if isinstance(output, Tensor):
+            sizes.append(output[0].numel() if output.ndim else 1)
+
+    hooks = [module.register_forward_hook(record) for module in model.modules()]
+    try:
+        forward_with(model, theta, x[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(sizes)
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    """Image batches ``(N, C, H, W)`` in the channels-last layout (faster convolutions); other inputs as they are."""
+    return x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x

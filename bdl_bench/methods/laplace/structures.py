@@ -1,0 +1,346 @@
+r"""The six approximations of the Laplace precision :math:`P = N\mathbf I + \operatorname{diag}(\tau)`, one class each.
+
+A structure does two things (package docstring for N, τ and :math:`\mathbf I`):
+
+* :meth:`LaplaceStructure.curvature`: the data pass, what it needs of :math:`\mathbf I`. Independent of N and τ, so
+  one pass serves every point of a hyperparameter search (DEF's Alg. 1 and diagonal correction use only the
+  unscaled eigenvalues and the exact diagonal, so they are done there once too);
+* :meth:`LaplaceStructure.assemble`: the float64 posterior of precision :math:`N\mathbf I + \operatorname{diag}(\tau)`
+  from that output (no data pass; differentiable in N and τ, which the marginal likelihood needs).
+
+Both record what a user may want to know of the fit (chunks cached, DEF's kept rank and clipped entries) in
+``info`` (the method's ``fit_info``).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
+from bdl_bench.curvature.exact import exact_blocks, exact_matrix
+from bdl_bench.curvature.kron import (
+    ChunkCache,
+    KronEigenbasis,
+    diagonal,
+    efb_eigenvalues,
+    eigenbasis,
+    flat_to_grid,
+    kron_factors,
+)
+from bdl_bench.curvature.pseudo_grads import KronLayout, PseudoGrads, block_index
+from bdl_bench.errors import ConfigError
+from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
+from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
+from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
+from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
+
+logger = logging.getLogger(__name__)
+
+MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
+
+Batches = Callable[..., Iterable[PseudoGrads]]
+"""``batches(start=0, labels=None)``: the curvature pass's pseudo-gradients of the chunks of rows ``start:``, on
+``labels`` (one entry per chunk, the Fisher's sampled labels of an earlier pass) or on new draws."""
+
+
+class Structure(str, Enum):
+    """The approximation of the curvature (``method.structure``): its class in :data:`STRUCTURES` says which."""
+
+    DIAG = "diag"
+    KFAC = "kfac"
+    EFB = "efb"
+    DEF = "def"
+    BLOCK = "block"
+    FULL = "full"
+
+
+class KfacPrior(str, Enum):
+    r"""How ``structure=kfac`` adds the prior to :math:`NG\otimes A` (:class:`Kfac`)."""
+
+    DAMPED = "damped"
+    r"""Lee et al. eq. 3: :math:`(\sqrt N G + \sqrt\tau I)\otimes(\sqrt N A + \sqrt\tau I)` (exact where τ varies in a layer)."""
+    EXACT = "exact"
+    r""":math:`NG\otimes A + \operatorname{diag}(\tau)`, in the Kronecker eigenbasis."""
+
+
+class LaplaceStructure(ABC):
+    """One structure's curvature pass and assembly (module docstring).
+
+    Args:
+        layout: the network's weight layers (:func:`~bdl_bench.curvature.pseudo_grads.kron_layout`).
+        info: the dict that receives what the fit reports (module docstring).
+        rank: ``def``: the number K of top eigenvalues kept per layer (``None``: all).
+        kfac_prior: ``kfac``: how the prior enters (:class:`KfacPrior`).
+        cache_mib: ``efb``, ``def``: MiB of pass 1's chunks kept for the second pass.
+        progress: ``efb``, ``def``: show a bar for a long second pass.
+    """
+
+    name: ClassVar[Structure]
+    gaussian: ClassVar[type[StructuredGaussian]]
+
+    def __init__(
+        self,
+        layout: KronLayout,
+        info: dict[str, float],
+        *,
+        rank: int | None = None,
+        kfac_prior: KfacPrior = KfacPrior.DAMPED,
+        cache_mib: int = 0,
+        progress: bool = False,
+    ) -> None:
+        self.layout, self.info, self.rank, self.kfac_prior = layout, info, rank, kfac_prior
+        self.cache_mib, self.progress = cache_mib, progress
+
+    @abstractmethod
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        """The data pass (``theta``: the float64 MAP)."""
+
+    @abstractmethod
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        """The float64 posterior :math:`\\mathcal N(\\theta, (N\\mathbf I + \\operatorname{diag}(\\tau))^{-1})`, N =
+        ``scale``, τ = ``tau`` ``(D,)``."""
+
+    @classmethod
+    def posterior_class(cls, fields: set[str]) -> type[StructuredGaussian]:
+        """The Gaussian class of a saved posterior of this structure with these fields (a checkpoint's)."""
+        return cls.gaussian
+
+    def layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The flat index of every layer's augmented grid, and the grids' shapes."""
+        index = torch.cat([block_index(slot, device) for slot in self.layout.slots])
+        shapes = torch.tensor([list(slot.shape) for slot in self.layout.slots], device=device)
+        return index, shapes
+
+
+class Diag(LaplaceStructure):
+    r""":math:`\operatorname{diag}(\mathbf I)` → ``DiagGaussian`` (Ritter et al. 2018's Diag)."""
+
+    name, gaussian = Structure.DIAG, DiagGaussian
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        return {"diag": diagonal(batches())}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        return DiagGaussian(theta, scale * curvature["diag"] + tau)
+
+
+class Full(LaplaceStructure):
+    r"""The whole :math:`N\mathbf I + \operatorname{diag}(\tau)` → ``FullGaussian`` (small nets)."""
+
+    name, gaussian = Structure.FULL, FullGaussian
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        return {"matrix": exact_matrix(batches())}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        return FullGaussian(theta, scale * curvature["matrix"] + torch.diag(tau))
+
+
+class Block(LaplaceStructure):
+    r"""The exact per-layer blocks :math:`N\mathbf I_l + \operatorname{diag}(\tau)` ("FB") → ``BlockDiagGaussian``."""
+
+    name, gaussian = Structure.BLOCK, BlockDiagGaussian
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        return {"blocks": tuple(exact_blocks(batches()))}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        index, shapes = self.layer_index(theta.device)
+        blocks = [
+            scale * block + torch.diag(tau[block_index(slot, theta.device)])
+            for block, slot in zip(curvature["blocks"], self.layout.slots)
+        ]
+        return BlockDiagGaussian(theta, index, shapes, pack(blocks))
+
+
+class Kfac(LaplaceStructure):
+    r"""Per layer :math:`(\sqrt N G + \sqrt{\tau_l}I)\otimes(\sqrt N A + \sqrt{\tau_l}I)`, Lee et al. eq. 3 →
+    ``KroneckerGaussian`` (``kfac_prior: damped``, the paper's).
+
+    Eq. 3 has room for one :math:`\tau_l` per layer only; a layer whose prior differs within it (a bias prior,
+    ``bias_prior_precision``) gets the exact :math:`NG\otimes A + I\otimes\operatorname{diag}(t)` (t: the prior of
+    each input column, the bias last) in the Kronecker eigenbasis of G and of :math:`T^{-1/2}AT^{-1/2}` →
+    ``ScaledEigenKroneckerGaussian``; ``kfac_prior: exact`` uses that form, :math:`NG\otimes A +
+    \operatorname{diag}(\tau)`, for every layer (as laplace-torch's KronLaplace).
+    """
+
+    name, gaussian = Structure.KFAC, KroneckerGaussian
+
+    @classmethod
+    def posterior_class(cls, fields: set[str]) -> type[StructuredGaussian]:
+        return ScaledEigenKroneckerGaussian if "in_scale" in fields else KroneckerGaussian
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        return {"factors": kron_factors(batches())}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        """Eq. 3 as a ``KroneckerGaussian`` where that is exact for every layer, else a ``ScaledEigenKroneckerGaussian``
+        with eq. 3's eigenvalues :math:`(\\sqrt Ns_G + \\sqrt\\tau)(\\sqrt Ns_A + \\sqrt\\tau)` in the damped layers and
+        :math:`Ns_Gs_{A'} + 1` with scale :math:`t^{1/2}` in the exact ones."""
+        index, shapes = self.layer_index(theta.device)
+        factors = curvature["factors"]
+        scale = torch.as_tensor(scale, dtype=theta.dtype, device=theta.device)
+        grids = [tau[block_index(f.slot, theta.device)].view(f.slot.shape) for f in factors]
+        uniform = [bool((grid == grid.reshape(-1)[0]).all()) for grid in grids]
+        damped = self.kfac_prior is KfacPrior.DAMPED
+        if damped and all(uniform):
+            outs, ins = [], []
+            for f, grid in zip(factors, grids):
+                root = grid.reshape(-1)[0].sqrt()
+                outs.append(scale.sqrt() * f.g_factor + root * torch.eye(f.g_factor.shape[0]).to(theta))
+                ins.append(scale.sqrt() * f.a_factor + root * torch.eye(f.a_factor.shape[0]).to(theta))
+            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+        if "bases" not in curvature:  # τ-independent: one eigendecomposition per factor, kept for the next call
+            curvature["bases"] = eigenbasis(factors)
+        vecs_out, vecs_in, values, scales = [], [], [], []
+        for f, basis, grid, uni in zip(factors, curvature["bases"], grids, uniform):
+            column = grid[0]  # the prior of each input column (the bias last)
+            if not bool((grid == column).all()):
+                raise ConfigError(
+                    f"laplace: structure=kfac adds the prior as I ⊗ diag(t), one precision per input column, but layer "
+                    f"{f.slot.module_index}'s prior varies across its outputs; use one prior per weight and per bias"
+                )
+            s_g, s_a, u_a = basis.eigvals_out, basis.eigvals_in, basis.eigvecs_in
+            root = column.sqrt()
+            if uni and damped:
+                grid_values = (scale.sqrt() * s_g[:, None] + root[0]) * (scale.sqrt() * s_a[None, :] + root[0])
+                root = torch.ones_like(root)
+            elif uni:  # N G ⊗ A + τI: no rescaling of A needed
+                grid_values = scale * s_g[:, None] * s_a[None, :] + column[0]
+                root = torch.ones_like(root)
+            else:  # N G ⊗ A + I ⊗ T = (I ⊗ T^½)(N G ⊗ A' + I)(I ⊗ T^½), A' = T^-½ A T^-½
+                s_a, u_a = torch.linalg.eigh(f.a_factor / (root[:, None] * root[None, :]))
+                s_a = s_a.clamp_min(0.0)
+                grid_values = scale * s_g[:, None] * s_a[None, :] + 1.0
+            vecs_out.append(basis.eigvecs_out)
+            vecs_in.append(u_a)
+            values.append(grid_values)
+            scales.append(root)
+        return ScaledEigenKroneckerGaussian(
+            theta, index, shapes, pack(vecs_out), pack(vecs_in), pack(values), torch.cat(scales)
+        )
+
+
+class Efb(LaplaceStructure):
+    r""":math:`(U_G\otimes U_A)(N\Lambda + \tau_l)(U_G\otimes U_A)^\top`, Lee et al. eq. 4 → ``EigenKroneckerGaussian``.
+
+    The eigenvalues are refitted in the Kronecker eigenbasis (George et al. 2018), by a second pass over the data
+    (:meth:`second_pass`).
+    """
+
+    name, gaussian = Structure.EFB, EigenKroneckerGaussian
+
+    def second_pass(self, batches: Batches) -> tuple[tuple[KronEigenbasis, ...], tuple[Tensor, ...], Tensor]:
+        """KFAC factors and their eigenbasis from pass 1, then the eigenvalues in that basis and the exact diagonal
+        from pass 2. Pass 2 runs over pass 1's layer inputs and output gradients, kept up to ``cache_mib`` MiB, and
+        recomputes only the chunks beyond that, on pass 1's sampled labels: KFAC factors, EFB eigenvalues and the
+        diagonal all come from the same Fisher sample.
+
+        Returns:
+            The eigenbases, the eigenvalues (one grid per layer) and the exact diagonal ``(D,)``.
+        """
+        cache = ChunkCache(self.cache_mib * 2**20)
+        factors = kron_factors(cache.record(batches()))
+        bases = eigenbasis(factors)
+        n_chunks = len(cache.labels)
+        rest = () if cache.n_cached == n_chunks else batches(cache.n_cached_rows, cache.labels[cache.n_cached :])
+        eigs, exact_diag = efb_eigenvalues(rest, bases, cache=cache, progress=self.progress)
+        self.info["cached_chunks"] = cache.n_cached
+        self.info["curvature_chunks"] = n_chunks
+        self.info["curvature_cache_mib"] = cache.nbytes / 2**20
+        return bases, eigs, exact_diag
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        bases, eigs, _ = self.second_pass(batches)
+        return {"bases": bases, "eigs": eigs}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        index, shapes = self.layer_index(theta.device)
+        taus = self.layer_tau(tau)
+        bases = curvature["bases"]
+        values = [scale * e + t for e, t in zip(curvature["eigs"], taus)]
+        return EigenKroneckerGaussian(
+            theta,
+            index,
+            shapes,
+            pack([b.eigvecs_out for b in bases]),
+            pack([b.eigvecs_in for b in bases]),
+            pack(values),
+        )
+
+    def layer_tau(self, tau: Tensor) -> list[Tensor]:
+        """One prior precision per layer (EFB adds it to its eigenvalues), 0-dim tensors (``tau``'s autograd
+        graph kept for the marginal likelihood)."""
+        out = []
+        for slot in self.layout.slots:
+            values = tau[block_index(slot, tau.device)]
+            if not bool((values == values[0]).all()):
+                raise ConfigError(
+                    f"laplace: structure={self.name.value} needs one prior precision per layer, but layer "
+                    f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ>, "
+                    "bias_prior_precision=null or method.structure=kfac (which handles a bias prior exactly)"
+                )
+            out.append(values[0])
+        return out
+
+
+class Def(Efb):
+    r""":math:`(U_{G,1:g}\otimes U_{A,1:a})(N\Lambda_{1:L})(\cdot)^\top + \operatorname{diag}(N D + \tau)`, Lee et al.
+    eq. 9 → ``KroneckerLowRankPlusDiagGaussian``.
+
+    Alg. 1 keeps the top ``rank`` eigenvalues per layer (``None``: all) of EFB's second pass, and D is the diagonal
+    correction of eq. 5. D may be negative (the exact diagonal is below that of the kept low-rank part; Lemma 3's
+    sufficient condition D > 0 fails); the precision stays positive definite, with the exact diagonal, as long as
+    :math:`ND + \tau > 0`. Where that fails D is clipped at 0 (prec_diag = τ there; the clipping Lee et al.
+    recommend), and ``info["n_clipped"]`` counts the entries.
+    """
+
+    name, gaussian = Structure.DEF, KroneckerLowRankPlusDiagGaussian
+
+    def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
+        bases, eigs, exact_diag = self.second_pass(batches)
+        lows, corrections = [], torch.zeros_like(theta)
+        for basis, e in zip(bases, eigs):
+            low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, e, self.rank)
+            lows.append(low)
+            correction = diagonal_correction(flat_to_grid(exact_diag, basis.slot), low)
+            corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
+        for low in lows:
+            if low.rank > MAX_DEF_RANK:
+                raise ConfigError(
+                    f"laplace: DEF keeps L={low.rank} eigenvalues in layer {low.slot.module_index} (Alg. 1 keeps "
+                    f"whole rows and columns of the top K={self.rank}); its L x L sampler core is too large "
+                    f"(limit {MAX_DEF_RANK}): lower method.rank"
+                )
+        self.info["kept_rank"] = sum(low.rank for low in lows)
+        return {"lows": lows, "corrections": corrections}
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        index, shapes = self.layer_index(theta.device)
+        lows = curvature["lows"]
+        prec_diag = scale * curvature["corrections"] + tau
+        invalid = prec_diag <= 0
+        n_clipped = int(invalid.sum())
+        self.info["n_clipped"] = n_clipped
+        if n_clipped:
+            logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
+        return KroneckerLowRankPlusDiagGaussian(
+            theta,
+            index,
+            shapes,
+            torch.tensor([list(low.eigenvalues.shape) for low in lows], device=theta.device),
+            pack([low.factor_out for low in lows]),
+            pack([low.factor_in for low in lows]),
+            pack([scale * low.eigenvalues for low in lows]),
+            torch.where(invalid, tau, prec_diag),
+        )
+
+
+STRUCTURES: dict[Structure, type[LaplaceStructure]] = {cls.name: cls for cls in (Diag, Kfac, Efb, Def, Block, Full)}
