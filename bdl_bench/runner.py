@@ -224,6 +224,30 @@ def evaluate_ood(
     return ood_metrics(probs_test, probs_ood)
 
 
+def save_predictive(run_dir: Path, likelihood: Likelihood, dataset: Dataset, f_test: torch.Tensor) -> Path:
+    """Write ``predictive.npz``: a regression run's predictive on the test inputs, in original units.
+
+    ``f_mean`` and ``f_std`` are the mean and (population) standard deviation of the network output over the
+    ``(S, N, 1)`` samples ``f_test`` (the epistemic part), ``noise_std`` the likelihood's noise standard
+    deviation, and ``y_test`` the test targets; the toy figures (``bdl_bench.studies.def_toy``) draw from it.
+    Set ``trainer.save_predictive: true`` in an experiment to get it (off by default, so absent from the
+    other runs' configs).
+    """
+    if not isinstance(likelihood, Gaussian):
+        raise ConfigError("trainer.save_predictive needs a regression run (Gaussian likelihood)")
+    f = f_test.detach().reshape(f_test.shape[0], f_test.shape[1]).double().cpu()
+    y_std = float(dataset.y_std)
+    path = run_dir / "predictive.npz"
+    np.savez(
+        path,
+        f_mean=(dataset.y_mean + y_std * f.mean(0)).numpy(),
+        f_std=(y_std * f.std(0, unbiased=False)).numpy(),
+        noise_std=np.float64(y_std / math.sqrt(float(likelihood.noise_precision))),
+        y_test=(dataset.y_mean + y_std * dataset.y_test.double().cpu()).numpy(),
+    )
+    return path
+
+
 @torch.no_grad()
 def elbo_per_example(method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int) -> float | None:
     """``E_q[log p(D | θ)] / N − KL(q ‖ prior) / N`` on the training set, or ``None`` without a KL.
@@ -654,6 +678,8 @@ def finish_run(
         if "ood" in sets:
             f_ood = f["ood"] if "ood" in f else method.predict(dataset.x_ood, n_test)
             metrics.update(evaluate_ood(method, likelihood, dataset, n_test, run_dir, f["test"], f_ood))
+    if OmegaConf.select(cfg, "trainer.save_predictive", default=False):
+        save_predictive(run_dir, likelihood, dataset, f["test"])
     if elbo is not None:
         metrics["elbo"] = elbo
         authors = elbo_without_bias_logdet(elbo, model, prior, dataset.n_train)

@@ -135,3 +135,31 @@ def test_a_figure_without_its_runs_is_skipped_with_the_reason(tmp_path: Path) ->
     assert drawn == [] and skipped[0].startswith("fig1: no finished runs")
     with pytest.raises(ValueError, match="needs a name and a kind"):
         draw_figures([{"name": "x", "kind": "histogram"}], tmp_path)
+
+
+def test_quick_reproduce_of_def_toy_draws_fig4_from_the_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """def_toy: every run saves predictive.npz, reproduce draws def_toy.png (DEF Fig. 4) from them, and
+    full-rank and rank-1 DEF are separate table rows (rank null vs 1)."""
+    import numpy as np
+
+    from bdl_bench.studies.def_toy import plot_runs
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
+    args = ["def_toy", "--quick", "--jobs", "1", f"results_root={tmp_path}"]
+    main([*args, "variant=def_toy/map,def_toy/def,def_toy/def_rank1"])
+    folder = tmp_path / "def_toy_quick"
+    assert (folder / "def_toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![def_toy](def_toy.png)" in (folder / "reproduce.md").read_text()
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    assert sorted(table["method"]) == ["laplace rank=1", "laplace rank=null", "map"]
+    assert (table["n_runs"] == 1).all()
+    stds = {}
+    for npz in folder.rglob("predictive.npz"):
+        arrays = np.load(npz)
+        assert arrays["f_mean"].shape == arrays["f_std"].shape == arrays["y_test"].shape == (200,)
+        assert float(arrays["noise_std"]) == pytest.approx(3.0, rel=1e-3)  # noise precision 0.1111 = 1/3^2
+        stds[npz.parent.name] = arrays["f_std"]
+    assert len(stds) == 3
+    assert all((std == 0).all() == ("map" in name) for name, std in stds.items())  # only the MAP has no spread
+    only = plot_runs(folder, tmp_path / "only_map.png", ["map"])
+    assert only.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

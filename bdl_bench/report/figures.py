@@ -5,6 +5,7 @@ Each entry names a PNG and one of ``bdl-bench plot``'s kinds with its options, e
     figures:
       - {name: fig4_left, kind: convergence, methods: [slang_L1, slang_L5, slang_L10, mf_hess, full_hess]}
       - {name: fig1, kind: covariance, dataset: usps_3vs5, split: 0, methods: [full_exact, slang_L1, mf_exact]}
+      - {name: def_toy, kind: def_toy}   # DEF Fig. 4 from the runs' predictive.npz (bdl_bench.studies.def_toy)
 
 A figure whose runs are not there yet (a sweep restricted to some datasets) is skipped with its reason, so a
 partial reproduction still gets its table.
@@ -18,7 +19,7 @@ from typing import Any
 
 from bdl_bench.errors import ResultsError
 
-KINDS = ("convergence", "covariance", "ood")
+KINDS = ("convergence", "covariance", "ood", "def_toy")
 
 
 def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Path:
@@ -41,6 +42,10 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Path:
         return plots.plot_covariance(
             folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))
         )
+    if kind == "def_toy":
+        from bdl_bench.studies.def_toy import plot_runs
+
+        return plot_runs(folder, out, methods)
     from bdl_bench.report.ood_plots import plot_uncertainty
     from bdl_bench.results import find_run_dirs
 

@@ -1,20 +1,28 @@
-r"""DEF toy-regression figure (Lee et al. 2020, Fig. 4): predictive mean ± 2σ of every method.
+r"""DEF toy-regression figure (Lee et al. 2020, Fig. 4): predictive mean and up to ±3σ of every method.
 
-Fits each ``variant=def_toy/<name>`` of ``conf/experiment/def_toy.yaml`` in-process, exactly as
-``bdl-bench run experiment=def_toy variant=def_toy/<name>`` does (same composed config, same seeds:
-``torch.manual_seed(trainer.seed)`` before the model is built, method generator ``seed + 1``, data
-order ``seed + 2``, evaluation ``seed + 3``), then evaluates each method's predictive on a dense grid:
-mean and standard deviation of the network output over ``trainer.n_test_mc_samples`` samples
-(epistemic), and with the noise variance added (predictive). One panel per method, the HMC
-reference's ±2σ band drawn in every panel for comparison; in original units.
+Two ways to the same figure (:func:`_plot`):
 
-Also written: ``def_toy.csv`` with, per method, the test metrics on the toy/cubic grid and the mean
-absolute difference of the predictive standard deviation from HMC's inside and outside the training
+* :func:`plot_runs` draws it from finished run folders, each holding ``predictive.npz`` (the runner writes it
+  with ``trainer.save_predictive: true``, which ``conf/experiment/def_toy.yaml`` sets). ``bdl-bench reproduce
+  def_toy`` does this through its ``figures`` entry ``kind: def_toy`` (``bdl_bench/report/figures.py``).
+* :func:`run_study` fits each ``variant=def_toy/<name>`` of ``conf/experiment/def_toy.yaml`` in-process, exactly
+  as ``bdl-bench run experiment=def_toy variant=def_toy/<name>`` does (same composed config, same seeds:
+  ``torch.manual_seed(trainer.seed)`` before the model is built, method generator ``seed + 1``, data order
+  ``seed + 2``, evaluation ``seed + 3``), then evaluates each method's predictive on the test grid.
+
+Either way each method's predictive on the grid is the mean and standard deviation of the network output over
+``trainer.n_test_mc_samples`` samples (epistemic), and with the noise variance added (predictive), in original
+units. One panel per method, HMC first; the deterministic network (MAP) in red and HMC's ±3σ as dotted lines in
+every panel, as the paper compares them.
+
+Also written by :func:`run_study`: ``def_toy.csv`` with, per method, the test metrics on the toy/cubic grid and
+the mean absolute difference of the predictive standard deviation from HMC's inside and outside the training
 range, relative to HMC's.
 
 Usage::
 
     python -m bdl_bench.studies.def_toy --out results/def_toy_figure [--variants hmc,def,...] [override ...]
+    python -m bdl_bench.studies.def_toy --from-runs results/def_toy --out results/def_toy   # redraw from runs
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from bdl_bench.models.params import prior_precision_vector  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VARIANTS = ("hmc", "bbb", "map", "diag", "kfac", "efb", "block", "def", "def_rank1")
+N_SIGMA = 3  # Fig. 4 shades up to three standard deviations
 LABELS = {
     "hmc": "HMC",
     "bbb": "BBB",
@@ -159,7 +168,7 @@ def _table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) 
     rows = []
     reference = predictions.get("hmc")
     for variant, p in predictions.items():
-        row = {"variant": variant, "label": LABELS.get(variant, variant), **p.metrics}
+        row = {"variant": variant, "label": label_of(variant), **p.metrics}
         if reference is not None:
             for name, mask in (("inside", inside), ("outside", ~inside)):
                 ref = reference.predictive_std[mask]
@@ -168,58 +177,149 @@ def _table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) 
     return pd.DataFrame(rows)
 
 
-def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid) -> Path:
-    n = len(predictions)
-    cols = min(3, n)
+def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid, n_sigma: int = N_SIGMA) -> Path:
+    """Fig. 4's layout: one panel per method (HMC first), the training points, the true x³, the deterministic
+    network (MAP, red, in every panel when it is among ``predictions``), the method's mean (blue) and its ±1σ …
+    ±``n_sigma``σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace
+    variants on a squared error, with no noise model); HMC's ±``n_sigma``σ as dotted lines in the other panels."""
+    deterministic = predictions.get("map")
+    panels = {k: v for k, v in predictions.items() if k != "map" or len(predictions) == 1}
+    n = len(panels)
+    cols = min(4, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), sharex=True, sharey=True, squeeze=False)
     x = torch.as_tensor(x_grid)
-    truth = x**3
     reference = predictions.get("hmc")
-    for ax, (variant, p) in zip(axes.flat, predictions.items()):
+    for ax, (variant, p) in zip(axes.flat, panels.items()):
+        for k in range(n_sigma, 0, -1):
+            ax.fill_between(
+                x,
+                p.mean - k * p.epistemic_std,
+                p.mean + k * p.epistemic_std,
+                color="tab:blue",
+                alpha=0.12 + 0.1 * (n_sigma - k),
+                lw=0,
+                label=f"±{n_sigma}σ … ±1σ" if k == n_sigma else None,
+            )
         if reference is not None and variant != "hmc":
-            lo, hi = reference.mean - 2 * reference.predictive_std, reference.mean + 2 * reference.predictive_std
-            ax.plot(x, lo, color="k", lw=0.8, ls=":", label="HMC ±2σ")
-            ax.plot(x, hi, color="k", lw=0.8, ls=":")
-        ax.fill_between(
-            x,
-            p.mean - 2 * p.predictive_std,
-            p.mean + 2 * p.predictive_std,
-            color="tab:blue",
-            alpha=0.2,
-            label="±2σ predictive",
-        )
-        ax.fill_between(
-            x,
-            p.mean - 2 * p.epistemic_std,
-            p.mean + 2 * p.epistemic_std,
-            color="tab:blue",
-            alpha=0.35,
-            label="±2σ epistemic",
-        )
-        ax.plot(x, truth, color="k", lw=1, label="x³")
+            for sign in (-1, 1):
+                ax.plot(
+                    x,
+                    reference.mean + sign * n_sigma * reference.epistemic_std,
+                    color="k",
+                    lw=0.8,
+                    ls=":",
+                    label=f"HMC ±{n_sigma}σ" if sign < 0 else None,
+                )
+        ax.plot(x, x**3, color="k", lw=1, label="x³")
+        if deterministic is not None and variant != "map":
+            ax.plot(x, deterministic.mean, color="tab:red", lw=1.2, label="deterministic NN")
         ax.plot(x, p.mean, color="tab:blue", lw=1.5, label="mean")
-        ax.scatter(x_train, y_train, s=10, color="tab:red", zorder=3, label="data")
-        ax.set_title(LABELS.get(variant, variant), fontsize=10)
+        ax.scatter(x_train, y_train, s=6, color="k", zorder=3, label="data")
+        ax.axvspan(float(x.min()), -4, color="0.92", zorder=0)
+        ax.axvspan(4, float(x.max()), color="0.92", zorder=0)
+        ax.set_title(label_of(variant), fontsize=10)
         ax.set_ylim(-250, 250)
+        ax.set_xlim(float(x.min()), float(x.max()))
     for ax in axes.flat[n:]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7, loc="upper left")
-    fig.suptitle("Toy regression y = x³ + N(0, 3²): predictive mean ± 2σ (Lee et al. 2020, Fig. 4)")
+    axes.flat[0].legend(fontsize=6, loc="upper left")
+    fig.suptitle(
+        f"Toy regression y = x³ + N(0, 3²), {len(x_train)} points: mean and up to ±{n_sigma}σ of the network output\n"
+        "(cf. Lee et al. 2020, Fig. 4; grey: outside the training range)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
+def label_of(variant: str) -> str:
+    """The panel title of a variant (``def_rank<K>`` for any K)."""
+    if variant in LABELS:
+        return LABELS[variant]
+    if variant.startswith("def_rank"):
+        return f"DEF Laplace (rank {variant.removeprefix('def_rank')})"
+    return variant
+
+
+def variant_of(config: dict) -> str:
+    """The def_toy variant name of a run's config: the method's name, a Laplace run's structure, ``def_rank<K>``
+    for DEF with a rank."""
+    method = config.get("method") or {}
+    if method.get("name") != "laplace":
+        return str(method.get("name"))
+    structure = str(method.get("structure"))
+    if structure == "def" and method.get("rank") is not None:
+        return f"def_rank{method['rank']}"
+    return structure
+
+
+def _raw_data(data_cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """The training points and the test grid in original units, redrawn from a run's ``data`` config."""
+    params = {k: v for k, v in data_cfg.items() if k not in ("name", "split", "val_fraction", "protocol")}
+    x_tr, y_tr, x_te, _ = make_cubic(**params)
+    return torch.as_tensor(x_tr[:, 0]), torch.as_tensor(y_tr), torch.as_tensor(x_te[:, 0])
+
+
+def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) -> Path:
+    """Fig. 4 from finished run folders below ``folder``: each run's ``predictive.npz`` (written with
+    ``trainer.save_predictive: true``, as ``conf/experiment/def_toy.yaml`` sets) and ``metrics.json``; the
+    training points are redrawn from the runs' ``data`` config (they must all share it). ``variants``: only these.
+
+    Raises:
+        ResultsError: when no run below ``folder`` has a ``predictive.npz``, or the runs' data differ.
+    """
+    import json
+
+    import numpy as np
+    import yaml
+
+    from bdl_bench.errors import ResultsError
+    from bdl_bench.results import CONFIG_FILE, METRICS_FILE, find_run_dirs
+
+    found: dict[str, ToyPrediction] = {}
+    data_cfg = None
+    for run_dir in find_run_dirs(folder):
+        npz, metrics = run_dir / "predictive.npz", run_dir / METRICS_FILE
+        if not (npz.exists() and metrics.exists()):
+            continue
+        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        variant = variant_of(config)
+        if variants is not None and variant not in variants:
+            continue
+        if data_cfg is not None and config.get("data") != data_cfg:
+            raise ResultsError(f"the runs below {folder} use different data configs; draw one sweep at a time")
+        data_cfg = config.get("data")
+        arrays = np.load(npz)
+        std = torch.as_tensor(arrays["f_std"])
+        found[variant] = ToyPrediction(
+            torch.as_tensor(arrays["f_mean"]),
+            std,
+            (std.square() + float(arrays["noise_std"]) ** 2).sqrt(),
+            json.loads(metrics.read_text()),
+        )
+    if not found:
+        raise ResultsError(f"no finished run below {folder} has predictive.npz (trainer.save_predictive: true)")
+    order = [v for v in VARIANTS if v in found] + sorted(v for v in found if v not in VARIANTS)
+    x_train, y_train, x_grid = _raw_data(data_cfg or {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _plot(out, {v: found[v] for v in order}, x_train, y_train, x_grid)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bdl_bench.studies.def_toy", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/def_toy_figure"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated def_toy variants")
+    parser.add_argument("--from-runs", type=Path, help="draw from the finished runs below this folder (fits nothing)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides applied to every variant (e.g. trainer.n_epochs=500)"
     )
     ns = parser.parse_args(argv)
+    if ns.from_runs is not None:
+        print(f"figure → {plot_runs(ns.from_runs, ns.out / 'def_toy.png', ns.variants.split(','))}")
+        return
     torch.set_num_threads(1)
     png, csv = run_study(ns.out, ns.variants.split(","), ns.overrides)
     print(pd.read_csv(csv).to_string(index=False))
