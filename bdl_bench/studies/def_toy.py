@@ -181,7 +181,7 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     """Fig. 4's layout: one panel per method (HMC first), the training points, the true x³, the deterministic
     network (MAP, red, in every panel when it is among ``predictions``), the method's mean (blue) and its ±1σ …
     ±``n_sigma``σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace
-    variants on a squared error, with no noise model); HMC's ±``n_sigma``σ as dotted lines in the other panels."""
+    variants on a squared error, with no noise model); HMC's ±``n_sigma``σ as dotted lines in the other panels, each of which also prints its :func:`spread_ratios` to HMC."""
     deterministic = predictions.get("map")
     panels = {k: v for k, v in predictions.items() if k != "map" or len(predictions) == 1}
     n = len(panels)
@@ -218,6 +218,16 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
         ax.scatter(x_train, y_train, s=6, color="k", zorder=3, label="data")
         ax.axvspan(float(x.min()), -4, color="0.92", zorder=0)
         ax.axvspan(4, float(x.max()), color="0.92", zorder=0)
+        if reference is not None and variant != "hmc":
+            ratios = spread_ratios(p, reference, x)
+            ax.text(
+                0.97,
+                0.04,
+                f"σ / σ_HMC: {ratios['inside']:.2g} inside, {ratios['outside']:.2g} outside",
+                transform=ax.transAxes,
+                ha="right",
+                fontsize=7,
+            )
         ax.set_title(label_of(variant), fontsize=10)
         ax.set_ylim(-250, 250)
         ax.set_xlim(float(x.min()), float(x.max()))
@@ -233,6 +243,16 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def spread_ratios(p: ToyPrediction, reference: ToyPrediction, x_grid: Tensor, bound: float = 4.0) -> dict[str, float]:
+    """Mean network-output std of ``p`` over that of ``reference`` (HMC) on the grid points inside the training
+    range ``|x| <= bound`` and outside it: 1 is HMC's spread, above 1 wider (the numbers each panel prints)."""
+    inside = torch.as_tensor(x_grid).abs() <= bound
+    return {
+        name: float(p.epistemic_std[mask].mean() / reference.epistemic_std[mask].mean())
+        for name, mask in (("inside", inside), ("outside", ~inside))
+    }
 
 
 def label_of(variant: str) -> str:
