@@ -220,22 +220,25 @@ def stored_config_hash(run_dir: Path) -> str | None:
     return config_hash(yaml.safe_load(path.read_text()) or {})
 
 
-def code_version() -> str:
-    """``<package version>+g<commit>`` when the package runs from a git checkout, else the version."""
+def code_version(repo: Path | None = None) -> str:
+    """``<package version>+g<commit>`` when the package runs from a git checkout (``repo``, default the one
+    holding this package; a linked worktree too), else the version."""
     from bdl_bench import __version__
 
-    git = Path(__file__).resolve().parents[1] / ".git"
+    git = (repo or Path(__file__).resolve().parents[1]) / ".git"
     try:
         if git.is_file():  # a worktree or submodule: ".git" names the real folder
             git = (git.parent / git.read_text().strip().removeprefix("gitdir: ")).resolve()
         head = (git / "HEAD").read_text().strip()
         if head.startswith("ref: "):
             ref = head.removeprefix("ref: ")
-            ref_path = git / ref
+            # a linked worktree keeps its HEAD in its own folder and the branches in the common one
+            common = (git / (git / "commondir").read_text().strip()).resolve() if (git / "commondir").exists() else git
+            ref_path = common / ref
             if ref_path.exists():
                 head = ref_path.read_text().strip()
             else:  # packed refs: "<sha> <ref>" lines
-                lines = (git / "packed-refs").read_text().splitlines()
+                lines = (common / "packed-refs").read_text().splitlines()
                 head = next(line.split()[0] for line in lines if line.endswith(f" {ref}"))
         return f"{__version__}+g{head[:10]}"
     except (OSError, StopIteration, IndexError):

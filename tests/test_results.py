@@ -68,3 +68,32 @@ def test_csv_floats_come_back_exactly_as_written(tmp_path: Path) -> None:
     path.write_text(pd.DataFrame({"noise_precision": values}).to_csv(index=False))
     back = read_csv_exact(path)["noise_precision"].to_numpy()
     assert np.array_equal(back, values)
+
+
+def test_code_version_names_the_commit_of_a_checkout_and_of_a_linked_worktree(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from bdl_bench import __version__
+    from bdl_bench.results import code_version
+
+    def git(*args: str, cwd: Path = tmp_path / "repo") -> str:
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        }
+        return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=env).stdout
+
+    (tmp_path / "repo").mkdir()
+    git("init", "-q", "-b", "main")
+    git("commit", "-q", "--allow-empty", "-m", "one")
+    head = git("rev-parse", "HEAD").strip()
+    assert code_version(tmp_path / "repo") == f"{__version__}+g{head[:10]}"
+    git("worktree", "add", "-q", str(tmp_path / "linked"), "-b", "other")
+    assert code_version(tmp_path / "linked") == f"{__version__}+g{head[:10]}"
+    git("pack-refs", "--all")  # branches only in packed-refs
+    assert code_version(tmp_path / "linked") == f"{__version__}+g{head[:10]}"
+    assert code_version(tmp_path / "nowhere") == __version__
