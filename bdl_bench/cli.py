@@ -87,7 +87,8 @@ def check_group_overrides(overrides: list[str]) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_app(cfg: DictConfig) -> float | None:
     """The Hydra job: one run (skipped when finished, resumed when checkpointed) into Hydra's output
-    folder; returns the objective for sweepers (validation log-likelihood when there is a validation part)."""
+    folder; returns its objective (validation log-likelihood when there is a validation part, else test
+    log-likelihood)."""
     from bdl_bench.allocator import keep_freed_memory
     from bdl_bench.sweep import run_job
 

@@ -24,7 +24,7 @@ class DataError(UserError, ValueError):
 
 
 class MissingFileError(UserError, FileNotFoundError):
-    """A file or folder the config names (a tuning study, a MAP run) is missing."""
+    """A file or folder the config names (a MAP run, a search grid file) is missing."""
 
 
 class DataFileError(MissingFileError):

@@ -4,16 +4,14 @@
    ``key=values`` given on the command line in place of the experiment's) is expanded into jobs; a
    dataset's splits beyond its ``protocol.n_splits`` are dropped.
 2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``):
-   a tune config with a ``search`` node (``slang_table2``) makes every job search its splits' values
-   itself, the trials of all its splits stacked (:mod:`bdl_bench.search`), before its test runs; a tune
-   config of the Optuna sweeper runs each job's study first, into
-   ``<results_root>/<experiment_name>_tuning/<job folder>``. A finished search or study of the same config
-   is not run again.
+   every job runs with ``tune=<experiment>``, whose ``search`` node makes it search its splits' values
+   itself, the trials of all its splits stacked (:mod:`bdl_bench.search`), before its test runs. A
+   finished search is not run again (its journal is replayed), a killed one resumes.
 3. The test runs run as Hydra sweeps (one per group of datasets with the same sweep), with the joblib launcher on ``--jobs`` cores
    unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
    killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
-   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`) unless they are tuned by an
-   Optuna sweeper study (a stacked search's test runs stack, each split with its own values).
+   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`; a searched job's test runs
+   stack too, each split with its own values).
 4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
    printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
@@ -58,13 +56,11 @@ from bdl_bench.results import (
 )
 from bdl_bench.search import apply_searched
 from bdl_bench.sweep import summarise, version_warnings
-from bdl_bench.tuning import STUDY_RESULTS_FILE, apply_tuned, override_dirname
 
 QUICK_SPLITS = 2
 QUICK_EPOCHS = 3
-QUICK_TRIALS = 4
 QUICK_SEARCH = {"n_random": 2, "n_guided": 2, "round_size": 2}  # --quick: 4 trials per split, in 2 rounds
-STUDY_RECORD_FILE = "study.json"
+QUICK_TRIALS = QUICK_SEARCH["n_random"] + QUICK_SEARCH["n_guided"]
 
 
 @dataclass(frozen=True)
@@ -75,12 +71,11 @@ class Plan:
     config: DictConfig  # the experiment's composed config, Hydra node included
     fixed: list[str]  # overrides of every job (experiment=…, the user's single values, --quick settings)
     launcher: list[str]  # the user's hydra/… and hydra.… overrides (launcher choice and settings)
-    sweeper: list[str]  # the user's hydra.sweeper.… overrides (for the studies)
     keys: list[str]  # the swept keys, in order
     jobs: list[list[str]]  # per job: "key=value" for every swept key
     sweep_dir: Path
-    tuning_dir: Path | None  # None: no tuning
-    stack_splits: bool = False  # the experiment sweeps data.split=all: untuned runs of a dataset are stacked
+    tuned: bool = False  # every job searches its splits' values first (tune=<experiment>, bdl_bench.search)
+    stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
     @property
     def dirname_settings(self) -> tuple[list[str], str, str]:
@@ -89,6 +84,18 @@ class Plan:
 
     def job_folder(self, job: Sequence[str]) -> str:
         return override_dirname([*self.fixed, *job], *self.dirname_settings)
+
+
+def override_dirname(
+    overrides: Sequence[str], exclude_keys: Sequence[str], item_sep: str = ",", kv_sep: str = "="
+) -> str:
+    """The folder name Hydra derives from ``overrides`` (``hydra.job.override_dirname``): the
+    overrides, less ``exclude_keys``, sorted and joined."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return get_overrides_dirname(parsed, exclude_keys=list(exclude_keys), item_sep=item_sep, kv_sep=kv_sep)
 
 
 def _load(overrides: Sequence[str], multirun: bool = True) -> DictConfig:
@@ -140,9 +147,8 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
     available = group_choices("experiment")
     if experiment not in available:
         raise SystemExit(f"bdl-bench reproduce: unknown experiment {experiment!r}; available: {', '.join(available)}")
-    sweeper = [o for o in overrides if o.startswith("hydra.sweeper.")]  # for the studies only
-    launcher = [o for o in overrides if o.startswith(("hydra/", "hydra.")) and o not in sweeper]
-    task = [o for o in overrides if o not in launcher and o not in sweeper]
+    launcher = [o for o in overrides if o.startswith(("hydra/", "hydra."))]
+    task = [o for o in overrides if o not in launcher]
     quick_fixed = [f"experiment_name={experiment}_quick", f"trainer.n_epochs={QUICK_EPOCHS}"] if quick else []
     config = _load([f"experiment={experiment}", *quick_fixed, *task, *launcher])
     params: dict[str, str] = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
@@ -177,26 +183,11 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
         raise SystemExit(f"bdl-bench reproduce: the sweep of {experiment} {dict(params)} expands to no run")
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
-    if tuned and _stacked_search(experiment):  # every job searches its own splits (bdl_bench.search)
+    if tuned:  # every job searches its own splits (bdl_bench.search)
         fixed.append(f"tune={experiment}")
         fixed += [f"search.{k}={v}" for k, v in QUICK_SEARCH.items()] if quick else []
-        tuned = False
-    tuning_dir = sweep_dir.with_name(f"{sweep_dir.name}_tuning") if tuned else None
     stack = values.get("data.split") == ["all"]
-    return Plan(experiment, config, fixed, launcher, sweeper, keys, jobs, sweep_dir, tuning_dir, stack_splits=stack)
-
-
-def _stacked_search(experiment: str) -> bool:
-    """Whether ``conf/tune/<experiment>.yaml`` is a stacked search (a ``search`` node, :mod:`bdl_bench.search`)
-    rather than an Optuna sweeper (one Hydra job per trial)."""
-    return "search" in (yaml.safe_load((CONF_DIR / "tune" / f"{experiment}.yaml").read_text()) or {})
-
-
-def _quoted(key: str, path: Path) -> str:
-    """``key='path'``: a folder name made of overrides holds ``=`` and ``,``, which Hydra's grammar needs quoted."""
-    if "'" in str(path):
-        raise ConfigError(f"{key}: the folder {path} contains a single quote; choose results_root without one")
-    return f"{key}='{path}'"
+    return Plan(experiment, config, fixed, launcher, keys, jobs, sweep_dir, tuned=tuned, stack_splits=stack)
 
 
 def _launcher_overrides(plan: Plan, jobs: int) -> list[str]:
@@ -218,43 +209,6 @@ def _task_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(task, resolve=True)  # type: ignore[return-value]
 
 
-def _study_hash(plan: Plan, job: Sequence[str], extra: Sequence[str]) -> str:
-    cfg = _load([*plan.fixed, f"tune={plan.experiment}", *job, *extra])
-    sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
-    return config_hash({"task": _task_container(cfg), "sweeper": sweeper})  # type: ignore[dict-item]
-
-
-def run_studies(plan: Plan, launcher: list[str], *, jobs: int, quick: bool, force: bool) -> list[str]:
-    """Run every job's Optuna study that has not finished for this config; returns the failed jobs."""
-    assert plan.tuning_dir is not None
-    extra = [f"hydra.sweeper.n_jobs={jobs}"] + ([f"hydra.sweeper.n_trials={QUICK_TRIALS}"] if quick else [])
-    extra += plan.sweeper
-    failed = []
-    for i, job in enumerate(plan.jobs, 1):
-        study_dir = plan.tuning_dir / plan.job_folder(job)
-        record = study_dir / STUDY_RECORD_FILE
-        key = _study_hash(plan, job, extra)
-        done = (study_dir / STUDY_RESULTS_FILE).exists() and record.exists()
-        if done and not force and yaml.safe_load(record.read_text()).get("study_hash") == key:
-            continue
-        print(f"[tuning {i}/{len(plan.jobs)}] {' '.join(job)} → {study_dir}", flush=True)
-        args = [
-            "-m",
-            *plan.fixed,
-            f"tune={plan.experiment}",
-            *job,
-            *extra,
-            *launcher,
-            _quoted("hydra.sweep.dir", study_dir),
-        ]
-        error = run_hydra([*args, *(["force=true"] if force else [])])
-        if error is not None or not (study_dir / STUDY_RESULTS_FILE).exists():
-            failed.append(" ".join(job))
-            continue
-        atomic_write_text(record, yaml.safe_dump({"study_hash": key}))
-    return failed
-
-
 def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
     """The plan's jobs as Hydra sweeps (skipping finished runs, resuming killed ones): one per group of
     datasets whose other sweep values are the same, so that the launcher's workers share all their jobs."""
@@ -266,7 +220,7 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
         values = {
             k: list(dict.fromkeys(o.split("=", 1)[1] for o in (j[i] for j in group))) for i, k in enumerate(plan.keys)
         }
-        if plan.stack_splits and plan.tuning_dir is None:  # one stacked job per method (bdl_bench.stacked)
+        if plan.stack_splits:  # one stacked job per method (bdl_bench.stacked)
             values["data.split"] = [f"[{','.join(values['data.split'])}]"]
         others = repr({k: v for k, v in values.items() if k != "data"})
         if others in sweeps and "data" in values:
@@ -277,9 +231,8 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
         data = f"data={','.join(values['data'])}" if "data" in values else ""
         n_jobs = len(list(itertools.product(*values.values())))
         sweep = [f"{k}={','.join(v)}" for k, v in values.items()]
-        extra = [_quoted("tuned_from", plan.tuning_dir)] if plan.tuning_dir is not None else []
         print(f"[runs] {data or plan.experiment}: {n_jobs} jobs → {plan.sweep_dir}", flush=True)
-        run_hydra(["-m", *plan.fixed, *sweep, *extra, *launcher, *(["force=true"] if force else [])])
+        run_hydra(["-m", *plan.fixed, *sweep, *launcher, *(["force=true"] if force else [])])
 
 
 def _stored_overrides(run_dir: Path) -> list[str] | None:
@@ -300,7 +253,7 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
             continue
         try:
             cfg = _load(overrides, multirun=False)
-            cfg = apply_searched(apply_tuned(cfg, overrides, plan.dirname_settings), run_dir)
+            cfg = apply_searched(cfg, run_dir)
             current = config_hash(_task_container(cfg))
         except Exception as error:  # noqa: BLE001 - any failure to recompose means it cannot be vouched for
             found.append((run_dir, f"its overrides no longer compose ({type(error).__name__}: {error})"))
@@ -445,12 +398,15 @@ def main(args: list[str]) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke check: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs, {QUICK_TRIALS} tuning trials, into <experiment>_quick",
+        help=f"smoke check: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs, {QUICK_TRIALS} search trials per split, "
+        "into <experiment>_quick",
     )
     parser.add_argument(
         "--no-tune", action="store_true", help="skip the hyperparameter search (use the configs' fixed values)"
     )
-    parser.add_argument("--force", action="store_true", help="re-run finished runs and studies")
+    parser.add_argument(
+        "--force", action="store_true", help="re-run finished runs (a finished search is replayed from its journal)"
+    )
     parser.add_argument("--jobs", type=int, default=_default_jobs(), help="parallel jobs (default: the usable cores)")
     ns = parser.parse_intermixed_args(args)
     started = time.perf_counter()
@@ -458,11 +414,8 @@ def main(args: list[str]) -> None:
     launcher = _launcher_overrides(plan, ns.jobs)
     print(
         f"{plan.experiment}: {len(plan.jobs)} runs over {', '.join(plan.keys)}"
-        + (f"; tuning first ({plan.tuning_dir})" if plan.tuning_dir else ""),
+        + (f"; each job searches its splits' values first (tune={plan.experiment})" if plan.tuned else ""),
         flush=True,
-    )
-    failed_studies = (
-        run_studies(plan, launcher, jobs=ns.jobs, quick=ns.quick, force=ns.force) if plan.tuning_dir else []
     )
     run_tests(plan, launcher, force=ns.force)
 
@@ -470,8 +423,6 @@ def main(args: list[str]) -> None:
     summary = summarise(plan.sweep_dir, run_dirs=[d for d in expected if d.exists()])
     missing = [d for d in expected if not d.exists()]
     print(summary.render(plan.sweep_dir))
-    for study in failed_studies:
-        print(f"  TUNING FAILED {study} (its test run has no tuned values)")
     conflicts = [
         (d, (read_failure(d) or {}).get("message", ""))
         for d, _ in summary.failed
@@ -515,7 +466,7 @@ def main(args: list[str]) -> None:
         f"(Markdown: {plan.sweep_dir / 'reproduce.md'}; CSV: {plan.sweep_dir / 'reproduce.csv'}; "
         f"{time.perf_counter() - started:.0f} s)"
     )
-    if summary.failed or summary.unfinished or missing or failed_studies:
+    if summary.failed or summary.unfinished or missing:
         raise SystemExit(1)
 
 

@@ -49,7 +49,7 @@ HASH_EXCLUDED_KEYS = (
     "force",
     "results_root",
     "experiment_name",
-    "tuned_from",
+    "tuned_from",  # a key of earlier configs (the removed per-trial Optuna sweeper): their runs hash as before
     "trainer.device",
     "trainer.progress",
     "trainer.threads",

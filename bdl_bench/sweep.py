@@ -50,7 +50,6 @@ from bdl_bench.results import (
 from bdl_bench.runner import EpochHook, run
 from bdl_bench.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.stacked import member_config, run_stack, stacked_splits
-from bdl_bench.tuning import apply_tuned
 
 EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
 
@@ -106,7 +105,6 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     force = bool(OmegaConf.select(cfg, "force", default=False))
     config: dict[str, Any] = {}
     try:
-        cfg = apply_tuned(cfg, overrides)
         config = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         chash = config_hash(config)
         if _finished(run_dir, chash, force):
@@ -226,8 +224,6 @@ def run_stacked_job(
         The job's result: ``run_dir`` and the mean of each metric over the stacked splits.
     """
     force = bool(OmegaConf.select(cfg, "force", default=False))
-    if OmegaConf.select(cfg, "tuned_from") is not None:
-        raise ConfigError("tuned_from: tuned runs have per-split precisions; run them one split per job, not stacked")
     if has_search(cfg):
         cfg = with_method_settings(cfg)
     splits = stacked_splits(cfg) or [int(cfg.data.split)]

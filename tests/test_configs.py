@@ -127,3 +127,12 @@ def test_the_dropout_protocol_inputs_leave_other_runs_hashes_alone(compose_cfg) 
     changed = copy.deepcopy(cfg)
     changed["method"]["lr"] = 0.5
     assert config_hash(changed) != config_hash(cfg)
+
+
+def test_runs_stored_with_the_removed_tuned_from_key_keep_their_hash(compose_cfg) -> None:
+    """Configs written before the per-trial Optuna sweeper was removed hold ``tuned_from: null``; today's
+    config has no such key, and a finished run of the same settings must still count as finished."""
+    today = OmegaConf.to_container(compose_cfg(["data=uci/yacht", "method=bbb"]), resolve=True)
+    assert "tuned_from" not in today
+    stored = {**copy.deepcopy(today), "tuned_from": None}
+    assert config_hash(stored) == config_hash(today)

@@ -28,12 +28,17 @@ def test_plan_expands_the_sweep_and_drops_splits_a_dataset_lacks() -> None:
     assert plan.keys == ["method", "data", "data.split"]
     assert len(plan.jobs) == 6 + 5  # protein has 5 splits
     assert ["method=bbb", "data=uci/protein", "data.split=4"] in plan.jobs
-    # slang_table2's tuning is a stacked search inside each job (bdl_bench/search.py), not a study per job
-    assert plan.tuning_dir is None and "tune=slang_table2" in plan.fixed
+    # slang_table2's tuning is a stacked search inside each job (bdl_bench/search.py)
+    assert plan.tuned and "tune=slang_table2" in plan.fixed
+    # a job's folder is Hydra's name for its overrides, less the bookkeeping keys (experiment, tune)
+    assert (
+        plan.job_folder(["method=bbb", "data=uci/protein", "data.split=4"])
+        == "data.split=4,data=uci/protein,method=bbb"
+    )
     fixed = make_plan("slang_table2", ["method=bbb", "data=uci/yacht"], quick=False, tune=False)
-    assert not any(o.startswith("tune=") for o in fixed.fixed)
+    assert not fixed.tuned and not any(o.startswith("tune=") for o in fixed.fixed)
     quick = make_plan("slang_table2", ["method=bbb,dropout", "data=uci/yacht"], quick=True, tune=False)
-    assert len(quick.jobs) == 2 * 2 and quick.tuning_dir is None
+    assert len(quick.jobs) == 2 * 2 and not quick.tuned
     assert "trainer.n_epochs=3" in quick.fixed and quick.sweep_dir.name == "slang_table2_quick"
 
 

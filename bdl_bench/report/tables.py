@@ -57,14 +57,12 @@ and bookkeeping (what the config hash leaves out)."""
 
 def setting_keys(runs: pd.DataFrame, ignore: Sequence[str] = ()) -> list[str]:
     """The config columns of ``runs`` that name a setting: all but :data:`NOT_SETTINGS`, ``ignore`` and
-    the keys tuned per split (``search.params.*`` of a stacked search, the keys of its ``search.grids.<method>``,
-    ``data.protocol.search.*`` of a run with ``tuned_from``), whose values differ from split to split by design."""
+    the keys tuned per split (``search.params.*`` of a stacked search, the keys of its ``search.grids.<method>``),
+    whose values differ from split to split by design."""
     columns = runs.attrs.get("config_columns") or [c for c in runs.columns if c.startswith(("method.", "data."))]
     tuned = {c.removeprefix("search.params.") for c in columns if c.startswith("search.params.")}
     # search.grids.<method>.<key>: a grid chosen per split (Gal & Ghahramani's dropout rate and tau)
     tuned |= {c.split(".", 3)[3] for c in columns if c.startswith("search.grids.") and c.count(".") >= 3}
-    if "tuned_from" in runs.columns and runs["tuned_from"].notna().any():
-        tuned |= {c.removeprefix("data.protocol.search.") for c in columns if c.startswith("data.protocol.search.")}
     skip = (*NOT_SETTINGS, *ignore, *tuned)
     return [c for c in columns if c in runs.columns and not any(c == k or c.startswith(f"{k}.") for k in skip)]
 

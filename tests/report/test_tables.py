@@ -328,20 +328,17 @@ def test_values_a_grid_search_chose_per_split_do_not_split_a_row(tmp_path: Path)
     assert list(frame["method"]) == ["dropout"] and list(frame["n_runs"]) == [3]
 
 
-def test_values_tuned_per_split_do_not_split_a_row(tmp_path: Path) -> None:
+def test_values_a_search_chose_per_split_do_not_split_a_row(tmp_path: Path) -> None:
+    # a stacked search (tune=uci) picks noise_precision per split between the bounds of search.params
     for split, noise in enumerate([0.05, 0.08, 0.11]):
         _fake_run(
             tmp_path,
             f"t{split}",
             {
-                "data": {
-                    "name": "uci/boston",
-                    "split": split,
-                    "protocol": {"search": {"noise_precision": [0.04, 0.2]}},
-                },
+                "data": {"name": "uci/boston", "split": split},
                 "method": {"name": "bbb"},
                 "noise_precision": noise,
-                "tuned_from": "/studies",
+                "search": {"params": {"noise_precision": [0.04, 0.2]}},
             },
             {"rmse": 3.0},
         )
