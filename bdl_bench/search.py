@@ -7,10 +7,11 @@ part with each split's best values (:func:`tuned_members`, used by :func:`bdl_be
 
 **Bayesian optimisation** (SLANG Table 2, Mishkin et al. 2018, App. F.3: per split 5 random and 25 guided
 evaluations of log noise precision and log prior precision, objective the validation log-likelihood):
-one Optuna study per split (ask/tell, TPE on a log scale between the bounds of ``search.params``; the
-authors used a GP with expected improvement). The evaluations run in rounds: first ``n_random`` random
-trials per split, then ``round_size`` guided trials per split per round (TPE with the constant liar, so
-the trials of a round differ) until ``n_random + n_guided``. All trials of a round, over all splits,
+one Optuna study per split (ask/tell, multivariate TPE on a log scale between the bounds of
+``search.params``: one joint density of the searched keys, as the authors' Gaussian process with expected
+improvement models them jointly). The evaluations run in rounds: first ``n_random`` random trials per
+split, then ``round_size`` guided trials per split per round (TPE with the constant liar, so the trials of
+a round differ) until ``n_random + n_guided``. All trials of a round, over all splits,
 train as one stack (:func:`bdl_bench.stacked.run_stack` with per-member precisions). Each round's sampler
 is seeded from ``search.seed``, the split and the number of trials before the round, so a search is
 deterministic, and a resumed one continues as the uninterrupted one would.
@@ -23,9 +24,9 @@ combination of the values listed in the dataset's grid files (``data/uci/<set>/d
 method's search and test configs; ``search.params.<key>: null`` takes a key out of its search) and
 ``search.trial_settings`` (leaves set in the trials' configs only, e.g. Gal's shorter BO trainings).
 
-Storage: ``<job folder>/.search/journal.jsonl``, one line per asked and per told trial, replayed into
-the in-memory Optuna studies when the job starts again (optuna 2.10's SQLite storage does not work with
-SQLAlchemy 2, which this environment has): a killed search resumes; trials asked but not told are
+Storage: ``<job folder>/.search/journal.jsonl``, one line per asked round and per told trial (plain JSON,
+readable without Optuna and across its versions), replayed into in-memory Optuna studies when the job starts
+again: a killed search resumes; the trials asked but not told are asked again with the same values and
 trained again, with the same stack, so its checkpoint resumes too. Every trial's run folder is
 ``.search/split=<k>/trial=<n>`` (hidden from ``bdl-bench table``). A trial whose training diverges is
 recorded as failed (``state FAIL`` and its error, never a made-up score) and the round goes on without it.
@@ -38,7 +39,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import logging
 import math
 import os
 import re
@@ -193,7 +193,6 @@ class Search:
     """The studies of one stacked job (module docstring)."""
 
     def __init__(self, cfg: DictConfig, job_dir: Path, splits: Sequence[int]) -> None:
-        logging.getLogger("alembic").setLevel(logging.WARNING)  # optuna's import of it logs at INFO into the job's log
         import optuna
 
         self.cfg, self.spec, self.splits = cfg, read_spec(cfg), list(splits)
@@ -204,22 +203,26 @@ class Search:
         self.root = Path(job_dir) / SEARCH_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # ask/tell, enqueue
         self.studies = {k: optuna.create_study(study_name=f"split={k}", direction="maximize") for k in self.splits}
+        self._running: dict[tuple[int, int], Any] = {}  # (split, number) → the asked optuna Trial, until told
         self.journal = self.root / JOURNAL_FILE
         self._replay()
 
     def _distributions(self) -> dict[str, Any]:
-        from optuna.distributions import CategoricalDistribution, LogUniformDistribution
+        from optuna.distributions import CategoricalDistribution, FloatDistribution
 
         grid = {k: CategoricalDistribution(list(v)) for k, v in (self.spec.grid or {}).items()}
-        return {**grid, **{p.key: LogUniformDistribution(p.low, p.high) for p in self.spec.params}}
+        return {**grid, **{p.key: FloatDistribution(p.low, p.high, log=True) for p in self.spec.params}}
 
-    def _suggest(self, trial: Any) -> None:
+    def _ask_one(self, split: int) -> Any:
+        """A new trial of ``split`` with its values suggested (an enqueued trial takes the enqueued values)."""
+        trial = self.studies[split].ask()
         for key, values in (self.spec.grid or {}).items():
             trial.suggest_categorical(key, list(values))
         for p in self.spec.params:
             trial.suggest_float(p.key, p.low, p.high, log=True)
+        self._running[(split, trial.number)] = trial
+        return trial
 
     def _log(self, record: dict[str, Any]) -> None:
         with self.journal.open("a") as f:
@@ -257,7 +260,7 @@ class Search:
             end = told.get((k, number))
             if end is None:
                 study.enqueue_trial(record["params"])
-                self._suggest(study.ask())
+                self._ask_one(k)
                 continue
             state = TrialState[end["state"]]
             study.add_trial(
@@ -274,9 +277,11 @@ class Search:
         import optuna
 
         seed = (self.spec.seed * 1_000_003 + split * 1009 + n_done) % 2**31
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # both arguments are experimental before optuna 5 (its defaults from 5)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.spec.n_random, constant_liar=True)
+            return optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=self.spec.n_random, multivariate=True, constant_liar=True
+            )
 
     def _ask(self, split: int) -> list[Any]:
         """New trials of ``split`` up to the end of its next round."""
@@ -288,12 +293,7 @@ class Search:
             for combo in combos[n_done : n_done + n_new]:
                 study.enqueue_trial(dict(zip(self.spec.grid, combo)))
         study.sampler = self._sampler(split, n_done)
-        trials = []
-        for _ in range(n_new):
-            trial = study.ask()
-            self._suggest(trial)
-            trials.append(trial)
-        return trials
+        return [self._ask_one(split) for _ in range(n_new)]
 
     def trial_dir(self, split: int, number: int) -> Path:
         return self.root / f"split={split}" / f"trial={number:03d}"
@@ -302,15 +302,16 @@ class Search:
         from optuna.trial import TrialState
 
         study = self.studies[split]
+        trial = self._running.pop((split, number))
         failed = value is None or not math.isfinite(value)
         if failed and error is None:
             error = f"{self.spec.objective} = {value}"
         if error is not None:
-            study._storage.set_trial_user_attr(study.trials[number]._trial_id, "error", error)
+            trial.set_user_attr("error", error)
         if failed:
-            study.tell(number, state=TrialState.FAIL)
+            study.tell(trial, state=TrialState.FAIL)
         else:
-            study.tell(number, value)
+            study.tell(trial, value)
         self._log(
             {
                 "event": "tell",
