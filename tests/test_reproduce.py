@@ -125,7 +125,10 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
 def test_quick_reproduce_of_a_figure_draws_it_beside_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """slang_fig4_bnn's ``figures`` entry: reproduce writes fig4_right.png and shows it in reproduce.md."""
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
-    args = ["slang_fig4_bnn", "--quick", "--jobs", "1", f"results_root={tmp_path}", "data=libsvm/breast_cancer"]
+    # the basic launcher: joblib's, even with one job, runs in this process and leaves its Hydra job config set,
+    # which a later stacked job in this process would take for its own (bdl_bench.sweep.member_dirs)
+    args = ["slang_fig4_bnn", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    args += ["data=libsvm/breast_cancer"]
     main([*args, "variant=slang_fig4_bnn/slang_L8,slang_fig4_bnn/bbb"])
     folder = tmp_path / "slang_fig4_bnn_quick"
     png = folder / "fig4_right.png"
