@@ -20,14 +20,15 @@ mean (MAP, MC dropout, Laplace, the VI methods), which ``method.map_dir`` of ``m
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from bdl_bench.results import atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -46,28 +47,26 @@ class Checkpoint:
     device: str | None = None  # the device type it was written on (cpu, cuda); None in older checkpoints
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` of ``obj`` to ``path`` atomically. The bytes are made in memory and written by
+    :func:`~bdl_bench.results.atomic_write_bytes`, so that a full disk is an ``OSError`` with its ``errno``
+    (``torch.save`` to a path fails with an opaque ``RuntimeError`` from its C++ stream) and the old file
+    stays whole."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(Path(path), buffer.getbuffer())
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
-    _atomic_torch_save(asdict(checkpoint), path)
+    atomic_torch_save(asdict(checkpoint), path)
 
 
 def save_params(path: Path, theta: Tensor, *, method: str, config_hash: str) -> None:
     """Write a finished run's flat parameters ``theta`` (``(D,)``, ``model.parameters()`` order) atomically,
     as ``{"theta": (D,) CPU tensor, "method": name, "config_hash": hash}``."""
     payload = {"theta": theta.detach().cpu().clone(), "method": str(method), "config_hash": str(config_hash)}
-    _atomic_torch_save(payload, path)
+    atomic_torch_save(payload, path)
 
 
 def load_params(path: Path) -> dict[str, Any]:

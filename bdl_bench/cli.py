@@ -17,7 +17,8 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from bdl_bench.errors import UserError
+from bdl_bench.errors import Terminated, UserError
+from bdl_bench.sigterm import TERMINATED_STATUS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
@@ -31,6 +32,7 @@ commands:
   data list|fetch|verify  the download registry: list files, fetch them into the cache, verify checksums
   reproduce <experiment>  run (or resume) a paper experiment's sweep, tuning included, and compare with the paper
   list [group ...]        what can be chosen: methods, datasets, models, experiments, … with one line each
+  status <folder>         finished, failed, running and stale runs below a sweep or results folder
   --version               the package version, its git checkout and the main packages' versions
 
 examples:
@@ -43,8 +45,9 @@ examples:
 
 errors: a mistake in the input (a config value, a data file, a diverging run, an output path) is one line,
   "bdl-bench: <message>", and exit status 1; `bdl-bench --debug <command>` (or BDL_BENCH_DEBUG=1, or
-  HYDRA_FULL_ERROR=1) shows its traceback. Ctrl-C stops a run with exit status 130; run the same command
-  to resume it from its last checkpoint.
+  HYDRA_FULL_ERROR=1) shows its traceback. Ctrl-C stops a run with exit status 130, SIGTERM (a scheduler's
+  time limit) at the end of the epoch under way with a checkpoint there and status 143; run the same command
+  to resume it from its last checkpoint. A run folder another process holds is refused (see docs/faults.md).
 """
 
 DEBUG_ENV = "BDL_BENCH_DEBUG"
@@ -95,6 +98,11 @@ def hydra_app(cfg: DictConfig) -> float | None:
     keep_freed_memory()  # in every process that runs jobs (a joblib or submitit worker too)
     try:
         result = run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except KeyboardInterrupt as stop:
+        if os.environ.get("SUBMITIT_EXECUTOR") and not debugging():  # a worker: its line and status, no traceback
+            print(error_line(stop) if str(stop) else "bdl-bench: interrupted", file=sys.stderr, flush=True)
+            os._exit(TERMINATED_STATUS if isinstance(stop, Terminated) else INTERRUPT_STATUS)
+        raise
     except UserError as error:  # recorded in the run folder (failure.json) by run_job
         if debugging():
             raise
@@ -126,6 +134,8 @@ def _hydra_raises_user_errors() -> Iterator[None]:
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
+    from bdl_bench.write_errors import write_error
+
     user_errors = (UserError, ReportedError, ConfigCompositionException, MissingConfigException, OverrideParseException)
     report = hydra_utils.run_and_report
 
@@ -135,6 +145,8 @@ def _hydra_raises_user_errors() -> Iterator[None]:
         except user_errors:
             raise
         except Exception as error:  # noqa: BLE001 - a bug: Hydra's own report (its traceback)
+            if write_error(error) is not None:  # Hydra's own files (.hydra/, the job's log) on a full disk
+                raise write_error(error) from None
             bug = error
 
         def again() -> Any:
@@ -184,6 +196,8 @@ def run_command(args: list[str]) -> None:
     output = sweep_dir or run_folder(CONF_DIR, args)
     if output is not None:
         check_output_folder(output)
+        if sweep_dir is None:  # a held run folder: refused before Hydra writes its files into it
+            refuse_if_held(output)
     started = time.time()
     error = run_hydra(args)
     if sweep_dir is None:
@@ -195,10 +209,25 @@ def run_command(args: list[str]) -> None:
         error = SystemExit(1)
     summary = summarise(sweep_dir, since=started)
     print(summary.render(sweep_dir))
-    if summary.failed or summary.unfinished:
+    if summary.failed or summary.unfinished or summary.elsewhere:
         raise SystemExit(1)
     if error is not None:
         raise error
+
+
+def refuse_if_held(folder: Path) -> None:
+    """Raise :class:`~bdl_bench.locking.FolderInUse` when a live process holds ``folder``."""
+    from bdl_bench import locking
+
+    state, holder = locking.lock_state(folder)
+    if state == "held" and holder is not None:
+        raise locking.FolderInUse(locking.in_use_message(folder, holder), holder)
+
+
+def status_command(args: list[str]) -> None:
+    from bdl_bench.status import main as status_main
+
+    status_main(args)
 
 
 def table_command(args: list[str]) -> None:
@@ -297,16 +326,19 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     try:
         dispatch(argv)
-    except UserError as error:
-        if debugging():
+    except (UserError, OSError) as error:
+        from bdl_bench.write_errors import write_error
+
+        user_error = error if isinstance(error, UserError) else write_error(error)  # a full disk, a read-only folder
+        if debugging() or user_error is None:
             raise
-        print(error_line(error), file=sys.stderr)
+        print(error_line(user_error), file=sys.stderr)
         raise SystemExit(1) from None
     except KeyboardInterrupt as interrupt:  # Interrupted says where the run stood; a bare one, that it stopped
         if debugging():
             raise
         print(error_line(interrupt) if str(interrupt) else "bdl-bench: interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPT_STATUS) from None
+        raise SystemExit(TERMINATED_STATUS if isinstance(interrupt, Terminated) else INTERRUPT_STATUS) from None
 
 
 def dispatch(argv: list[str]) -> None:
@@ -326,6 +358,7 @@ def dispatch(argv: list[str]) -> None:
         "plot": plot_command,
         "reproduce": reproduce_command,
         "data": data_command,
+        "status": status_command,
         "list": list_command,
     }
     if command not in commands:

@@ -46,3 +46,8 @@ class OutputPathError(UserError, OSError):
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message says at which epoch, where its checkpoint stands and how to resume.
     A ``KeyboardInterrupt``, so that nothing on the way records it as a failure; the CLI exits with 130."""
+
+
+class Terminated(Interrupted):
+    """SIGTERM during a run (a scheduler's time limit or preemption, ``scancel``, ``kill``): the run stopped at
+    an epoch's end with a checkpoint there (:mod:`bdl_bench.sigterm`); the CLI exits with 143."""

@@ -466,7 +466,7 @@ def main(args: list[str]) -> None:
         f"(Markdown: {plan.sweep_dir / 'reproduce.md'}; CSV: {plan.sweep_dir / 'reproduce.csv'}; "
         f"{time.perf_counter() - started:.0f} s)"
     )
-    if summary.failed or summary.unfinished or missing:
+    if summary.failed or summary.unfinished or summary.elsewhere or missing:
         raise SystemExit(1)
 
 

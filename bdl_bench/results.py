@@ -67,17 +67,54 @@ HASH_EXCLUDED_KEYS = (
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``: a reader sees
+    the old file or the new one, never half of one. A failed write (a full disk: ``OSError`` with its
+    ``errno``) removes the temporary file and leaves ``path`` as it was."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
+        _name_the_file(error, path)
         raise
+
+
+def _name_the_file(error: BaseException, path: Path) -> None:
+    """Give a failed write's ``OSError`` the file's name (a failed ``write`` or ``fsync`` has none)."""
+    if isinstance(error, OSError) and not error.filename:
+        error.filename = str(path)
+
+
+def append_whole(path: Path, text: str, *, sync: bool = False) -> None:
+    """Append ``text`` to ``path`` whole or not at all: a write that fails part way (a full disk) is cut
+    back off, so the file never ends in half a line that the next append would run on from. ``sync``:
+    ``fsync`` before returning."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            if sync:
+                os.fsync(fd)
+        except BaseException as error:
+            os.ftruncate(fd, size)
+            _name_the_file(error, path)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_csv_exact(path: Any) -> pd.DataFrame:
@@ -162,8 +199,7 @@ class HistoryWriter:
             return
         line = io.StringIO(newline="")
         csv.DictWriter(line, fieldnames=self.columns).writerow(row)
-        with self.path.open("a", newline="") as f:
-            f.write(line.getvalue())  # one write: Ctrl-C leaves the whole row or none of it
+        append_whole(self.path, line.getvalue())  # Ctrl-C or a full disk leaves the whole row or none of it
 
     def _rewrite(self) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")

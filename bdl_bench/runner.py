@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import math
 import os
@@ -37,7 +38,7 @@ from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, s
 from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, UserError
+from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, Terminated, UserError
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
@@ -50,12 +51,14 @@ from bdl_bench.results import (
     HISTORY_FILE,
     PARAMS_FILE,
     HistoryWriter,
+    atomic_write_bytes,
     config_hash,
     read_history,
     update_run_record,
     write_config,
     write_metrics,
 )
+from bdl_bench.sigterm import stop_at_epoch_end
 from bdl_bench.threads import set_threads
 
 
@@ -67,36 +70,57 @@ class EpochProgress:
     n_epochs: int
     checkpoint_every: int
     checkpoint_path: Path
+    in_epochs: bool = False  # the fit's epochs are running (a SIGTERM waits for the present one's end)
+    stop_requested: bool = False  # a SIGTERM arrived while they ran (bdl_bench.sigterm)
 
-    def interrupted(self) -> Interrupted:
-        """The interrupt's line; the checkpoint's epoch is read from the file (Ctrl-C may land between
-        writing it and any note of it)."""
+    def interrupted(self, terminated: bool = False) -> Interrupted:
+        """The interrupt's line (for SIGTERM with ``terminated``); the checkpoint's epoch is read from the
+        file (Ctrl-C may land between writing it and any note of it)."""
         try:
             checkpoint = load_checkpoint(self.checkpoint_path)
         except (OSError, ValueError, RuntimeError):
             checkpoint = None
         done = max(self.done, checkpoint.epoch if checkpoint is not None else 0)
         where = f"at epoch {done + 1}" if done < self.n_epochs else f"after epoch {done} (evaluating)"
+        what, error = "interrupted", Interrupted
+        if terminated:
+            what, error = "stopped by SIGTERM", Terminated
+            where = f"after epoch {done}" + (" (evaluating)" if done >= self.n_epochs else "")
         if checkpoint is not None:
-            return Interrupted(
-                f"interrupted {where}; checkpoint at epoch {checkpoint.epoch}; run the same command to resume"
-            )
+            return error(f"{what} {where}; checkpoint at epoch {checkpoint.epoch}; run the same command to resume")
         every = self.checkpoint_every
         why = f"none yet, one every {every} epochs" if every > 0 else "trainer.checkpoint_every=0 writes none"
-        return Interrupted(f"interrupted {where}; no checkpoint ({why}); run the same command to start it again")
+        return error(f"{what} {where}; no checkpoint ({why}); run the same command to start it again")
 
 
 @contextmanager
 def stop_on_interrupt(progress: EpochProgress) -> Iterator[None]:
     """Turn Ctrl-C inside the block into :class:`~bdl_bench.errors.Interrupted` saying where the fit stood
     (checkpoints, ``history.csv`` rows and ``metrics.json`` are written whole, so an interrupt leaves the
-    previous file or the new one)."""
+    previous file or the new one), and SIGTERM into :class:`~bdl_bench.errors.Terminated` (at the end of
+    the epoch under way: :func:`stop_if_terminated`)."""
     try:
-        yield
+        with stop_at_epoch_end(progress):
+            yield
+    except Terminated as stop:
+        if str(stop):
+            raise
+        raise progress.interrupted(terminated=True) from None
     except Interrupted:
         raise
     except KeyboardInterrupt:
         raise progress.interrupted() from None
+
+
+def stop_if_terminated(progress: EpochProgress, epoch: int, save: Callable[[int], None], saved: bool) -> None:
+    """At the end of ``epoch``: when a SIGTERM asked to stop, write a checkpoint there (``save``, unless
+    ``saved`` already) and raise :class:`~bdl_bench.errors.Terminated`."""
+    if progress.stop_requested:
+        progress.in_epochs = False
+        if not saved:
+            save(epoch)
+        progress.done = epoch
+        raise Terminated()
 
 
 def announce_resume(run_dir: Path, epoch: int) -> None:
@@ -220,7 +244,9 @@ def evaluate_ood(
     probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples) if f_test is None else f_test)
     probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples) if f_ood is None else f_ood)
     arrays = uncertainty_arrays(probs_test, dataset.y_test, probs_ood)
-    np.savez(run_dir / "uncertainty.npz", **arrays)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(run_dir / "uncertainty.npz", buffer.getbuffer())
     return ood_metrics(probs_test, probs_ood)
 
 
@@ -484,14 +510,17 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
             eval_generator=eval_generator,
         )
         history.append(row)
-        if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
+        saved = checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs
+        if saved:
             save(epoch)
         bar.update(1)
         bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
         progress.done = epoch
         if epoch_hook is not None:
             epoch_hook(epoch)
+        stop_if_terminated(progress, epoch, save, saved)
 
+    progress.in_epochs = True
     try:
         method.fit(
             dataset.x_train,
@@ -503,7 +532,10 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
             start_epoch=start_epoch,
         )
     finally:
+        progress.in_epochs = False
         bar.close()
+    if progress.stop_requested:  # a SIGTERM during work of the fit after its last epoch: stop now
+        raise Terminated()
     train_time = time.perf_counter() - start
     cpu_time = time.process_time() - cpu_start
     progress.done = max(progress.done, n_epochs)

@@ -40,7 +40,6 @@ import copy
 import itertools
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -53,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.base import CannotStack, NonFiniteLossError
-from bdl_bench.results import METRICS_FILE, atomic_write_text, read_csv_exact
+from bdl_bench.results import METRICS_FILE, append_whole, atomic_write_text, read_csv_exact
 from bdl_bench.stacked import member_config, run_stack
 
 SEARCH_DIR = ".search"
@@ -225,10 +224,7 @@ class Search:
         return trial
 
     def _log(self, record: dict[str, Any]) -> None:
-        with self.journal.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_whole(self.journal, json.dumps(record) + "\n", sync=True)  # a full disk leaves no half line
 
     def _replay(self) -> None:
         """Rebuild the studies from the journal: told trials as they ended, asked ones asked again."""

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from bdl_bench.checkpoint import load_checkpoint, save_checkpoint
 from bdl_bench.config_checks import check_config
-from bdl_bench.errors import ConfigError
+from bdl_bench.errors import ConfigError, Terminated
 from bdl_bench.likelihoods import build_likelihood
 from bdl_bench.methods import Problem, build_method
 from bdl_bench.models import build_model
@@ -77,6 +77,7 @@ from bdl_bench.runner import (
     resolve_dtype,
     restore_checkpoint,
     run_prior,
+    stop_if_terminated,
     stop_on_interrupt,
     use_deterministic,
 )
@@ -260,17 +261,23 @@ def _run_stack(
                 eval_generator=eval_generators[k],
             )
             writers[k].append(row)
-        if checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs:
-            histories_now = [len(writers[k].rows) for k in splits]
-            state = make_checkpoint(
-                epoch, stack_hash, method, generators, device, histories_now, time.perf_counter() - start
-            )
-            save_checkpoint(checkpoint_path, state)
+        saved = checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs
+        if saved:
+            save(epoch)
         bar.update(1)
         progress.done = epoch
         if epoch_hook is not None:
             epoch_hook(epoch)
+        stop_if_terminated(progress, epoch, save, saved)
 
+    def save(epoch: int) -> None:
+        histories_now = [len(writers[k].rows) for k in splits]
+        state = make_checkpoint(
+            epoch, stack_hash, method, generators, device, histories_now, time.perf_counter() - start
+        )
+        save_checkpoint(checkpoint_path, state)
+
+    progress.in_epochs = True
     try:
         method.fit_replicas(
             torch.stack([datasets[k].x_train for k in splits]),
@@ -282,7 +289,10 @@ def _run_stack(
             start_epoch=start_epoch,
         )
     finally:
+        progress.in_epochs = False
         bar.close()
+    if progress.stop_requested:  # a SIGTERM during work of the fit after its last epoch: stop now
+        raise Terminated()
     progress.done = max(progress.done, n_epochs)
     train_time = (time.perf_counter() - start) / len(splits)
     cpu_time = (time.process_time() - cpu_start) / len(splits)

@@ -20,11 +20,13 @@ Every attempt updates ``run.json`` (status, start and end times, code version, c
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from bdl_bench import locking
 from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.results import (
@@ -50,6 +53,7 @@ from bdl_bench.results import (
 from bdl_bench.runner import EpochHook, run
 from bdl_bench.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.stacked import member_config, run_stack, stacked_splits
+from bdl_bench.write_errors import WriteError, write_error
 
 EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
 
@@ -102,6 +106,22 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     overrides = _task_overrides()
     if stacked_splits(cfg) is not None or has_search(cfg):  # a search stacks its trials, even of one split
         return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
+    with _holding([run_dir]):  # one writer per run folder (bdl_bench.locking)
+        return _run_single_job(cfg, run_dir, overrides, epoch_hook)
+
+
+@contextlib.contextmanager
+def _holding(folders: list[Path]) -> Iterator[None]:
+    """:func:`bdl_bench.locking.holding`, a lock that cannot be written (a full disk) being a one-line error."""
+    try:
+        with locking.holding(folders):
+            yield
+    except OSError as error:
+        raise write_error(error) or error from None
+
+
+def _run_single_job(cfg: DictConfig, run_dir: Path, overrides: list[str], epoch_hook: EpochHook | None) -> JobResult:
+    """:func:`run_job` for one split, its folder locked."""
     force = bool(OmegaConf.select(cfg, "force", default=False))
     config: dict[str, Any] = {}
     try:
@@ -112,23 +132,51 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
             return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
         _start_attempt(run_dir, chash, overrides, force)
         result = run(cfg, run_dir, epoch_hook=epoch_hook)
-    except KeyboardInterrupt:
-        if (run_dir / RUN_RECORD_FILE).exists():
-            update_run_record(run_dir, status="interrupted", ended=time.time(), last_seen=time.time())
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, submitit's requeue (its exit)
+        _record_interrupted([run_dir])
         raise
     except Exception as error:
-        _record_failure(run_dir, error, config, overrides)
+        failure = _record_failure(run_dir, error, config, overrides)
         if os.environ.get("SUBMITIT_EXECUTOR"):
             _exit_with_failure_status()
+        if failure is not error:
+            raise failure from None
         raise
-    update_run_record(run_dir, status="finished", ended=time.time(), error=None)
+    try:
+        update_run_record(run_dir, status="finished", ended=time.time(), error=None)
+    except OSError as error:  # the run's files are whole; only its record says "running"
+        raise write_error(error, run_dir) or error from None
     return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
 
 
-def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any], overrides: list[str]) -> None:
-    """The failure record (``failure.json``/``failure.txt``) and a ``failed`` status in ``run.json``."""
-    write_failure(run_dir, error, config, overrides)
-    update_run_record(run_dir, status="failed", ended=time.time(), last_seen=time.time(), error=repr(error))
+def _record_interrupted(run_dirs: list[Path]) -> None:
+    """``interrupted`` in the ``run.json`` of ``run_dirs`` (those that have one); a record that cannot be
+    written (a full disk) is left as it was."""
+    for run_dir in run_dirs:
+        if (run_dir / RUN_RECORD_FILE).exists():
+            with contextlib.suppress(OSError):
+                update_run_record(run_dir, status="interrupted", ended=time.time(), last_seen=time.time())
+
+
+def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any], overrides: list[str]) -> Exception:
+    """The failure record (``failure.json``/``failure.txt``) and a ``failed`` status in ``run.json``.
+
+    Returns:
+        The error to raise: ``error``, or for a failed write (a full disk, a read-only or vanished folder)
+        its one-line :class:`~bdl_bench.write_errors.WriteError`, which says so when the record could not be
+        written either."""
+    failure = write_error(error, run_dir) or error
+    try:
+        write_failure(run_dir, failure, config, overrides)
+        update_run_record(run_dir, status="failed", ended=time.time(), last_seen=time.time(), error=repr(failure))
+    except OSError as unwritten:
+        if write_error(unwritten, run_dir) is None:
+            raise
+        note = f"its failure record in {run_dir} could not be written either"
+        if isinstance(failure, WriteError):
+            return failure.with_note(note)
+        print(f"bdl-bench: {note} ({write_error(unwritten, run_dir)})", file=sys.stderr)
+    return failure  # type: ignore[return-value]
 
 
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
@@ -228,15 +276,33 @@ def run_stacked_job(
         cfg = with_method_settings(cfg)
     splits = stacked_splits(cfg) or [int(cfg.data.split)]
     dirs = member_dirs(run_dir, overrides, splits)
+    with _holding([run_dir, *dirs.values()]):  # the job's folder (checkpoint, search) and every split's
+        return _run_stacked_members(cfg, run_dir, dirs, overrides, force, epoch_hook)
+
+
+def _run_stacked_members(
+    cfg: DictConfig,
+    run_dir: Path,
+    dirs: dict[int, Path],
+    overrides: list[str],
+    force: bool,
+    epoch_hook: EpochHook | None,
+) -> JobResult:
+    """:func:`run_stacked_job` once its folders are locked."""
+    splits = list(dirs)
     members = {k: member_config(cfg, k) for k in splits}
     if has_search(cfg):  # each split's test run with its own best values (bdl_bench.search)
         try:
             members = tuned_members(cfg, run_dir, splits)
         except Exception as error:  # a bad search spec, a failed search: every split's folder says so
-            for k, d in dirs.items():
+            failures = [
                 _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+                for k, d in dirs.items()
+            ]
             if os.environ.get("SUBMITIT_EXECUTOR"):
                 _exit_with_failure_status()
+            if failures[0] is not error:
+                raise failures[0] from None
             raise
         write_split_trials(run_dir, dirs)
     hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
@@ -261,11 +327,18 @@ def run_stacked_job(
         except CannotStack as reason:
             print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
             _run_one_by_one(members, todo, overrides, epoch_hook)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a requeue: every unfinished split says so
+            _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
+            raise
         except Exception as error:
-            for k, d in todo.items():
+            failures = [
                 _record_failure(d, error, OmegaConf.to_container(members[k]), overrides)  # type: ignore[arg-type]
+                for k, d in todo.items()
+            ]
             if os.environ.get("SUBMITIT_EXECUTOR"):
                 _exit_with_failure_status()
+            if failures[0] is not error:
+                raise failures[0] from None
             raise
         else:
             for d in todo.values():
@@ -287,9 +360,12 @@ def _run_one_by_one(
         member = members[k]
         try:
             run(member, d, epoch_hook=epoch_hook)
+        except (KeyboardInterrupt, SystemExit):
+            _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
+            raise
         except Exception as error:
-            _record_failure(d, error, OmegaConf.to_container(member), _with_split(overrides, k))  # type: ignore[arg-type]
-            first_error = first_error or error
+            failure = _record_failure(d, error, OmegaConf.to_container(member), _with_split(overrides, k))  # type: ignore[arg-type]
+            first_error = first_error or failure
             continue
         update_run_record(d, status="finished", ended=time.time(), error=None)
     if first_error is not None:
@@ -306,10 +382,11 @@ class SweepSummary:
     skipped: list[Path] = field(default_factory=list)
     failed: list[tuple[Path, str]] = field(default_factory=list)  # (run folder, "ErrorType: message")
     unfinished: list[Path] = field(default_factory=list)  # still running, or killed
+    elsewhere: list[tuple[Path, str]] = field(default_factory=list)  # (run folder, its holder): another process's
 
     @property
     def n_runs(self) -> int:
-        return len(self.finished) + len(self.skipped) + len(self.failed) + len(self.unfinished)
+        return len(self.finished) + len(self.skipped) + len(self.failed) + len(self.unfinished) + len(self.elsewhere)
 
     def render(self, root: Path | None = None) -> str:
         def name(path: Path) -> str:
@@ -318,8 +395,11 @@ class SweepSummary:
         lines = [
             f"sweep summary: {self.n_runs} runs: {len(self.finished)} ran, {len(self.skipped)} skipped "
             f"(finished earlier), {len(self.failed)} failed, {len(self.unfinished)} unfinished"
+            + (f", {len(self.elsewhere)} running elsewhere" if self.elsewhere else "")
             + (f" (below {root})" if root is not None else "")
         ]
+        for path, holder in self.elsewhere:
+            lines.append(f"  RUNNING ELSEWHERE {name(path)}: {holder} (nothing run; re-run the sweep once it ends)")
         for path, error in self.failed:
             lines.append(f"  FAILED {name(path)}: {error}  [see {name(path / 'failure.txt')}]")
         for path in self.unfinished:
@@ -335,20 +415,24 @@ def _error_line(run_dir: Path) -> str:
 
 def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | None = None) -> SweepSummary:
     """Classify the run folders below ``root`` seen by a sweep that started at ``since`` (or exactly
-    ``run_dirs``) by the status of their latest attempt."""
+    ``run_dirs``) by the status of their latest attempt; a folder that another live process holds
+    (:mod:`bdl_bench.locking`) is *running elsewhere*, whenever that process started."""
     if run_dirs is None:
         root = Path(root)
-        records = sorted(p.parent for p in root.rglob(RUN_RECORD_FILE))
+        records = sorted({p.parent for name in (RUN_RECORD_FILE, locking.LOCK_FILE) for p in root.rglob(name)})
         run_dirs = [
             d
             for d in records
             if not any(part.startswith(".") for part in d.relative_to(root).parts)
-            and read_run_record(d).get("last_seen", 0) >= (since or 0) - 1
+            and (read_run_record(d).get("last_seen", 0) >= (since or 0) - 1 or locking.lock_state(d)[0] == "held")
         ]
     summary = SweepSummary()
     for run_dir in run_dirs:
         status = read_run_record(run_dir).get("status")
-        if status == "failed":
+        state, holder = locking.lock_state(run_dir)
+        if state == "held" and holder is not None:
+            summary.elsewhere.append((run_dir, holder.describe()))
+        elif status == "failed":
             summary.failed.append((run_dir, _error_line(run_dir)))
         elif status == "skipped":
             summary.skipped.append(run_dir)

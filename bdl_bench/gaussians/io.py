@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -38,11 +36,9 @@ def save_gaussian(gaussian: StructuredGaussian, path: Path) -> None:
     if name not in CLASSES:
         raise ValueError(f"cannot save {name}; savable: {', '.join(CLASSES)}")
     state = {f.name: getattr(gaussian, f.name).detach().cpu() for f in dataclasses.fields(gaussian)}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    torch.save({"class": name, "tensors": state}, tmp)
-    os.replace(tmp, path)
+    from bdl_bench.checkpoint import atomic_torch_save
+
+    atomic_torch_save({"class": name, "tensors": state}, Path(path))
 
 
 def load_gaussian(path: Path) -> StructuredGaussian:

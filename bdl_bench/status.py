@@ -1,0 +1,130 @@
+"""``bdl-bench status <folder>``: what the runs below a sweep or results folder are doing now.
+
+Every run folder (one holding ``config.yaml`` or ``run.json``, outside hidden folders such as a search's
+``.search/``) is put in one class, from its lock (:mod:`bdl_bench.locking`), its ``run.json`` and its files:
+
+- **running**: a live process holds its lock (where, since when, its last heartbeat, epochs written);
+- **stale**: its holder is gone (a lock left by a killed process, or ``run.json`` still saying ``running``
+  with no lock); the same command resumes it from its last checkpoint;
+- **failed**: its latest attempt failed (the failure's one-line reason, from ``failure.json``);
+- **interrupted**: stopped by Ctrl-C or SIGTERM (the epoch of its checkpoint);
+- **finished**: it has ``metrics.json``;
+- **not started**: none of these (its folder was made, nothing more).
+
+Reads files only; it never takes or breaks a lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bdl_bench.locking import lock_state
+from bdl_bench.results import CONFIG_FILE, HISTORY_FILE, METRICS_FILE, RUN_RECORD_FILE, read_failure
+
+CLASSES = ("finished", "failed", "running", "stale", "interrupted", "not started")
+
+
+@dataclass
+class FolderStatus:
+    """The runs below one folder, by class (``CLASSES``), each with its line of detail."""
+
+    root: Path
+    runs: dict[str, list[tuple[Path, str]]] = field(default_factory=lambda: {c: [] for c in CLASSES})
+
+    def render(self) -> str:
+        counts = ", ".join(f"{len(self.runs[c])} {c}" for c in CLASSES if self.runs[c] or c in CLASSES[:4])
+        lines = [f"{self.root}: {sum(len(v) for v in self.runs.values())} runs: {counts}"]
+        for cls in ("failed", "running", "stale", "interrupted", "not started"):
+            for path, detail in self.runs[cls]:
+                name = path.relative_to(self.root) if path != self.root and path.is_relative_to(self.root) else path
+                lines.append(f"  {cls.upper()} {name}" + (f": {detail}" if detail else ""))
+        return "\n".join(lines)
+
+
+def run_folders(root: Path) -> list[Path]:
+    """The run folders below ``root`` (or ``root`` itself), outside hidden folders."""
+    root = Path(root)
+    found = {p.parent for name in (CONFIG_FILE, RUN_RECORD_FILE) for p in root.rglob(name)}
+    return sorted(d for d in found if not any(part.startswith(".") for part in d.relative_to(root).parts))
+
+
+def _record(run_dir: Path) -> dict:
+    try:
+        record = json.loads((run_dir / RUN_RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _epochs(run_dir: Path) -> str:
+    try:
+        with (run_dir / HISTORY_FILE).open() as f:
+            rows = sum(1 for _ in f) - 1
+    except OSError:
+        return ""
+    return f", {max(rows, 0)} epochs written"
+
+
+def _reason(run_dir: Path, record: dict) -> str:
+    failure = read_failure_safely(run_dir) or {}
+    message = " ".join(str(failure.get("message") or record.get("error") or "").split())
+    return f"{failure.get('error_type', 'error')}: {message}"[:300]
+
+
+def read_failure_safely(run_dir: Path) -> dict | None:
+    try:
+        return read_failure(run_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "?"
+
+
+def classify(run_dir: Path) -> tuple[str, str]:
+    """``(class, detail)`` of one run folder (module docstring)."""
+    record = _record(run_dir)
+    state, holder = lock_state(run_dir)
+    if state == "held" and holder is not None:
+        return "running", holder.describe() + _epochs(run_dir)
+    if state == "stale" and holder is not None:
+        return "stale", f"holder gone ({holder.describe()}){_epochs(run_dir)}; the same command resumes it"
+    status = record.get("status")
+    if status == "failed":
+        return "failed", _reason(run_dir, record)
+    if status == "running":
+        where = f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, since {_when(record.get('started'))}"
+        return "stale", f"run.json says running ({where}) but no process holds it{_epochs(run_dir)}"
+    if (run_dir / METRICS_FILE).exists():
+        return "finished", ""
+    if status == "interrupted":
+        return "interrupted", f"at {_when(record.get('ended'))}{_epochs(run_dir)}; the same command resumes it"
+    return "not started", ""
+
+
+def folder_status(root: Path) -> FolderStatus:
+    result = FolderStatus(Path(root))
+    for run_dir in run_folders(root):  # a stacked job's own folder (no run record) is left out: its splits count
+        cls, detail = classify(run_dir)
+        result.runs[cls].append((run_dir, detail))
+    return result
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="bdl-bench status",
+        description="How many runs below a sweep or results folder are finished, failed, running or stale.",
+    )
+    parser.add_argument("folder", type=Path)
+    ns = parser.parse_args(args)
+    if not ns.folder.is_dir():
+        raise SystemExit(f"bdl-bench status: {ns.folder} is not a folder")
+    status = folder_status(ns.folder)
+    if not any(status.runs.values()):
+        raise SystemExit(f"bdl-bench status: no run folder (config.yaml or run.json) below {ns.folder}")
+    print(status.render())
