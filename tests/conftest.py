@@ -29,6 +29,16 @@ def _one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_hydra_job_state() -> Iterator[None]:
+    """A test that runs a Hydra app in this process (a reproduce or sweep in-process) leaves Hydra's job config
+    set, which the next test would read as its own job's (stacked jobs name their split folders from it)."""
+    yield
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
