@@ -189,6 +189,25 @@ METHODS = [
 ]
 
 
+NOT_IN_THE_RUN_CHECK = {  # registered methods the check above leaves out, and where their device path is tested
+    "exact_vi": "logistic regression only (model=logreg): tests/test_cuda.py runs it on australian/logreg",
+    "hmc": "a full-batch chain: tests/methods/test_hmc.py, and tests/test_cuda.py on a GPU",
+}
+
+
+def test_every_registered_method_is_run_on_the_device_or_says_why_not() -> None:
+    """A new method is in METHODS above (or in NOT_IN_THE_RUN_CHECK with a reason): the registry, not a list
+    kept by hand, decides which methods this check must cover."""
+    from bdl_bench.methods import METHODS as REGISTERED
+    from bdl_bench.methods import import_all
+
+    import_all()
+
+    checked = {method.split()[0] for method in METHODS}
+    assert set(REGISTERED) - checked == set(NOT_IN_THE_RUN_CHECK)
+    assert checked <= set(REGISTERED)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_run_trains_and_evaluates_on_the_device(method: str, tmp_path, compose_cfg, monkeypatch) -> None:
     """The whole run — data and model moved to the device, every training step, per-epoch and final

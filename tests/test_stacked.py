@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from bdl_bench.data import build_dataset
 from bdl_bench.likelihoods import Gaussian, build_likelihood, stacked_nll
-from bdl_bench.methods import Problem, build_method
+from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.reproduce import make_plan
@@ -56,6 +56,20 @@ METHODS = {
     },
 }
 SPLITS = (0, 3, 7)
+
+
+def test_every_stacking_method_has_a_stacked_equals_single_config() -> None:
+    """The registry says which methods stack (``supports_replicas``); each is in METHODS above, so a new
+    stacking method cannot skip the stacked-equals-single test."""
+    from bdl_bench.methods import METHODS as REGISTERED
+    from bdl_bench.methods import import_all
+
+    import_all()
+
+    stacking = {name for name, cls in REGISTERED.items() if cls.supports_replicas}
+    assert stacking == {config["name"] for config in METHODS.values()}
+    overriding = {name for name, cls in REGISTERED.items() if cls.setup_replicas is not Method.setup_replicas}
+    assert overriding == stacking  # the flag says what the class does
 
 
 def _problem(

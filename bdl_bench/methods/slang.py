@@ -225,6 +225,8 @@ class Slang(Method):
         ValueError: on a value outside the ranges above.
     """
 
+    supports_replicas = True  # stacked splits: networks of nn.Linear layers (bdl_bench/methods/_slang_stacked.py)
+
     def __init__(
         self,
         *,
