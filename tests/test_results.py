@@ -97,3 +97,12 @@ def test_code_version_names_the_commit_of_a_checkout_and_of_a_linked_worktree(tm
     git("pack-refs", "--all")  # branches only in packed-refs
     assert code_version(tmp_path / "linked") == f"{__version__}+g{head[:10]}"
     assert code_version(tmp_path / "nowhere") == __version__
+
+
+def test_what_reproduce_draws_or_compares_is_not_part_of_a_runs_config_hash() -> None:
+    from bdl_bench.results import config_hash
+
+    base = {"method": {"name": "slang", "rank": 1}, "data": {"name": "libsvm/australian"}}
+    extra = {"figures": [{"name": "fig1", "kind": "covariance"}], "tolerance": {"nll": "2%"}}
+    assert config_hash(base) == config_hash({**base, **extra})
+    assert config_hash(base) != config_hash({**base, "method": {"name": "slang", "rank": 2}})
