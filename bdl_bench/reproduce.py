@@ -327,6 +327,8 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
                     "–" if verdict is None else ("yes" if verdict else "NO"),
                 ]
         lines.append("| " + " | ".join(cells) + " |")
+    if not any(c.startswith("agrees_") for c in frame.columns):
+        return "\n".join(lines) + "\n\nThe paper prints no numbers for this artefact: no agreement column."
     rule = ROUNDING_RULE
     if tolerance:
         rule += (
