@@ -8,18 +8,21 @@ overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of 
 ``point_estimate`` the single parameter vector the runner saves (``params.pt``).
 
 **Stacked splits.** A method with ``supports_replicas = True`` can also fit R independent copies of
-itself at once, one per data split (:mod:`bdl_bench.stacked`): ``setup_replicas`` receives one problem
-per split (same model and N; their own likelihood and prior precision, so that the copies can also be
-trials of a hyperparameter search, :mod:`bdl_bench.search`), ``train_step_replicas`` takes minibatches
-``(R, M, ...)`` and ``replica(r)`` returns an ordinary, set-up method holding copy r's state (for
-evaluation). Copy r draws exactly the noise a single run of the same seed draws (one draw broadcast
-over the copies), so a stacked fit equals R single runs up to floating-point rounding. The options in
-``replica_options`` (dropout's ``dropout_rate``) may differ between copies too
-(:meth:`Method.configure_replicas`).
+itself at once, one per data split (:mod:`bdl_bench.stacked`). Such a method derives from
+:class:`StackedMethod`: its step is written once, for R copies, and its single run is the stack of one
+copy. ``setup_replicas`` receives one problem per split (same model and N; their own likelihood and prior
+precision, so that the copies can also be trials of a hyperparameter search, :mod:`bdl_bench.search`),
+``train_step_replicas`` takes minibatches ``(R, M, ...)`` and ``replica(r)`` returns a set-up method
+holding copy r's state alone (for evaluation). Copy r draws exactly the noise a single run of the same
+seed draws (one draw broadcast over the copies), so a stacked fit equals R single runs up to
+floating-point rounding. The options in ``replica_options`` (dropout's ``dropout_rate``) may differ
+between copies too (:meth:`Method.configure_replicas`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -259,6 +262,82 @@ class Method(ABC):
                 means = {k: (v / n_batches).tolist() for k, v in totals.items()}
                 n_copies = x.shape[0]
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
+
+
+class StackedMethod(Method):
+    """A method written once, for R stacked copies: every tensor of its fitting state carries a leading copy
+    dimension R, and a single run is the stack of one copy (R = 1).
+
+    A subclass writes :meth:`setup_replicas` (calling this one first), :meth:`train_step_replicas`, and its
+    evaluation (``predict``, ``posterior``, ``kl_to_prior``) for a one-copy state, reading copy 0's tensors
+    through :meth:`only_copy`. It names in ``copy_state`` the attributes that hold ``(R, ...)`` tensors (or
+    dataclasses, lists or dicts of them), which :meth:`replica` slices. Its single-run ``setup`` and
+    ``train_step`` are derived here, so the step's maths exists once; a method whose state cannot carry the
+    copy dimension for some configs raises :class:`CannotStack` from :meth:`setup_replicas` only when R > 1.
+    """
+
+    supports_replicas = True
+    copy_state: ClassVar[tuple[str, ...]] = ()
+    """Attributes holding the copies' state, each ``(R, ...)`` (sliced by :meth:`replica`)."""
+
+    def setup(self, problem: Problem) -> None:
+        """A single run: the stack of one copy."""
+        self.setup_replicas([problem])
+
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """Record the copies' problems (``self.problem`` is the first: the shared model, N and generator)."""
+        if not problems:
+            raise ValueError(f"method {self.name!r}: a stack needs at least one copy")
+        self.problem = problems[0]
+        self._replica_problems = list(problems)
+
+    @property
+    def n_copies(self) -> int:
+        """R, the number of stacked copies (1 for a single run)."""
+        return len(self._replica_problems)
+
+    def train_step(self, x: Tensor, y: Tensor) -> dict[str, float | Tensor]:
+        """:meth:`train_step_replicas` of the one copy on ``(x, y)``."""
+        out = self.train_step_replicas(x.unsqueeze(0), y.unsqueeze(0))
+        return {k: v[0] for k, v in out.items()}
+
+    def replica(self, index: int) -> Method:
+        """Copy ``index`` as a stack of one: each ``copy_state`` attribute sliced (copied, not shared) and its
+        own ``replica_options``; for evaluation (its optimiser, if any, still holds the stack's tensors)."""
+        options = {key: self.replica_option(key)[index] for key in self.replica_options}
+        single = copy.copy(self)
+        single.problem = self._replica_problems[index]
+        single._replica_problems = [single.problem]
+        single._replica_options = None
+        for name in self.copy_state:
+            setattr(single, name, _copy_of(getattr(self, name), index))
+        for key, value in options.items():
+            setattr(single, key, value)
+        return single
+
+    def only_copy(self, tensor: Tensor) -> Tensor:
+        """``tensor[0]`` of a one-copy state (``(1, ...)`` → ``(...)``).
+
+        Raises:
+            RuntimeError: for a stack of several copies (evaluate ``replica(r)`` instead).
+        """
+        if tensor.shape[0] != 1:
+            raise RuntimeError(f"method {self.name!r} holds {tensor.shape[0]} stacked copies: evaluate replica(r)")
+        return tensor[0]
+
+
+def _copy_of(value: Any, index: int) -> Any:
+    """Copy ``index`` of a stacked state value, keeping its copy dimension (``(R, ...)`` → ``(1, ...)``)."""
+    if isinstance(value, Tensor):
+        return value[index : index + 1].detach().clone()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _copy_of(getattr(value, f.name), index) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    if isinstance(value, list | tuple):
+        return type(value)(_copy_of(v, index) for v in value)
+    if isinstance(value, dict):
+        return {k: _copy_of(v, index) for k, v in value.items()}
+    return value
 
 
 def stacked_prior(problems: Sequence[Problem]) -> Tensor:
