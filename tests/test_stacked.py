@@ -29,6 +29,7 @@ from bdl_bench.sweep import ConfigVersionError, run_job
 
 METHODS = {
     "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},
+    "bbb_reparam": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "reparam", "init_std": 0.05},
     "dropout": {"name": "dropout", "lr": 0.01, "dropout_rate": 0.1, "n_train_mc_samples": 2, "dropout_inputs": True},
     "slang": {
         "name": "slang",

@@ -55,8 +55,8 @@ from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
-from bdl_bench.models.params import flat_params, forward_with, unflatten, unflatten_stacked
+from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
+from bdl_bench.models.params import flat_params, forward_with, unflatten_stacked
 from bdl_bench.optim import adam, load_adam_state
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -204,8 +204,10 @@ class _StackedLocalLinear(torch.autograd.Function):
 
 
 @register_method("bbb")
-class BayesByBackprop(Method):
-    """Mean-field Gaussian VI with Adam on :math:`(\\mu, \\rho)` (see the module docstring).
+class BayesByBackprop(StackedMethod):
+    r"""Mean-field Gaussian VI with Adam on :math:`(\mu, \rho)` (see the module docstring), for R stacked
+    copies at once (a single run is R = 1): means and ρ's ``(R, D)``, one Adam over both (Adam acts per
+    coordinate, so this is R independent Adams).
 
     Args:
         lr: Adam learning rate.
@@ -218,7 +220,7 @@ class BayesByBackprop(Method):
             ``estimator`` (the message lists the choices).
     """
 
-    supports_replicas = True
+    copy_state = ("mean", "rho", "prior_precision")
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
         if not lr > 0:
@@ -235,83 +237,51 @@ class BayesByBackprop(Method):
         self.estimator = Estimator(estimator)
         self.init_std = init_std
 
-    def setup(self, problem: Problem) -> None:
-        """Start from :math:`\\mu` = the model's parameters, :math:`\\sigma` = ``init_std``.
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        r"""Every copy starts from :math:`\mu` = the model's parameters, :math:`\sigma` = ``init_std``.
 
         Raises:
             ValueError: if the model holds ``nn.Dropout`` (its noise would not come from the generator),
                 or, for ``local_reparam``, is not an ``nn.Sequential`` whose only parametrised
                 modules are ``nn.Linear``.
         """
-        super().setup(problem)
-        model = problem.model
+        super().setup_replicas(problems)
+        model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
             raise ConfigError("bbb: the model contains dropout layers; build it with dropout=0")
         if self.estimator is Estimator.LOCAL_REPARAM:
             _check_linear_sequential(model)
-        self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
+        mean = flat_params(model)
+        self.prior_precision = stacked_prior(problems).to(mean)  # (R, D): each copy its own
+        self.mean = mean.expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)  mu
         init = torch.full_like(self.mean, float(self.init_std))
-        self.rho = softplus_inverse(init).requires_grad_(True)  # (D,)  sigma = softplus(rho)
+        self.rho = softplus_inverse(init).requires_grad_(True)  # (R, D)  sigma = softplus(rho)
         self.optimizer = adam([self.mean, self.rho], self.lr)
 
     def std(self) -> Tensor:
-        """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)`` (differentiable)."""
+        r""":math:`\sigma = \operatorname{softplus}(\rho)`, ``(R, D)`` (differentiable)."""
         return F.softplus(self.rho)
 
     def _outputs_reparam(self, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs for ``n_samples`` weight draws: ``(S, N, out)``."""
-        eps = standard_normal((n_samples, self.mean.numel()), self.problem.generator, self.mean)
-        thetas = self.mean + self.std() * eps  # (S, D)
+        """Network outputs of every copy on its inputs ``x`` ``(R, M, in)`` for ``n_samples`` weight draws:
+        ``(R, S, M, out)``. One ``(S, D)`` draw, shared by the copies."""
+        eps = standard_normal((n_samples, self.mean.shape[-1]), self.problem.generator, self.mean)
+        thetas = self.mean[:, None] + self.std()[:, None] * eps  # (R, S, D)
         model = self.problem.model
-        return torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas)
+        if x.shape[0] == 1:  # one copy: its S networks on one input
+            return torch.func.vmap(lambda theta: forward_with(model, theta, x[0]))(thetas[0]).unsqueeze(0)
+        per_copy = torch.func.vmap(lambda theta, x_r: forward_with(model, theta, x_r), in_dims=(0, None))
+        return torch.func.vmap(per_copy)(thetas, x)
 
     def _outputs_local(self, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs with locally reparameterised pre-activations: ``(S, N, out)``."""
-        model = self.problem.model
-        means = unflatten(model, self.mean)
-        variances = unflatten(model, self.std() ** 2)
-        h = x.unsqueeze(0).expand(n_samples, *x.shape)  # (S, N, in)
-        for name, module in model.named_children():
-            if isinstance(module, nn.Linear):
-                has_bias = module.bias is not None
-                h = local_reparam_linear(
-                    h,
-                    means[f"{name}.weight"],
-                    variances[f"{name}.weight"],
-                    means[f"{name}.bias"] if has_bias else None,
-                    variances[f"{name}.bias"] if has_bias else None,
-                    self.problem.generator,
-                )
-            else:
-                h = module(h)
-        return h
-
-    # ------------------------------------------------------------------ stacked splits
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies (``(R, D)`` means and ρ's, one Adam over both: Adam acts per coordinate, so this is
-        R independent Adams); ``local_reparam`` only.
-
-        Raises:
-            CannotStack: for ``estimator='reparam'`` (and whatever :meth:`setup` refuses).
-        """
-        if self.estimator is not Estimator.LOCAL_REPARAM:
-            raise CannotStack("bbb: stacked splits need estimator=local_reparam")
-        self.setup(problems[0])
-        self._replica_problems = list(problems)
-        self._replica_prior = stacked_prior(problems).to(self.mean)  # (R, D)
-        n_copies = len(problems)
-        self.mean = self.mean.detach().expand(n_copies, -1).clone().requires_grad_(True)  # (R, D)
-        self.rho = self.rho.detach().expand(n_copies, -1).clone().requires_grad_(True)
-        self.optimizer = adam([self.mean, self.rho], self.lr)
-
-    def _outputs_local_replicas(self, x: Tensor, n_samples: int) -> Tensor:
-        """:meth:`_outputs_local` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``.
-        Each layer's noise is drawn once, with a single run's shape, and shared by the copies."""
+        """Network outputs with locally reparameterised pre-activations, every copy on its inputs ``x``
+        ``(R, M, in)``: ``(R, S, M, out)``. Each layer's noise is drawn once, ``(S, M, out)``, and shared
+        by the copies; the first layer's products are shared by the S samples."""
         model = self.problem.model
         means = unflatten_stacked(model, self.mean)
         variances = unflatten_stacked(model, self.std() ** 2)
         n_copies, n_examples = x.shape[0], x.shape[1]
-        h = x  # (R, M, in) until the first linear layer, whose products the S samples share
+        h = x  # (R, M, in) until the first linear layer
         for name, module in model.named_children():
             if not isinstance(module, nn.Linear):
                 h = module(h)
@@ -327,53 +297,36 @@ class BayesByBackprop(Method):
         """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
         likelihoods = [p.likelihood for p in self._replica_problems]
         self.optimizer.zero_grad(set_to_none=True)
-        f = self._outputs_local_replicas(x, self.n_train_mc_samples)
+        if self.estimator is Estimator.LOCAL_REPARAM:
+            f = self._outputs_local(x, self.n_train_mc_samples)
+        else:
+            f = self._outputs_reparam(x, self.n_train_mc_samples)
         nll = stacked_nll(likelihoods, f, y).mean(dim=(1, 2))  # (R,)
-        kl = kl_diag_to_prior(self.mean, self.std(), self._replica_prior) / self.problem.n_data
+        kl = kl_diag_to_prior(self.mean, self.std(), self.prior_precision) / self.problem.n_data
         loss = nll + kl
         loss.sum().backward()
         self.optimizer.step()
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
 
-    def replica(self, index: int) -> BayesByBackprop:
-        single = copy.copy(self)
-        single.setup(self._replica_problems[index])
-        with torch.no_grad():
-            single.mean.copy_(self.mean[index])
-            single.rho.copy_(self.rho[index])
-        return single
-
-    # ------------------------------------------------------------------ single run
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
-        p = self.problem
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.estimator is Estimator.LOCAL_REPARAM:
-            f = self._outputs_local(x, self.n_train_mc_samples)
-        else:
-            f = self._outputs_reparam(x, self.n_train_mc_samples)
-        nll = torch.stack([p.likelihood.nll(f_s, y) for f_s in f]).mean()
-        kl = kl_diag_to_prior(self.mean, self.std(), p.prior_precision) / p.n_data
-        loss = nll + kl
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
-
+    # ------------------------------------------------------------------ evaluation (one copy)
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
+        self.only_copy(self.mean)
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
-            chunks.append(self._outputs_reparam(x, min(_PREDICT_CHUNK, n_samples - start)))
+            chunks.append(self._outputs_reparam(x.unsqueeze(0), min(_PREDICT_CHUNK, n_samples - start))[0])
         return torch.cat(chunks)
 
     def posterior(self) -> DiagGaussian:
-        """:math:`q = \\mathcal N(\\mu, \\operatorname{diag}(\\sigma^2))` as precision ``1/σ²``."""
+        r""":math:`q = \mathcal N(\mu, \operatorname{diag}(\sigma^2))` as precision ``1/σ²``."""
         with torch.no_grad():
-            return DiagGaussian(mean=self.mean.detach().clone(), prec_diag=self.std().pow(-2))
+            mean, std = self.only_copy(self.mean), self.only_copy(self.std())
+            return DiagGaussian(mean=mean.detach().clone(), prec_diag=std.pow(-2))
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:
-        return kl_diag_to_prior(self.mean, self.std(), self.problem.prior_precision)
+        return self.only_copy(kl_diag_to_prior(self.mean, self.std(), self.prior_precision))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -121,8 +121,8 @@ def test_method_local_and_weight_sampling_agree_on_one_layer() -> None:
     method.setup(problem)
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        local = method._outputs_local(x, 100_000)
-        explicit = method._outputs_reparam(x, 100_000)
+        local = method._outputs_local(x[None], 100_000)[0]
+        explicit = method._outputs_reparam(x[None], 100_000)[0]
     assert local.shape == explicit.shape == (100_000, 5, 1)
     assert_close(local.mean(0), explicit.mean(0), rtol=0, atol=0.02)
     assert_close(local.var(0), explicit.var(0), rtol=0.03, atol=0)
