@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bdl_bench.config_checks import METHOD_RULES, RULES, Range, check_config
+from bdl_bench.config_checks import RULES, check_config
 from bdl_bench.errors import ConfigError, UserError
+from bdl_bench.ranges import Range
 
 BAD = [
     (["trainer.n_epochs=-1"], "trainer.n_epochs=-1 is out of range: it must be an integer >= 0"),
@@ -73,18 +74,44 @@ def test_shipped_and_purposeful_configs_pass(compose_cfg, overrides: list[str]) 
     check_config(compose_cfg(overrides))
 
 
-def test_every_method_option_with_a_rule_is_a_key_of_some_method_config() -> None:
-    """A rule for an option no method has would check nothing (e.g. after a rename)."""
+def test_every_method_declares_the_ranges_of_its_numeric_options_and_no_others() -> None:
+    """One source per option: each method's ``option_ranges`` covers exactly the numeric options of its
+    ``conf/method`` YAML (a range for an option the method lacks would check nothing, e.g. after a rename)."""
     from pathlib import Path
 
     import yaml
 
-    options = set()
-    for path in (Path(__file__).resolve().parents[1] / "conf" / "method").glob("*.yaml"):
+    from bdl_bench.methods import METHODS, import_all
+
+    import_all()
+    for path in sorted((Path(__file__).resolve().parents[1] / "conf" / "method").glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
-        options |= set(cfg) | {f"{cfg['name']}.{k}" for k in cfg}
-    assert set(METHOD_RULES) <= options, set(METHOD_RULES) - options
+        cls = METHODS[cfg["name"]]
+        numeric = {k for k, v in cfg.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        numeric |= {k for k, v in cfg.items() if isinstance(v, str) and v.startswith("${")}  # interpolated counts
+        assert set(cls.option_ranges) <= set(cfg), (cfg["name"], set(cls.option_ranges) - set(cfg))
+        assert numeric <= set(cls.option_ranges), (cfg["name"], numeric - set(cls.option_ranges))
     assert all(key.split(".")[0] in ("trainer", "data") or "." not in key for key in RULES)
+
+
+def test_a_method_checks_its_options_against_the_same_ranges_as_the_config_check(compose_cfg) -> None:
+    """The constructor and the composed-config check refuse the same value with the same range."""
+    from bdl_bench.errors import ConfigError
+    from bdl_bench.methods import build_method
+
+    with pytest.raises(ConfigError, match=r"method.beta=1.5 is out of range: it must be a number in \(0, 1\]"):
+        check_config(compose_cfg(["method=slang", "method.beta=1.5"]))
+    cfg = dict(yaml_method("slang"), beta=1.5)
+    with pytest.raises(ConfigError, match=r"slang: method.beta=1.5 is out of range: it must be a number in \(0, 1\]"):
+        build_method(cfg)
+
+
+def yaml_method(name: str) -> dict:
+    from pathlib import Path
+
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "method" / f"{name}.yaml").read_text())
 
 
 def test_range_descriptions() -> None:

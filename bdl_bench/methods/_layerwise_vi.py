@@ -63,6 +63,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ from bdl_bench.methods.base import EpochCallback, Method, Problem
 from bdl_bench.methods.bbb import standard_normal
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE
 
 _PREDICT_CHUNK = 64  # weight samples per batched forward pass in ``predict``
 
@@ -259,13 +261,6 @@ def kl_annealing_weight(step: int, n_steps: int) -> float:
     return 1.0 if n_steps == 0 else min(1.0, step / n_steps)
 
 
-def check_positive_int(method: str, name: str, value: Any, minimum: int = 1) -> int:
-    """``int(value)``, or ``ValueError`` naming the option unless it is an integer >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < minimum:
-        raise ConfigError(f"{method}: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def forward_flat_params(model: nn.Module, thetas: Tensor, x: Tensor) -> Tensor:
     """Outputs of ``model`` (an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules) at each
     flat parameter vector of ``thetas (S, D)`` and inputs ``x (N, in)``: ``(S, N, out)``, by batched
@@ -371,6 +366,15 @@ class LayerwiseVI(Method):
     """
 
     supported_layers: tuple[type[nn.Module], ...] = VARIATIONAL_LAYERS
+    option_ranges = MappingProxyType(
+        {
+            "lr": POSITIVE,
+            "n_train_mc_samples": COUNT,
+            "init_std": POSITIVE,
+            "kl_annealing_steps": NON_NEGATIVE_INT,
+            "snr_window": NON_NEGATIVE_INT,  # 1 is refused below (a window needs 2 steps)
+        }
+    )
 
     def __init__(
         self,
@@ -388,15 +392,12 @@ class LayerwiseVI(Method):
                 f"{name}: conv_estimator must be one of {', '.join(CONV_ESTIMATORS)}, got {conv_estimator!r}"
             )
         self.conv_estimator = conv_estimator
-        if not lr > 0:
-            raise ConfigError(f"{name}: lr must be positive, got {lr}")
-        if not init_std > 0:
-            raise ConfigError(f"{name}: init_std must be positive, got {init_std}")
+        self.check_options(locals())
         self.lr = float(lr)
         self.init_std = float(init_std)
-        self.n_train_mc_samples = check_positive_int(name, "n_train_mc_samples", n_train_mc_samples)
-        self.kl_annealing_steps = check_positive_int(name, "kl_annealing_steps", kl_annealing_steps, minimum=0)
-        self.snr_window = check_positive_int(name, "snr_window", snr_window, minimum=0)
+        self.n_train_mc_samples = int(n_train_mc_samples)
+        self.kl_annealing_steps = int(kl_annealing_steps)
+        self.snr_window = int(snr_window)
         if self.snr_window == 1:
             raise ConfigError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
 

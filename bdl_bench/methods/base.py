@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError, DivergenceError
 from bdl_bench.likelihoods import Likelihood
 from bdl_bench.progress import delayed_bar
+from bdl_bench.ranges import Range, out_of_range
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Method(ABC):
     """Base class of inference methods (see module docstring)."""
 
     name: ClassVar[str]
+    option_ranges: ClassVar[Mapping[str, Range]] = MappingProxyType({})
+    """The range of each numeric constructor option: the one source that the constructor
+    (:meth:`check_options`) and the config check before a run (:func:`bdl_bench.config_checks.check_config`) use."""
     supports_replicas: ClassVar[bool] = False
     replica_options: ClassVar[tuple[str, ...]] = ()
     """Constructor options whose value may differ between stacked copies (:meth:`configure_replicas`)."""
@@ -87,6 +91,18 @@ class Method(ABC):
     step_progress: bool = False
     """Whether long loops inside a fit (an epoch's steps, a curvature pass) show a bar once they have run
     :data:`bdl_bench.progress.BAR_DELAY_S` (the runner sets it from ``trainer.progress``)."""
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Refuse the first of ``options`` (a constructor's arguments, e.g. its ``locals()``) that
+        ``option_ranges`` names and does not accept.
+
+        Raises:
+            ConfigError: ``<method>: method.<option>=<value> is out of range: it must be <range>``.
+        """
+        for key, allowed in cls.option_ranges.items():
+            if key in options and not allowed.accepts(options[key]):
+                raise ConfigError(f"{cls.name}: {out_of_range(f'method.{key}', options[key], allowed)}")
 
     def setup(self, problem: Problem) -> None:
         """Create the fitting state for ``problem``; called once before ``fit``."""

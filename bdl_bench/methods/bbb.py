@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with, unflatten_stacked
 from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.ranges import COUNT, POSITIVE
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
@@ -220,18 +222,14 @@ class BayesByBackprop(StackedMethod):
             ``estimator`` (the message lists the choices).
     """
 
+    option_ranges = MappingProxyType({"lr": POSITIVE, "n_train_mc_samples": COUNT, "init_std": POSITIVE})
     copy_state = ("mean", "rho", "prior_precision")
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
-        if not lr > 0:
-            raise ConfigError(f"bbb: lr must be positive, got {lr}")
-        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ConfigError(f"bbb: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+        self.check_options(locals())
         choices = [e.value for e in Estimator]
         if estimator not in choices:
             raise ConfigError(f"bbb: unknown estimator {estimator!r}; choices: {', '.join(choices)}")
-        if not init_std > 0:
-            raise ConfigError(f"bbb: init_std must be positive, got {init_std}")
         self.lr = lr
         self.n_train_mc_samples = int(n_train_mc_samples)
         self.estimator = Estimator(estimator)

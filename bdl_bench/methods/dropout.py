@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from bdl_bench.methods.base import CannotStack, Method, Problem, register_method
 from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.ranges import COUNT, POSITIVE, UNIT_OPEN
 
 _PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
 _PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
@@ -79,6 +81,7 @@ class MCDropout(Method):
 
     supports_replicas = True  # stacked splits: models of nn.Linear layers (UCI MLPs)
     replica_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
+    option_ranges = MappingProxyType({"lr": POSITIVE, "dropout_rate": UNIT_OPEN, "n_train_mc_samples": COUNT})
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         if not lr > 0:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -69,7 +70,6 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
-    check_positive_int,
     gather_part_grads,
     mm_into,
     reusable_grad_buffer,
@@ -78,6 +78,7 @@ from bdl_bench.methods._layerwise_vi import (
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
 from bdl_bench.methods.gmfvi import on_host
+from bdl_bench.ranges import COUNT
 
 _BIAS_FACTOR_SCALE = 0.01  # initial scale of the bias part of v_k (authors' code)
 
@@ -488,6 +489,8 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
 
     supported_layers = (nn.Linear,)
 
+    option_ranges = MappingProxyType({**LayerwiseVI.option_ranges, "rank": COUNT})
+
     def __init__(
         self,
         *,
@@ -499,7 +502,8 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         kl_annealing_steps: int,
         snr_window: int,
     ) -> None:
-        self.rank = check_positive_int("elrg", "rank", rank)
+        self.check_options(locals())
+        self.rank = int(rank)
         if not isinstance(learn_diag, bool):
             raise ConfigError(f"elrg: learn_diag must be true or false, got {learn_diag!r}")
         self.learn_diag = learn_diag

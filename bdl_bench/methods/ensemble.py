@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import copy
 import math
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.ranges import COUNT, POSITIVE
 
 
 def default_init(model: nn.Module, generator: torch.Generator) -> Tensor:
@@ -65,11 +66,10 @@ class DeepEnsemble(Method):
         ValueError: on ``n_members < 1`` or a non-positive ``lr``.
     """
 
+    option_ranges = MappingProxyType({"n_members": COUNT, "lr": POSITIVE})
+
     def __init__(self, *, n_members: int, lr: float) -> None:
-        if int(n_members) != n_members or n_members < 1:
-            raise ConfigError(f"ensemble: n_members must be an integer >= 1, got {n_members}")
-        if not lr > 0:
-            raise ConfigError(f"ensemble: lr must be positive, got {lr}")
+        self.check_options(locals())
         self.n_members = int(n_members)
         self.lr = lr
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from bdl_bench.methods.base import EpochCallback, Method, NonFiniteLossError, Pr
 from bdl_bench.methods.vogn import Covariance, parse_choice
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.quadrature import Expectation, expected_log_sigmoid_with
+from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 __all__ = [
     "ExactVI",
@@ -209,17 +211,14 @@ class ExactVI(Method):
         ValueError: on a bad option, naming the value and the valid choices or range.
     """
 
+    option_ranges = MappingProxyType({"n_quadrature": Range(2, integer=True), "max_iter": COUNT, "tolerance": POSITIVE})
+
     def __init__(
         self, *, covariance: str, expectation: str, n_quadrature: int, max_iter: int, tolerance: float
     ) -> None:
         self.covariance = parse_choice(Covariance, covariance, "covariance", "exact_vi")
         self.expectation = parse_choice(Expectation, expectation, "expectation", "exact_vi")
-        if int(n_quadrature) != n_quadrature or n_quadrature < 2:
-            raise ConfigError(f"exact_vi: n_quadrature must be an integer >= 2, got {n_quadrature}")
-        if int(max_iter) != max_iter or max_iter < 1:
-            raise ConfigError(f"exact_vi: max_iter must be a positive integer, got {max_iter}")
-        if not tolerance > 0:
-            raise ConfigError(f"exact_vi: tolerance must be positive, got {tolerance}")
+        self.check_options(locals())
         self.n_quadrature, self.max_iter, self.tolerance = int(n_quadrature), int(max_iter), float(tolerance)
 
     @property

@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import copy
 import math
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bdl_bench.errors import ConfigError
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
 from bdl_bench.methods.map import map_step
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, UNIT_OPEN
 
 _PREDICT_CHUNK = 64
 
@@ -84,6 +85,18 @@ class HMC(Method):
         ValueError: on a non-positive count, step size or ``lr``, or ``target_accept`` outside (0, 1).
     """
 
+    option_ranges = MappingProxyType(
+        {
+            "n_samples": COUNT,
+            "n_warmup": NON_NEGATIVE_INT,
+            "n_leapfrog": COUNT,
+            "step_size": POSITIVE,
+            "target_accept": UNIT_OPEN,
+            "thin": COUNT,
+            "lr": POSITIVE,
+        }
+    )
+
     def __init__(
         self,
         *,
@@ -95,18 +108,7 @@ class HMC(Method):
         thin: int,
         lr: float,
     ) -> None:
-        for name, value, low in (
-            ("n_samples", n_samples, 1),
-            ("n_warmup", n_warmup, 0),
-            ("n_leapfrog", n_leapfrog, 1),
-            ("thin", thin, 1),
-        ):
-            if int(value) != value or value < low:
-                raise ConfigError(f"hmc: {name} must be an integer >= {low}, got {value}")
-        if not step_size > 0 or not lr > 0:
-            raise ConfigError(f"hmc: step_size and lr must be positive, got {step_size} and {lr}")
-        if not 0 < target_accept < 1:
-            raise ConfigError(f"hmc: target_accept must lie in (0, 1), got {target_accept}")
+        self.check_options(locals())
         self.n_samples, self.n_warmup, self.n_leapfrog, self.thin = (
             int(n_samples),
             int(n_warmup),

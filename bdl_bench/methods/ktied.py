@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -73,13 +74,13 @@ from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
-    check_positive_int,
     local_reparam_conv2d,
     sqrt_or_tiny,
 )
 from bdl_bench.methods.base import register_method
 from bdl_bench.methods.bbb import softplus_inverse, standard_normal
 from bdl_bench.methods.gmfvi import diag_kl, on_host, prior_quadratic, uniform_value
+from bdl_bench.ranges import COUNT
 
 _INIT_JITTER = 0.1  # log-scale jitter of the initial factors (symmetry breaking)
 
@@ -146,6 +147,8 @@ class KTiedNormalVI(LayerwiseVI):
             them), and on the options ``gmfvi`` refuses.
     """
 
+    option_ranges = MappingProxyType({**LayerwiseVI.option_ranges, "k": COUNT})
+
     def __init__(
         self,
         *,
@@ -158,7 +161,8 @@ class KTiedNormalVI(LayerwiseVI):
         snr_window: int,
         conv_estimator: str,
     ) -> None:
-        self.k = check_positive_int("ktied", "k", k)
+        self.check_options(locals())
+        self.k = int(k)
         if not isinstance(tie_conv, bool):
             raise ConfigError(f"ktied: tie_conv must be true or false, got {tie_conv!r}")
         self.tie_conv = tie_conv

@@ -7,25 +7,27 @@ A point estimate: ``predict`` returns the same output for every sample.
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bdl_bench.errors import ConfigError
 from bdl_bench.methods._shared import add_prior_term, map_step
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.ranges import POSITIVE
 
 __all__ = ["MAP", "add_prior_term", "map_step"]  # the helpers live in methods/_shared.py (methods share them)
 
 
 @register_method("map")
 class MAP(Method):
+    option_ranges = MappingProxyType({"lr": POSITIVE})
+
     def __init__(self, *, lr: float) -> None:
-        if not lr > 0:
-            raise ConfigError(f"map: lr must be positive, got {lr}")
+        self.check_options(locals())
         self.lr = lr
 
     def setup(self, problem: Problem) -> None:

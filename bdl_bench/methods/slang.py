@@ -62,6 +62,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.methods.gmfvi import sum_log, uniform_value
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
@@ -225,6 +227,17 @@ class Slang(Method):
         ValueError: on a value outside the ranges above.
     """
 
+    option_ranges = MappingProxyType(
+        {
+            "rank": COUNT,
+            "lr": POSITIVE,
+            "beta": Range(0, 1, low_open=True),
+            "decay": Range(0),
+            "momentum": Range(0, 1, high_open=True),
+            "n_train_mc_samples": COUNT,
+            "init_prec_diag": POSITIVE,
+        }
+    )
     supports_replicas = True  # stacked splits: networks of nn.Linear layers (bdl_bench/methods/_slang_stacked.py)
 
     def __init__(
@@ -238,20 +251,7 @@ class Slang(Method):
         n_train_mc_samples: int,
         init_prec_diag: float,
     ) -> None:
-        if int(rank) != rank or rank < 1:
-            raise ConfigError(f"slang: rank L={rank} must be an integer >= 1")
-        if not lr > 0:
-            raise ConfigError(f"slang: lr must be positive, got {lr}")
-        if not 0 < beta <= 1:
-            raise ConfigError(f"slang: beta must lie in (0, 1], got {beta}")
-        if not decay >= 0:
-            raise ConfigError(f"slang: decay must be >= 0, got {decay}")
-        if not 0 <= momentum < 1:
-            raise ConfigError(f"slang: momentum must lie in [0, 1), got {momentum}")
-        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ConfigError(f"slang: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
-        if not init_prec_diag > 0:
-            raise ConfigError(f"slang: init_prec_diag must be positive, got {init_prec_diag}")
+        self.check_options(locals())
         self.rank = int(rank)
         self.lr = float(lr)
         self.beta = float(beta)

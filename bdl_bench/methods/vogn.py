@@ -53,6 +53,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ from bdl_bench.methods._shared import parse_choice
 from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.methods.slang import decayed_rate
 from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 __all__ = [
     "MAX_FULL_PARAMS",
@@ -309,6 +311,15 @@ class VOGN(Method):
         ValueError: on a bad option, naming the value and the valid choices or range.
     """
 
+    option_ranges = MappingProxyType(
+        {
+            "lr": POSITIVE,
+            "beta": Range(0, 1, low_open=True),
+            "decay": Range(0),
+            "n_train_mc_samples": COUNT,
+            "init_prec": Range(0),
+        }
+    )
     supports_replicas = True  # stacked splits: networks of nn.Linear layers (logistic regression, MLPs)
 
     def __init__(

@@ -90,7 +90,9 @@ def test_constant_diagonal_is_not_a_parameter() -> None:
     assert fixed.variational["v_bias2"].shape == (3, 24)
 
 
-@pytest.mark.parametrize(("rank", "message"), [(0, "rank must be an integer >= 1"), (2.5, "rank must be")])
+@pytest.mark.parametrize(
+    ("rank", "message"), [(0, r"method\.rank=0 is out of range: it must be an integer >= 1"), (2.5, "method.rank=2.5")]
+)
 def test_bad_rank_raises_at_construction(rank: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_method("elrg", rank=rank)

@@ -104,7 +104,7 @@ def test_predict_leaves_the_model_and_global_rng_alone() -> None:
 
 @pytest.mark.parametrize("lr", [0.0, -0.01])
 def test_bad_lr_raises(lr: float) -> None:
-    with pytest.raises(ValueError, match=f"lr must be positive, got {lr}"):
+    with pytest.raises(ValueError, match=rf"map: method\.lr={lr} is out of range: it must be a number > 0"):
         make_map(lr=lr)
 
 

@@ -264,7 +264,7 @@ def test_cnn_parameter_counts_of_the_paper_table_3() -> None:
 
 @pytest.mark.parametrize("k", [0, -1])
 def test_k_below_one_raises(k: int) -> None:
-    with pytest.raises(ValueError, match=f"ktied: k must be an integer >= 1, got {k}"):
+    with pytest.raises(ValueError, match=rf"ktied: method\.k={k} is out of range: it must be an integer >= 1"):
         make_method("ktied", k=k)
 
 

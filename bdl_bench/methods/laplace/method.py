@@ -12,12 +12,12 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bdl_bench.config_checks import METHOD_RULES
 from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, iter_pseudo_grads, kron_layout
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import StructuredGaussian
@@ -42,24 +42,9 @@ from bdl_bench.methods.laplace.structures import STRUCTURES, KfacPrior, Structur
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.progress import delayed_bar
+from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, Range
 
 _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
-
-# The ranges of the numeric options are config_checks.METHOD_RULES' (the CLI checks a composed config against them
-# before it builds the method; this constructor, which scripts and tests call directly, checks the same ones).
-_OPTION_WORDS = {  # where an error says more than the range
-    "prior_precision": ("prior_precision τ", "positive (or null for the run's prior)"),
-    "dataset_scale": ("dataset_scale N", "positive (or null for the training-set size)"),
-}
-
-
-def _check_option(option: str, value: Any) -> None:
-    """Refuse ``value`` of ``option`` outside its range in :data:`bdl_bench.config_checks.METHOD_RULES`."""
-    allowed = METHOD_RULES.get(f"laplace.{option}", METHOD_RULES.get(option))
-    assert allowed is not None, option
-    if not allowed.accepts(value):
-        label, words = _OPTION_WORDS.get(option, (option, allowed.describe()))
-        raise ConfigError(f"laplace: {label} must be {words}, got {value!r}")
 
 
 @register_method("laplace")
@@ -103,8 +88,21 @@ class Laplace(GaussianPredictive):
 
     Raises:
         ValueError: on an unknown structure, curvature or predictive (the choices are listed), or a numeric
-            option outside its range (:data:`bdl_bench.config_checks.METHOD_RULES`).
+            option outside its range (:attr:`option_ranges`).
     """
+
+    option_ranges = MappingProxyType(
+        {
+            "prior_precision": Range(0, low_open=True, nullable=True),  # null = the run's prior_precision
+            "dataset_scale": Range(0, low_open=True, nullable=True),  # null = the training-set size
+            "lr": POSITIVE,
+            "n_curvature_samples": COUNT,
+            "curvature_batch_size": COUNT,
+            "curvature_subset": Range(1, integer=True, nullable=True),
+            "curvature_cache_mib": NON_NEGATIVE_INT,
+            "rank": Range(1, integer=True, nullable=True),  # def: null = all eigenvalues
+        }
+    )
 
     def __init__(
         self,
@@ -129,17 +127,7 @@ class Laplace(GaussianPredictive):
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
-        for option, value in (
-            ("prior_precision", prior_precision),
-            ("dataset_scale", dataset_scale),
-            ("lr", lr),
-            ("n_curvature_samples", n_curvature_samples),
-            ("curvature_batch_size", curvature_batch_size),
-            ("curvature_subset", curvature_subset),
-            ("curvature_cache_mib", curvature_cache_mib),
-            ("rank", rank),
-        ):
-            _check_option(option, value)
+        self.check_options(locals())
         if curvature_dtype not in _CURVATURE_DTYPES:
             raise ConfigError(
                 f"laplace: unknown curvature_dtype {curvature_dtype!r}; choices: {', '.join(_CURVATURE_DTYPES)}"
