@@ -70,9 +70,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
-from bdl_bench.methods.bbb import standard_normal
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 

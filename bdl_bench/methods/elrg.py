@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.methods._diag_vi import on_host, softplus_inverse, standard_normal
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -76,8 +77,6 @@ from bdl_bench.methods._layerwise_vi import (
     sqrt_or_tiny,
 )
 from bdl_bench.methods.base import register_method
-from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import on_host
 
 _BIAS_FACTOR_SCALE = 0.01  # initial scale of the bias part of v_k (authors' code)
 

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from bdl_bench.data.base import Dataset
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods._diag_vi import kl_diag_to_prior, standard_normal
 from bdl_bench.methods._layerwise_vi import Layer, forward_flat_params, linear_layers
-from bdl_bench.methods.bbb import kl_diag_to_prior, standard_normal
 from bdl_bench.metrics import brier_score, predictive_metrics
 
 _SAMPLE_CHUNK = 20  # weight samples per batched forward pass
