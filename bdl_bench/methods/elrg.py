@@ -525,8 +525,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         self.param_prior: dict[int, Tensor | float] = {}
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
-            start = sum(self.param_sizes[: layer.weight_param])
-            self.layer_offsets.append(start)
+            self.layer_offsets.append(layer.slices["weight"].start)
             scale = 0.5 * float(means[layer.weight_param].std(correction=0)) / math.sqrt(K)
             shape = (K, layer.out_features, layer.in_features)
             tensors[f"v_weight{layer.index}"] = scale * standard_normal(shape, g, self.mean)
