@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from bdl_bench.likelihoods import Likelihood
+from bdl_bench.models.params import n_params, sequential_layers
 
 
 @dataclass(frozen=True)
@@ -81,28 +82,18 @@ def linear_layout(model: nn.Module) -> LinearLayout:
     """
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"per-example factors need an nn.Sequential model, got {type(model).__name__}")
-    offsets: dict[int, int] = {}
-    offset = 0
-    for p in model.parameters():
-        offsets[id(p)] = offset
-        offset += p.numel()
     slots = []
     seen: set[int] = set()
-    for index, module in enumerate(model):
-        if isinstance(module, nn.Linear):
+    for index, module, layer in sequential_layers(model):
+        if isinstance(module, nn.Linear) and layer is not None:
             if id(module) in seen:
                 raise ValueError(
                     f"per-example factors need distinct layers; module {index} reuses an earlier nn.Linear"
                 )
             seen.add(id(module))
-            bias = module.bias
             slots.append(
                 LinearSlot(
-                    module_index=index,
-                    in_features=module.in_features,
-                    out_features=module.out_features,
-                    weight_offset=offsets[id(module.weight)],
-                    bias_offset=None if bias is None else offsets[id(bias)],
+                    index, module.in_features, module.out_features, layer.slices["weight"].start, layer.offset("bias")
                 )
             )
         elif any(True for _ in module.parameters()):
@@ -112,7 +103,7 @@ def linear_layout(model: nn.Module) -> LinearLayout:
             )
     if not slots:
         raise ValueError("per-example factors need at least one nn.Linear layer")
-    return LinearLayout(slots=tuple(slots), n_params=offset)
+    return LinearLayout(slots=tuple(slots), n_params=n_params(model))
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.models.params import n_params, sequential_layers
 
 
 class CurvatureKind(str, Enum):
@@ -117,20 +118,14 @@ def kron_layout(model: nn.Module) -> KronLayout:
     """
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"Kronecker curvature needs an nn.Sequential model, got {type(model).__name__}")
-    offsets: dict[int, int] = {}
-    offset = 0
-    for p in model.parameters():
-        offsets[id(p)] = offset
-        offset += p.numel()
     slots = []
-    for index, module in enumerate(model):
-        bias = getattr(module, "bias", None)
-        bias_offset = None if bias is None else offsets[id(bias)]
-        if isinstance(module, nn.Linear):
+    for index, module, layer in sequential_layers(model):
+        bias_offset = None if layer is None else layer.offset("bias")
+        if isinstance(module, nn.Linear) and layer is not None:
             slots.append(
-                KronSlot(index, module.in_features, module.out_features, offsets[id(module.weight)], bias_offset)
+                KronSlot(index, module.in_features, module.out_features, layer.slices["weight"].start, bias_offset)
             )
-        elif isinstance(module, nn.Conv2d):
+        elif isinstance(module, nn.Conv2d) and layer is not None:
             if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
                 raise ValueError(
                     f"module {index} ({module}): Kronecker curvature handles convolutions with groups=1, zero "
@@ -143,7 +138,7 @@ def kron_layout(model: nn.Module) -> KronLayout:
                 tuple(module.dilation),  # type: ignore[arg-type]
             )
             n_in = module.in_channels * spec.kernel_size[0] * spec.kernel_size[1]
-            slots.append(KronSlot(index, n_in, module.out_channels, offsets[id(module.weight)], bias_offset, spec))
+            slots.append(KronSlot(index, n_in, module.out_channels, layer.slices["weight"].start, bias_offset, spec))
         elif any(True for _ in module.parameters()):
             raise ValueError(
                 f"Kronecker curvature handles nn.Linear, nn.Conv2d and parameter-free modules; module {index} is "
@@ -151,7 +146,7 @@ def kron_layout(model: nn.Module) -> KronLayout:
             )
     if not slots:
         raise ValueError("Kronecker curvature needs at least one nn.Linear or nn.Conv2d layer")
-    return KronLayout(slots=tuple(slots), n_params=offset)
+    return KronLayout(slots=tuple(slots), n_params=n_params(model))
 
 
 @dataclass(frozen=True)

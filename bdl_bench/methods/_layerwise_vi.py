@@ -71,10 +71,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
-from bdl_bench.methods.bbb import standard_normal
-from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.models.params import flat_params, forward_with, param_layers, sequential_layers
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE
 
@@ -97,12 +97,16 @@ class Layer:
         module: the module itself (``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` or ``nn.LSTM``).
         params: the module's parameter names (``"weight"``, ``"bias"``, ``"weight_ih_l0"``, ...), each
             with its position in ``model.parameters()``.
+        slices: the same parameters' entries in the flat vector.
+
+    (:func:`bdl_bench.models.params.param_layers` finds them.)
     """
 
     index: int
     name: str
     module: nn.Module
     params: dict[str, int]
+    slices: dict[str, slice]
 
     @property
     def weight_param(self) -> int:
@@ -155,18 +159,14 @@ def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module]
         for m in model.modules()
     ):
         raise ConfigError(f"{method}: the model contains dropout layers; build it with dropout=0")
-    positions = {id(p): i for i, p in enumerate(model.parameters())}
     layers = []
-    for name, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        if not isinstance(module, supported):
+    for found in param_layers(model):
+        if not isinstance(found.module, supported):
             raise ConfigError(
                 f"{method}: handles {_kinds(supported)} and parameter-free modules only; layer"
-                f" {name or '(the model)'} is {type(module).__name__}"
+                f" {found.name or '(the model)'} is {type(found.module).__name__}"
             )
-        layers.append(Layer(len(layers) + 1, name, module, {n: positions[id(p)] for n, p in own.items()}))
+        layers.append(Layer(len(layers) + 1, found.name, found.module, found.positions, found.slices))
     if not layers:
         raise ConfigError(f"{method}: the model has no {_kinds(supported)} layer")
     if type(model).forward is nn.Module.forward:
@@ -265,18 +265,13 @@ def forward_flat_params(model: nn.Module, thetas: Tensor, x: Tensor) -> Tensor:
     """Outputs of ``model`` (an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules) at each
     flat parameter vector of ``thetas (S, D)`` and inputs ``x (N, in)``: ``(S, N, out)``, by batched
     matrix products (one pass per layer for all S networks)."""
-    shapes = [p.shape for p in model.parameters()]
-    parts = torch.split(thetas, [math.prod(s) for s in shapes], dim=-1)
-    parts = [p.reshape(thetas.shape[0], *s) for p, s in zip(parts, shapes)]
-    h = x.unsqueeze(0).expand(thetas.shape[0], *x.shape)
-    index = 0
-    for module in model.children():
-        if isinstance(module, nn.Linear):
-            bias = None
-            if module.bias is not None:
-                bias = parts[index + 1]
-            h = batched_linear(h, parts[index], bias)
-            index += 1 if module.bias is None else 2
+    n_samples = thetas.shape[0]
+    h = x.unsqueeze(0).expand(n_samples, *x.shape)
+    for _, module, layer in sequential_layers(model):
+        if isinstance(module, nn.Linear) and layer is not None:
+            weight = thetas[:, layer.slices["weight"]].reshape(n_samples, *module.weight.shape)
+            bias = None if module.bias is None else thetas[:, layer.slices["bias"]]
+            h = batched_linear(h, weight, bias)
         else:
             h = module(h)
     return h

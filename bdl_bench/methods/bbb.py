@@ -56,6 +56,7 @@ from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
+from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, standard_normal
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with, unflatten_stacked
 from bdl_bench.optim import adam, load_adam_state
@@ -71,66 +72,6 @@ class Estimator(str, Enum):
     """Sample whole weight vectors (Blundell et al. 2015)."""
     LOCAL_REPARAM = "local_reparam"
     """Sample each linear layer's pre-activations per example (Kingma et al. 2015)."""
-
-
-def softplus_inverse(x: Tensor) -> Tensor:
-    r""":math:`\rho` with :math:`\operatorname{softplus}(\rho) = x`, i.e. :math:`\log(e^x - 1)`, computed
-    as :math:`x + \log(1 - e^{-x})` (stable for small and large x > 0)."""
-    return x + torch.log(-torch.expm1(-x))
-
-
-def kl_diag_to_prior(mean: Tensor, std: Tensor, prior_precision: Tensor) -> Tensor:
-    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` (see the module docstring).
-
-    Args:
-        mean: :math:`\mu`, ``(D,)``.
-        std: :math:`\sigma > 0`, ``(D,)``.
-        prior_precision: :math:`\lambda > 0`, ``(D,)``.
-
-    Returns:
-        A scalar tensor, differentiable in ``mean`` and ``std`` (``(R,)`` for stacked ``(R, D)`` inputs).
-    """
-    var_ratio = prior_precision * std**2
-    return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum(-1)
-
-
-def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
-    """``N(0, 1)`` draws from ``generator`` with ``like``'s dtype and device.
-
-    Drawn on the generator's device and moved, so a CPU generator also serves a CUDA model.
-    """
-    eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
-    return eps.to(like.device)
-
-
-def local_reparam_linear(
-    a: Tensor,
-    weight_mean: Tensor,
-    weight_var: Tensor,
-    bias_mean: Tensor | None,
-    bias_var: Tensor | None,
-    generator: torch.Generator,
-) -> Tensor:
-    r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per example.
-
-    Kingma, Salimans & Welling (2015), Sec. 2.3: given the layer input, the pre-activation is Gaussian
-    with mean :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`.
-
-    Args:
-        a: layer inputs ``(..., in)``.
-        weight_mean, weight_var: :math:`\mu_W`, :math:`\sigma_W^2`, ``(out, in)``.
-        bias_mean, bias_var: :math:`\mu_b`, :math:`\sigma_b^2`, ``(out,)``, or ``None`` without a bias.
-        generator: source of the standard normal noise.
-
-    Returns:
-        One sample per row of ``a``: ``(..., out)``.
-    """
-    mean = F.linear(a, weight_mean, bias_mean)
-    var = F.linear(a**2, weight_var, bias_var)
-    eps = standard_normal(tuple(mean.shape), generator, mean)
-    # clamp keeps the gradient finite where the variance is exactly 0 (no bias, all-zero input)
-    return mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps
 
 
 class _StackedLocalLinear(torch.autograd.Function):

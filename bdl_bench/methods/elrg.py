@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.methods._diag_vi import on_host, softplus_inverse, standard_normal
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -76,8 +77,6 @@ from bdl_bench.methods._layerwise_vi import (
     sqrt_or_tiny,
 )
 from bdl_bench.methods.base import register_method
-from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import on_host
 from bdl_bench.ranges import COUNT
 
 _BIAS_FACTOR_SCALE = 0.01  # initial scale of the bias part of v_k (authors' code)
@@ -530,8 +529,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         self.param_prior: dict[int, Tensor | float] = {}
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
-            start = sum(self.param_sizes[: layer.weight_param])
-            self.layer_offsets.append(start)
+            self.layer_offsets.append(layer.slices["weight"].start)
             scale = 0.5 * float(means[layer.weight_param].std(correction=0)) / math.sqrt(K)
             shape = (K, layer.out_features, layer.in_features)
             tensors[f"v_weight{layer.index}"] = scale * standard_normal(shape, g, self.mean)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from bdl_bench.methods._shared import add_prior_term
 from bdl_bench.methods.base import Method, Problem, register_method
-from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, POSITIVE

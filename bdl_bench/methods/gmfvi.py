@@ -17,7 +17,7 @@ Embedding and LSTM layers (the IMDB model) are mean-field too, every weight with
 :math:`\sigma`; there each MC sample draws one weight vector per minibatch (the local
 reparameterisation does not apply through the recurrence; ``_layerwise_vi``). The KL to the prior
 :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is the closed form of
-:func:`bdl_bench.methods.bbb.kl_diag_to_prior`.
+:func:`bdl_bench.methods._diag_vi.kl_diag_to_prior`.
 
 **Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, the
 noise of the local reparameterisation (one normal per output element and example), Adam, and a few
@@ -28,7 +28,7 @@ hand, in four reused buffers (:class:`MeanFieldScratch`; two become ``mean.grad`
 :math:`\sigma` and :math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``torch.sigmoid`` and one
 ``log1p`` where :math:`\rho \in [-80, 1]`, else one ``exp`` and one ``log1p`` (:func:`softplus_and_ratio`;
 ``F.softplus`` alone costs more than both), :math:`\partial/\partial\rho` is then three passes
-(:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`_sum_log2`, safe by
+(:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`sum_log2`, safe by
 the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training step
 the layers' hand-written backward (:func:`local_linear`) writes the gradients of their parameters
 straight into those buffers (``mm(out=...)``), and the parts they run on are plain views kept from step
@@ -54,6 +54,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.methods._diag_vi import (
+    local_reparam_linear,
+    on_host,
+    softplus_inverse,
+    standard_normal,
+    sum_log2,
+    uniform_value,
+)
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -64,7 +72,6 @@ from bdl_bench.methods._layerwise_vi import (
     sqrt_or_tiny,
 )
 from bdl_bench.methods.base import register_method
-from bdl_bench.methods.bbb import local_reparam_linear, softplus_inverse, standard_normal
 
 
 @dataclass(frozen=True)
@@ -89,20 +96,6 @@ class MeanFieldScratch:
     @classmethod
     def like(cls, t: Tensor) -> MeanFieldScratch:
         return cls(*(torch.empty_like(t) for _ in range(4)))
-
-
-def on_host(t: Tensor) -> bool:
-    """Whether ``t`` is in host memory, where reading a number from it (``float``, a branch on a value)
-    costs nothing; elsewhere (CUDA) it would wait for the device, so the training steps keep such numbers
-    as tensors there (tests patch this to check the device path on a CPU)."""
-    return t.device.type == "cpu"
-
-
-def uniform_value(t: Tensor) -> Tensor | float:
-    """``t``'s one value as a float if all its entries are equal (a prior precision shared by all
-    coordinates, the usual case: the passes then read one tensor fewer), else ``t``."""
-    first = t.reshape(-1)[0]
-    return float(first) if bool((t == first).all()) else t
 
 
 _SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x, at or below it log1p(exp(x))
@@ -150,46 +143,6 @@ def softplus_and_ratio(rho: Tensor, std: Tensor, ratio: Tensor, work: Tensor) ->
     return std, torch.sigmoid(rho, out=ratio).div_(std), *bounds
 
 
-def _sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
-    r""":math:`\sum_d \log_2 x_d` of a positive flat ``x`` whose entries lie in ``[low, high]``, with ``out``
-    (``x``'s size) as scratch.
-
-    A logarithm costs some ten times a multiplication, so the entries are multiplied in groups of k (one
-    ``prod`` over a ``(k, D/k)`` view; the last ``D mod k`` entries join the first groups) and the
-    logarithms taken of the D/k products: k = 16, 8, 4 or 2, the largest for which every partial product
-    of up to k + 1 entries stays in the normal range by the bounds (with a factor 2 to spare for
-    rounding), else one logarithm per entry. Each product carries about k/2 ulp of rounding.
-    """
-    n, info = x.numel(), torch.finfo(x.dtype)
-    if low > 0.0 and high < math.inf and out.numel() >= n // 2:  # False for NaN bounds too
-        small, large = math.log(min(low, 1.0)), math.log(max(high, 1.0))
-        floor, ceiling = math.log(2.0 * info.tiny), math.log(0.5 * info.max)
-        for k in (16, 8, 4, 2):
-            q = n // k
-            if q < k or (k + 1) * small < floor or (k + 1) * large > ceiling:
-                continue
-            prod = torch.prod(x[: k * q].view(k, q), 0, out=out[:q])
-            if n > k * q:
-                prod[: n - k * q].mul_(x[k * q :])
-            return torch.log2(prod, out=out[q : 2 * q]).sum()
-    return torch.log2(x, out=out if out.numel() == n else None).sum()
-
-
-_FEW = 4096  # below this many entries, sum_log takes one logarithm each (fewer operations)
-
-
-def sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
-    r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch, or none:
-    the logarithms of products of entries (:func:`_sum_log2`, bounded by ``x``'s smallest and largest
-    entry); of a few entries (fewer than 4096), one logarithm each."""
-    if x.numel() < _FEW or not on_host(x):  # on a device: no bounds to read (they would wait for it)
-        return torch.log(x).sum()
-    low, high = torch.aminmax(x)
-    if out is None:  # room for the products and their logarithms (x.numel() // 2 >= 2 x.numel() // k)
-        out = x.new_empty(x.numel() // 2)
-    return _sum_log2(x, out, float(low), float(high)) * math.log(2.0)
-
-
 class _MeanFieldTerms(torch.autograd.Function):
     r"""``(KL, *mean parts, *variance parts)`` of :math:`q = \mathcal N(\mu, \operatorname{softplus}(\rho)^2)`
     against :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`, with a hand-written backward.
@@ -211,7 +164,7 @@ class _MeanFieldTerms(torch.autograd.Function):
             = \bigl((2\,\partial_{\sigma^2}\ell + g\lambda)\sigma^2 - g\bigr)\, r
 
     (:math:`\operatorname{softplus}' = \operatorname{sigmoid}`). The KL's value needs :math:`\sum\log\sigma`
-    only (:func:`_sum_log2`, bounded by the range of :math:`e`); its gradient has no logarithm.
+    only (:func:`sum_log2`, bounded by the range of :math:`e`); its gradient has no logarithm.
     """
 
     @staticmethod
@@ -233,7 +186,7 @@ class _MeanFieldTerms(torch.autograd.Function):
         std, ratio, low, high = softplus_and_ratio(rho, grad_rho, scratch.ratio, grad_mean)
         info["var_floor"] = low * low >= 2.0 * torch.finfo(std.dtype).tiny  # False for NaN
         var = torch.mul(std, std, out=scratch.var)
-        log2_std_sum = _sum_log2(std, grad_mean, low, high)
+        log2_std_sum = sum_log2(std, grad_mean, low, high)
         if isinstance(lam, Tensor):
             quad = torch.dot(lam, var).add_(torch.dot(torch.mul(lam, mean, out=grad_mean), mean)).mul_(0.5)
         else:
@@ -383,7 +336,7 @@ def mean_field_variance_and_kl(
     r""":math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and the closed-form KL to the prior, both
     ``(D,)``-flat, through :func:`mean_field_terms` with fresh buffers.
 
-    Same values as ``softplus(rho)**2`` and ``bbb.kl_diag_to_prior(mean, softplus(rho), prior_precision)``.
+    Same values as ``softplus(rho)**2`` and ``kl_diag_to_prior(mean, softplus(rho), prior_precision)``.
 
     Returns:
         ``(var (D,), kl ())``, differentiable in ``mean`` and ``rho``.
@@ -486,7 +439,7 @@ def local_linear(
     token: Tensor | None = None,
     sink: tuple[GradientSink, tuple[int | None, int | None]] | None = None,
 ) -> Tensor:
-    r"""``bbb.local_reparam_linear`` with the noise ``eps`` (``(..., out)``) given and a fused backward
+    r""":func:`local_reparam_linear` with the noise ``eps`` (``(..., out)``) given and a fused backward
     (:class:`_LocalLinear`) that writes the gradients of ``weight_mean``, ``bias_mean``, ``weight_var``
     and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape).
     ``unclamped``: every output variance is known to be at least the dtype's ``tiny`` (e.g.
@@ -496,102 +449,6 @@ def local_linear(
     (all four given) and the sink records the positions, none to autograd; ``token`` (that call's)
     makes the terms' backward run after this one."""
     return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped, token, sink)
-
-
-class _DiagKL(torch.autograd.Function):
-    """KL(N(mean, diag std²) || N(0, diag 1/lam)) with a hand-written backward (``lam`` a tensor of the
-    same shape, or one number: then no λ-scaled copies are formed); without ``mean`` (``None``) the KL
-    less its term ½ Σ λ μ² (:func:`prior_quadratic`)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, mean: Tensor | None, std: Tensor, lam: Tensor | float, log_lam_sum: float, scratch: Tensor | None
-    ) -> Tensor:
-        s = std.reshape(-1)
-        if isinstance(lam, Tensor):
-            lam_std = lam * std
-            lam_mean = None if mean is None else lam * mean
-            quad = torch.dot(lam_std.flatten(), s)
-            if mean is not None and lam_mean is not None:
-                quad = quad + torch.dot(lam_mean.flatten(), mean.flatten())
-            ctx.save_for_backward(std, lam_std, lam_mean)
-        else:
-            quad = torch.dot(s, s)
-            if mean is not None:
-                m = mean.reshape(-1)
-                quad.add_(torch.dot(m, m))
-            quad.mul_(lam)
-            ctx.save_for_backward(std, mean)
-        ctx.lam = lam
-        # (quad - D - sum log lam) / 2 - sum log sigma
-        return quad.mul_(0.5).sub_(sum_log(s, scratch)).sub_(0.5 * (std.numel() + log_lam_sum))
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        need_mean, need_std = ctx.needs_input_grad[:2]
-        # (lam mu, lam sigma - 1/sigma) g; one fresh tensor per gradient (fresh memory costs more than a pass)
-        if isinstance(ctx.lam, Tensor):
-            std, lam_std, lam_mean = ctx.saved_tensors
-            g_mean = lam_mean * g if need_mean else None
-            g_std = torch.addcdiv(lam_std, std.new_ones(()), std, value=-1.0).mul_(g) if need_std else None
-            return g_mean, g_std, None, None, None
-        std, mean = ctx.saved_tensors
-        scale = ctx.lam * g
-        g_mean = mean * scale if need_mean else None
-        g_std = torch.mul(std, scale).addcdiv_(g, std, value=-1.0) if need_std else None
-        return g_mean, g_std, None, None, None
-
-
-def diag_kl(
-    mean: Tensor | None,
-    std: Tensor,
-    prior_precision: Tensor | float,
-    log_prior_precision_sum: float | None = None,
-    scratch: Tensor | None = None,
-) -> Tensor:
-    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` of same-shaped tensors, with a fused backward
-    (:math:`\lambda\mu` and :math:`\lambda\sigma - 1/\sigma`); the value of ``bbb.kl_diag_to_prior``.
-
-    Args:
-        mean, std: tensors of one shape (any), ``std > 0``; ``mean=None``: the KL without its term
-            :math:`\tfrac12\sum\lambda\mu^2` (which :func:`prior_quadratic` gives, e.g. of a whole flat mean).
-        prior_precision: :math:`\lambda > 0`, broadcastable to it, or one number.
-        log_prior_precision_sum: :math:`\sum\log\lambda` (over all of ``std``'s entries) if already known.
-        scratch: a buffer of at least half ``std``'s size for :math:`\sum\log\sigma` (:func:`sum_log`),
-            kept from step to step (else a fresh one).
-    """
-    if isinstance(prior_precision, Tensor):
-        lam = prior_precision.expand_as(std)
-        log_sum = float(torch.log(lam).sum()) if log_prior_precision_sum is None else log_prior_precision_sum
-    else:
-        lam = float(prior_precision)
-        log_sum = std.numel() * math.log(lam) if log_prior_precision_sum is None else log_prior_precision_sum
-    return _DiagKL.apply(mean, std, lam, log_sum, scratch)
-
-
-class _PriorQuadratic(torch.autograd.Function):
-    """½ Σ λ μ² with the backward λ μ g in one fresh tensor (autograd of ``dot(mu, mu)`` forms two and adds)."""
-
-    @staticmethod
-    def forward(ctx: Any, mean: Tensor, lam: Tensor | float) -> Tensor:
-        ctx.save_for_backward(mean)
-        ctx.lam = lam
-        if isinstance(lam, Tensor):
-            return torch.dot(torch.mul(lam, mean).flatten(), mean.flatten()).mul_(0.5)
-        return torch.dot(mean.flatten(), mean.flatten()).mul_(0.5 * lam)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
-        (mean,) = ctx.saved_tensors
-        lam = ctx.lam
-        return (torch.mul(lam, mean).mul_(g) if isinstance(lam, Tensor) else mean * (lam * g)), None
-
-
-def prior_quadratic(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
-    r""":math:`\tfrac12\sum_d \lambda_d \mu_d^2` (``prior_precision``: ``mean``'s shape or one number), the
-    KL's term in the mean, with a hand-written backward (:class:`_PriorQuadratic`)."""
-    return _PriorQuadratic.apply(mean, prior_precision)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bdl_bench.methods._shared import map_step
 from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
-from bdl_bench.methods.map import map_step
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, UNIT_OPEN
 

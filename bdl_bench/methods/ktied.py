@@ -71,6 +71,14 @@ from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.methods._diag_vi import (
+    diag_kl,
+    on_host,
+    prior_quadratic,
+    softplus_inverse,
+    standard_normal,
+    uniform_value,
+)
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -78,8 +86,6 @@ from bdl_bench.methods._layerwise_vi import (
     sqrt_or_tiny,
 )
 from bdl_bench.methods.base import register_method
-from bdl_bench.methods.bbb import softplus_inverse, standard_normal
-from bdl_bench.methods.gmfvi import diag_kl, on_host, prior_quadratic, uniform_value
 from bdl_bench.ranges import COUNT
 
 _INIT_JITTER = 0.1  # log-scale jitter of the initial factors (symmetry breaking)

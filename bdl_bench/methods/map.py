@@ -19,7 +19,7 @@ from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import POSITIVE
 
-__all__ = ["MAP", "add_prior_term", "map_step"]  # the helpers live in methods/_shared.py (methods share them)
+__all__ = ["MAP", "add_prior_term"]  # add_prior_term: only until dropout.py imports it from _shared
 
 
 @register_method("map")

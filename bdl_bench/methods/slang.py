@@ -73,8 +73,8 @@ from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitanc
 from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
+from bdl_bench.methods._diag_vi import sum_log, uniform_value
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
-from bdl_bench.methods.gmfvi import sum_log, uniform_value
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 

@@ -2,10 +2,14 @@
 
 The order is ``model.parameters()`` order; for an ``nn.Linear`` layer that is its weight
 (``(out, in)``, row-major) followed by its bias, so a per-example gradient ``δ aᵀ`` flattens
-row-major into the right slice.
+row-major into the right slice. :func:`param_layers` is the one walk over a model's layers that says which
+entries each module's parameters hold (the layouts of ``bdl_bench.curvature`` and the layer-wise VI methods
+read it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +25,58 @@ def flat_params(model: nn.Module) -> Tensor:
 
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class ParamLayer:
+    """A module holding parameters of its own, and where they sit.
+
+    Attributes:
+        name: the module's qualified name in the model (``"2"``, ``"lstm"``, ``"1.blocks.0.conv1"``).
+        module: the module.
+        positions: each of its own parameters (``"weight"``, ``"bias"``, ``"weight_ih_l0"``, ...) by name, with its
+            position in ``model.parameters()``.
+        slices: the same parameters' entries in the flat vector (each flattened row-major there).
+    """
+
+    name: str
+    module: nn.Module
+    positions: dict[str, int]
+    slices: dict[str, slice]
+
+    def offset(self, param: str) -> int | None:
+        """Index of the first entry of the parameter ``param`` in the flat vector, ``None`` if the module has none
+        (a layer without bias)."""
+        part = self.slices.get(param)
+        return None if part is None else part.start
+
+
+def param_layers(model: nn.Module) -> list[ParamLayer]:
+    """Every module of ``model`` that holds parameters of its own, in ``model.named_modules()`` order, which is
+    the flat order: ``model.parameters()`` lists each module's own parameters in turn. The one walk over a model's
+    layers that the layouts of the methods and the curvature code read (a parameter shared by two modules is
+    listed under both, at its first place)."""
+    positions: dict[int, int] = {}
+    slices: dict[int, slice] = {}
+    offset = 0
+    for position, p in enumerate(model.parameters()):
+        positions[id(p)] = position
+        slices[id(p)] = slice(offset, offset + p.numel())
+        offset += p.numel()
+    layers = []
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if own:
+            where = {n: positions[id(p)] for n, p in own.items()}
+            layers.append(ParamLayer(name, module, where, {n: slices[id(p)] for n, p in own.items()}))
+    return layers
+
+
+def sequential_layers(model: nn.Sequential) -> list[tuple[int, nn.Module, ParamLayer | None]]:
+    """The children of ``model`` in order, each with its position and, if it holds parameters of its own, its
+    :class:`ParamLayer` (a child used twice is listed twice)."""
+    layer_of = {id(layer.module): layer for layer in param_layers(model)}
+    return [(index, module, layer_of.get(id(module))) for index, module in enumerate(model)]
 
 
 def _param_sizes(model: nn.Module, n_entries: int, what: str) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:

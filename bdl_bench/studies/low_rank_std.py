@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from bdl_bench.data.base import Dataset
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.methods._diag_vi import kl_diag_to_prior, standard_normal
 from bdl_bench.methods._layerwise_vi import Layer, forward_flat_params, linear_layers
-from bdl_bench.methods.bbb import kl_diag_to_prior, standard_normal
 from bdl_bench.metrics import brier_score, predictive_metrics
 
 _SAMPLE_CHUNK = 20  # weight samples per batched forward pass
@@ -129,12 +129,10 @@ class MeanFieldNetwork:
 
     def weight_stds(self) -> list[Tensor]:
         """Each linear layer's matrix :math:`A` of weight standard deviations, ``(out, in)``."""
-        parts = self.split(self.std)
-        return [parts[layer.weight_param] for layer in self.layers]
+        return [self.std[layer.slices["weight"]].view(layer.module.weight.shape) for layer in self.layers]
 
     def weight_means(self) -> list[Tensor]:
-        parts = self.split(self.mean)
-        return [parts[layer.weight_param] for layer in self.layers]
+        return [self.mean[layer.slices["weight"]].view(layer.module.weight.shape) for layer in self.layers]
 
 
 def explained_variance(matrix: Tensor) -> Tensor:
@@ -161,10 +159,11 @@ def low_rank_nonnegative(matrix: Tensor, rank: int) -> Tensor:
 
 def with_low_rank_std(net: MeanFieldNetwork, rank: int) -> MeanFieldNetwork:
     """``net`` with every weight matrix of standard deviations replaced by :func:`low_rank_nonnegative`."""
-    parts = [p.clone() for p in net.split(net.std)]
+    std = net.std.clone()
     for layer in net.layers:
-        parts[layer.weight_param] = low_rank_nonnegative(parts[layer.weight_param], rank)
-    return dataclasses.replace(net, std=torch.cat([p.flatten() for p in parts]))
+        block = std[layer.slices["weight"]].view(layer.module.weight.shape)
+        block.copy_(low_rank_nonnegative(block, rank))
+    return dataclasses.replace(net, std=std)
 
 
 def spectra(net: MeanFieldNetwork) -> pd.DataFrame:

@@ -9,8 +9,8 @@ from torch import Tensor, nn
 
 from bdl_bench.likelihoods import Likelihood
 from bdl_bench.methods import build_method
+from bdl_bench.methods._diag_vi import local_reparam_linear
 from bdl_bench.methods.base import Method, Problem
-from bdl_bench.methods.bbb import local_reparam_linear
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 
@@ -66,7 +66,7 @@ def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def plain_local_outputs(method: Method, mean: Tensor, var: Tensor, x: Tensor, n_samples: int) -> Tensor:
     """The slow twin of a dense network's locally reparameterised forward at flat ``mean`` and ``var``:
-    ``bbb.local_reparam_linear`` layer by layer, drawing from the problem's generator in the method's
+    ``_diag_vi.local_reparam_linear`` layer by layer, drawing from the problem's generator in the method's
     order; ``(S, N, out)``."""
     problem = method.problem
     means, variances = method.split_params(mean), method.split_params(var)

@@ -15,8 +15,8 @@ from torch.testing import assert_close
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
 from bdl_bench.methods import build_method
+from bdl_bench.methods._diag_vi import kl_diag_to_prior, local_reparam_linear
 from bdl_bench.methods.base import Method, Problem
-from bdl_bench.methods.bbb import kl_diag_to_prior, local_reparam_linear
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 

@@ -12,18 +12,14 @@ from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import Gaussian
+from bdl_bench.methods._diag_vi import diag_kl, kl_diag_to_prior, softplus_inverse, sum_log, sum_log2, uniform_value
 from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
-from bdl_bench.methods.bbb import kl_diag_to_prior, softplus_inverse
 from bdl_bench.methods.gmfvi import (
     MeanFieldScratch,
-    _sum_log2,
-    diag_kl,
     local_linear,
     mean_field_terms,
     mean_field_variance_and_kl,
     softplus_and_ratio,
-    sum_log,
-    uniform_value,
 )
 
 
@@ -152,7 +148,7 @@ def test_mean_field_terms_match_autograd_and_reuse_their_buffers(uniform_prior: 
 @pytest.mark.parametrize("init_std", [0.1, 1e-160])
 def test_train_step_gradients_match_plain_autograd(n_samples: int, init_std: float) -> None:
     """A GMFVI step (fused KL, hand-written dense layers writing the gradients into the buffers) has the
-    gradients of the plain objective: softplus, the closed-form KL and ``bbb.local_reparam_linear``, with
+    gradients of the plain objective: softplus, the closed-form KL and ``_diag_vi.local_reparam_linear``, with
     the same noise; also with variances below ``tiny`` (init_std 1e-160: the clamp of ``sqrt_or_tiny``)."""
     problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=torch.float64, n_data=40)
     method = make_method("gmfvi", init_std=init_std, n_train_mc_samples=n_samples, kl_annealing_steps=3)
@@ -234,14 +230,14 @@ def test_mean_field_gradients_over_a_wide_range_of_rho(dtype: torch.dtype) -> No
 @pytest.mark.parametrize("n", [3, 37, 1000, 4099])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e-12, 1e12])
 def test_sum_of_logarithms_of_products(dtype: torch.dtype, n: int, scale: float) -> None:
-    """_sum_log2 (logarithms of products of up to 17 entries, as the bounds allow) against the plain sum;
+    """sum_log2 (logarithms of products of up to 17 entries, as the bounds allow) against the plain sum;
     entries spread over two decades around ``scale`` (1e±12 leave the products of float32 no room)."""
     x = (torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 2 - 1).exp2().mul(
         10 ** torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ) * scale
     x = x.to(dtype)
     expected = torch.log2(x.double()).sum()
-    got = _sum_log2(x, torch.empty_like(x), float(x.min()), float(x.max()))
+    got = sum_log2(x, torch.empty_like(x), float(x.min()), float(x.max()))
     assert got.dtype == dtype
     assert_close(got.double(), expected, rtol=0, atol=float(n * 8 * torch.finfo(dtype).eps * 40))
     assert_close(sum_log(x, torch.empty_like(x)).double(), expected * math.log(2.0), rtol=0, atol=n * 3e-5)

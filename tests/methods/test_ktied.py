@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import Categorical, Gaussian
-from bdl_bench.methods.bbb import kl_diag_to_prior
+from bdl_bench.methods._diag_vi import kl_diag_to_prior
 from bdl_bench.methods.ktied import khatri_rao_square, ktied_param_count, ktied_variance
 
 MNIST_MLP = {"name": "mlp", "hidden": [400, 400], "activation": "relu"}

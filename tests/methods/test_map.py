@@ -14,8 +14,8 @@ from torch.testing import assert_close
 import bdl_bench.progress as progress_module
 from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
 from bdl_bench.methods import build_method
+from bdl_bench.methods._shared import add_prior_term
 from bdl_bench.methods.base import Method, Problem
-from bdl_bench.methods.map import add_prior_term
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, forward_with, prior_precision_vector
 

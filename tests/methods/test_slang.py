@@ -429,7 +429,7 @@ def test_runs_on_cuda(generator: torch.Generator) -> None:
 
 def test_reported_kl_with_a_shared_prior_precision_matches_the_per_coordinate_terms() -> None:
     """With one prior precision for all D >= 4096 coordinates the step's KL estimate takes dot products and
-    the logarithms of products of prec_diag's entries (gmfvi.sum_log); the per-coordinate twin (the
+    the logarithms of products of prec_diag's entries (_diag_vi.sum_log); the per-coordinate twin (the
     lambda-weighted passes, one logarithm per entry) reports the same loss over three steps, same states."""
     g = torch.Generator().manual_seed(3)
     model = mlp(in_features=30, out_features=2, hidden=[64, 64], activation="tanh").to(F64)  # D = 6274

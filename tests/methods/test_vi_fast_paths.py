@@ -4,6 +4,8 @@ against the host paths, checked on the CPU by patching ``on_host``."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,14 +13,23 @@ from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.likelihoods import Gaussian
-from bdl_bench.methods import elrg, gmfvi, ktied
+from bdl_bench.methods import _diag_vi, gmfvi, import_all, ktied
+from bdl_bench.methods._diag_vi import kl_diag_to_prior
 from bdl_bench.methods.base import Problem
-from bdl_bench.methods.bbb import kl_diag_to_prior
 from bdl_bench.methods.gmfvi import softplus_and_ratio
 from bdl_bench.testing.device_check import DEVICE, fake_device
 
 F64 = torch.float64
 N_STEPS = 5
+
+
+def _off_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``on_host`` answers False wherever the steps read it: ``_diag_vi``'s and every module's imported name."""
+    import_all()  # every method module loaded, so that none binds the original later
+    original = _diag_vi.on_host
+    for module in [m for name, m in sys.modules.items() if name.startswith("bdl_bench.")]:
+        if getattr(module, "on_host", None) is original:
+            monkeypatch.setattr(module, "on_host", lambda t: False)
 
 
 def _data(dtype: torch.dtype = F64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +39,7 @@ def _data(dtype: torch.dtype = F64) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference_gmfvi_run(method: gmfvi.GaussianMeanFieldVI, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """The slow twin of ``N_STEPS`` GMFVI steps from the method's initial state: ``F.softplus``, the
-    closed-form KL with ``log sigma``, ``bbb.local_reparam_linear`` (the same noise, in the same order)
+    closed-form KL with ``log sigma``, ``_diag_vi.local_reparam_linear`` (the same noise, in the same order)
     and a plain (unfused, per-tensor) ``torch.optim.Adam``. Returns mean and rho after each step."""
     problem = method.problem
     mean = method.mean.detach().clone().requires_grad_(True)
@@ -75,7 +86,7 @@ def test_gmfvi_steps_match_the_plain_autograd_twin(
     """Five fused GMFVI steps (sigmoid-based softplus, hand-written backwards, fused Adam) follow the plain
     twin in float64; so does the device path (no bounds read, the KL weight kept as a tensor)."""
     if device_path:
-        monkeypatch.setattr(gmfvi, "on_host", lambda t: False)
+        _off_the_host(monkeypatch)
     problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=F64, n_data=40)
     method = make_method("gmfvi", init_std=0.05, n_train_mc_samples=n_samples, kl_annealing_steps=3, lr=0.05)
     method.setup(problem)
@@ -84,8 +95,8 @@ def test_gmfvi_steps_match_the_plain_autograd_twin(
 
 def _reference_ktied_run(method: ktied.KTiedNormalVI, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     """The slow twin of ``N_STEPS`` k-tied steps: softplus factors, every weight's sigma = V U^T formed,
-    ``bbb.local_reparam_linear`` on sigma^2, the closed-form KL of the whole flat Gaussian
-    (``bbb.kl_diag_to_prior``) and a plain Adam. Returns mean and the variational tensors after each step."""
+    ``_diag_vi.local_reparam_linear`` on sigma^2, the closed-form KL of the whole flat Gaussian
+    (``_diag_vi.kl_diag_to_prior``) and a plain Adam. Returns mean and the variational tensors after each step."""
     problem = method.problem
     mean = method.mean.detach().clone().requires_grad_(True)
     variational = {k: v.detach().clone().requires_grad_(True) for k, v in method.variational.items()}
@@ -134,8 +145,7 @@ def test_device_paths_of_ktied_and_elrg_match_their_host_paths(monkeypatch: pyte
 
     def run(device_path: bool) -> list[torch.Tensor]:
         if device_path:
-            for module in (gmfvi, ktied, elrg):
-                monkeypatch.setattr(module, "on_host", lambda t: False)
+            _off_the_host(monkeypatch)
         problem = make_problem(3, Gaussian(noise_precision=10.0), seed=0, dtype=F64, n_data=40)
         method = make_method(kind, kl_annealing_steps=3, lr=0.05)
         method.setup(problem)
@@ -164,7 +174,7 @@ def test_sigmoid_path_of_softplus_matches_torch(dtype: torch.dtype) -> None:
 
 def test_softplus_off_the_host_reads_no_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off the host softplus_and_ratio is F.softplus and torch.sigmoid, with NaN bounds (nothing read)."""
-    monkeypatch.setattr(gmfvi, "on_host", lambda t: False)
+    _off_the_host(monkeypatch)
     rho = torch.linspace(-90.0, 30.0, 1001, dtype=F64)
     std, ratio, low, high = softplus_and_ratio(rho, *(torch.empty_like(rho) for _ in range(3)))
     assert torch.equal(std, F.softplus(rho))

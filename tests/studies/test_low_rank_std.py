@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from bdl_bench.data.base import Dataset, Task
 from bdl_bench.likelihoods import Bernoulli, Gaussian
-from bdl_bench.methods.bbb import standard_normal
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.metrics import predictive_metrics
 from bdl_bench.studies.grad_snr import plot_grad_snr, snr_curves
 from bdl_bench.studies.low_rank_std import (

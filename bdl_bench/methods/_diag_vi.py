@@ -1,0 +1,244 @@
+r"""Building blocks of the diagonal-Gaussian variational methods; no method of its own (it registers nothing).
+
+A factor :math:`\mathcal N(\mu, \operatorname{diag}\sigma^2)` over some or all of the flat parameters, with
+:math:`\sigma = \operatorname{softplus}(\rho)`, fitted against the prior
+:math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` (``bbb``, ``gmfvi``, ``ktied``, ``elrg``; ``slang`` and
+the low-rank study share the last three helpers):
+
+* :func:`softplus_inverse`: the :math:`\rho` of a given :math:`\sigma`, for initialisation.
+* :func:`standard_normal`: the noise of the reparameterisation, from the problem's generator.
+* :func:`kl_diag_to_prior` and :func:`diag_kl` (the same value with a fused backward; :func:`prior_quadratic` is
+  its term in the mean) give the closed form
+
+  .. math::
+
+      \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_d \sigma_d^2 + \lambda_d \mu_d^2 - 1
+          - \log(\lambda_d \sigma_d^2)\bigr).
+
+* :func:`local_reparam_linear`: a linear layer's pre-activation sampled per example (Kingma, Salimans &
+  Welling 2015, Sec. 2.3).
+* :func:`on_host`, :func:`uniform_value` and :func:`sum_log`: what the training steps read back to the host
+  and how (a shared prior precision as one number; :math:`\sum\log\sigma` through products of entries).
+
+Kept out of ``bdl_bench.gaussians``, whose classes are posteriors handed to evaluation: these are the
+training steps' kernels (noise, hand-written backwards, host/device reads).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def softplus_inverse(x: Tensor) -> Tensor:
+    r""":math:`\rho` with :math:`\operatorname{softplus}(\rho) = x`, i.e. :math:`\log(e^x - 1)`, computed
+    as :math:`x + \log(1 - e^{-x})` (stable for small and large x > 0)."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
+    """``N(0, 1)`` draws from ``generator`` with ``like``'s dtype and device.
+
+    Drawn on the generator's device and moved, so a CPU generator also serves a CUDA model.
+    """
+    eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
+    return eps.to(like.device)
+
+
+def kl_diag_to_prior(mean: Tensor, std: Tensor, prior_precision: Tensor) -> Tensor:
+    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` (module docstring).
+
+    Args:
+        mean: :math:`\mu`, ``(D,)``.
+        std: :math:`\sigma > 0`, ``(D,)``.
+        prior_precision: :math:`\lambda > 0`, ``(D,)``.
+
+    Returns:
+        A scalar tensor, differentiable in ``mean`` and ``std`` (``(R,)`` for stacked ``(R, D)`` inputs).
+    """
+    var_ratio = prior_precision * std**2
+    return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum(-1)
+
+
+def local_reparam_linear(
+    a: Tensor,
+    weight_mean: Tensor,
+    weight_var: Tensor,
+    bias_mean: Tensor | None,
+    bias_var: Tensor | None,
+    generator: torch.Generator,
+) -> Tensor:
+    r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per example.
+
+    Kingma, Salimans & Welling (2015), Sec. 2.3: given the layer input, the pre-activation is Gaussian
+    with mean :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`.
+
+    Args:
+        a: layer inputs ``(..., in)``.
+        weight_mean, weight_var: :math:`\mu_W`, :math:`\sigma_W^2`, ``(out, in)``.
+        bias_mean, bias_var: :math:`\mu_b`, :math:`\sigma_b^2`, ``(out,)``, or ``None`` without a bias.
+        generator: source of the standard normal noise.
+
+    Returns:
+        One sample per row of ``a``: ``(..., out)``.
+    """
+    mean = F.linear(a, weight_mean, bias_mean)
+    var = F.linear(a**2, weight_var, bias_var)
+    eps = standard_normal(tuple(mean.shape), generator, mean)
+    # clamp keeps the gradient finite where the variance is exactly 0 (no bias, all-zero input)
+    return mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps
+
+
+def on_host(t: Tensor) -> bool:
+    """Whether ``t`` is in host memory, where reading a number from it (``float``, a branch on a value)
+    costs nothing; elsewhere (CUDA) it would wait for the device, so the training steps keep such numbers
+    as tensors there (tests patch this to check the device path on a CPU)."""
+    return t.device.type == "cpu"
+
+
+def uniform_value(t: Tensor) -> Tensor | float:
+    """``t``'s one value as a float if all its entries are equal (a prior precision shared by all
+    coordinates, the usual case: the passes then read one tensor fewer), else ``t``."""
+    first = t.reshape(-1)[0]
+    return float(first) if bool((t == first).all()) else t
+
+
+def sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
+    r""":math:`\sum_d \log_2 x_d` of a positive flat ``x`` whose entries lie in ``[low, high]``, with ``out``
+    (``x``'s size) as scratch.
+
+    A logarithm costs some ten times a multiplication, so the entries are multiplied in groups of k (one
+    ``prod`` over a ``(k, D/k)`` view; the last ``D mod k`` entries join the first groups) and the
+    logarithms taken of the D/k products: k = 16, 8, 4 or 2, the largest for which every partial product
+    of up to k + 1 entries stays in the normal range by the bounds (with a factor 2 to spare for
+    rounding), else one logarithm per entry. Each product carries about k/2 ulp of rounding.
+    """
+    n, info = x.numel(), torch.finfo(x.dtype)
+    if low > 0.0 and high < math.inf and out.numel() >= n // 2:  # False for NaN bounds too
+        small, large = math.log(min(low, 1.0)), math.log(max(high, 1.0))
+        floor, ceiling = math.log(2.0 * info.tiny), math.log(0.5 * info.max)
+        for k in (16, 8, 4, 2):
+            q = n // k
+            if q < k or (k + 1) * small < floor or (k + 1) * large > ceiling:
+                continue
+            prod = torch.prod(x[: k * q].view(k, q), 0, out=out[:q])
+            if n > k * q:
+                prod[: n - k * q].mul_(x[k * q :])
+            return torch.log2(prod, out=out[q : 2 * q]).sum()
+    return torch.log2(x, out=out if out.numel() == n else None).sum()
+
+
+_FEW = 4096  # below this many entries, sum_log takes one logarithm each (fewer operations)
+
+
+def sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
+    r""":math:`\sum_d \log x_d` of a positive flat ``x``, with ``out`` (``x``'s size) as scratch, or none:
+    the logarithms of products of entries (:func:`sum_log2`, bounded by ``x``'s smallest and largest
+    entry); of a few entries (fewer than 4096), one logarithm each."""
+    if x.numel() < _FEW or not on_host(x):  # on a device: no bounds to read (they would wait for it)
+        return torch.log(x).sum()
+    low, high = torch.aminmax(x)
+    if out is None:  # room for the products and their logarithms (x.numel() // 2 >= 2 x.numel() // k)
+        out = x.new_empty(x.numel() // 2)
+    return sum_log2(x, out, float(low), float(high)) * math.log(2.0)
+
+
+class _DiagKL(torch.autograd.Function):
+    """KL(N(mean, diag std²) || N(0, diag 1/lam)) with a hand-written backward (``lam`` a tensor of the
+    same shape, or one number: then no λ-scaled copies are formed); without ``mean`` (``None``) the KL
+    less its term ½ Σ λ μ² (:func:`prior_quadratic`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, mean: Tensor | None, std: Tensor, lam: Tensor | float, log_lam_sum: float, scratch: Tensor | None
+    ) -> Tensor:
+        s = std.reshape(-1)
+        if isinstance(lam, Tensor):
+            lam_std = lam * std
+            lam_mean = None if mean is None else lam * mean
+            quad = torch.dot(lam_std.flatten(), s)
+            if mean is not None and lam_mean is not None:
+                quad = quad + torch.dot(lam_mean.flatten(), mean.flatten())
+            ctx.save_for_backward(std, lam_std, lam_mean)
+        else:
+            quad = torch.dot(s, s)
+            if mean is not None:
+                m = mean.reshape(-1)
+                quad.add_(torch.dot(m, m))
+            quad.mul_(lam)
+            ctx.save_for_backward(std, mean)
+        ctx.lam = lam
+        # (quad - D - sum log lam) / 2 - sum log sigma
+        return quad.mul_(0.5).sub_(sum_log(s, scratch)).sub_(0.5 * (std.numel() + log_lam_sum))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        need_mean, need_std = ctx.needs_input_grad[:2]
+        # (lam mu, lam sigma - 1/sigma) g; one fresh tensor per gradient (fresh memory costs more than a pass)
+        if isinstance(ctx.lam, Tensor):
+            std, lam_std, lam_mean = ctx.saved_tensors
+            g_mean = lam_mean * g if need_mean else None
+            g_std = torch.addcdiv(lam_std, std.new_ones(()), std, value=-1.0).mul_(g) if need_std else None
+            return g_mean, g_std, None, None, None
+        std, mean = ctx.saved_tensors
+        scale = ctx.lam * g
+        g_mean = mean * scale if need_mean else None
+        g_std = torch.mul(std, scale).addcdiv_(g, std, value=-1.0) if need_std else None
+        return g_mean, g_std, None, None, None
+
+
+def diag_kl(
+    mean: Tensor | None,
+    std: Tensor,
+    prior_precision: Tensor | float,
+    log_prior_precision_sum: float | None = None,
+    scratch: Tensor | None = None,
+) -> Tensor:
+    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` of same-shaped tensors, with a fused backward
+    (:math:`\lambda\mu` and :math:`\lambda\sigma - 1/\sigma`); the value of :func:`kl_diag_to_prior`.
+
+    Args:
+        mean, std: tensors of one shape (any), ``std > 0``; ``mean=None``: the KL without its term
+            :math:`\tfrac12\sum\lambda\mu^2` (which :func:`prior_quadratic` gives, e.g. of a whole flat mean).
+        prior_precision: :math:`\lambda > 0`, broadcastable to it, or one number.
+        log_prior_precision_sum: :math:`\sum\log\lambda` (over all of ``std``'s entries) if already known.
+        scratch: a buffer of at least half ``std``'s size for :math:`\sum\log\sigma` (:func:`sum_log`),
+            kept from step to step (else a fresh one).
+    """
+    if isinstance(prior_precision, Tensor):
+        lam = prior_precision.expand_as(std)
+        log_sum = float(torch.log(lam).sum()) if log_prior_precision_sum is None else log_prior_precision_sum
+    else:
+        lam = float(prior_precision)
+        log_sum = std.numel() * math.log(lam) if log_prior_precision_sum is None else log_prior_precision_sum
+    return _DiagKL.apply(mean, std, lam, log_sum, scratch)
+
+
+class _PriorQuadratic(torch.autograd.Function):
+    """½ Σ λ μ² with the backward λ μ g in one fresh tensor (autograd of ``dot(mu, mu)`` forms two and adds)."""
+
+    @staticmethod
+    def forward(ctx: Any, mean: Tensor, lam: Tensor | float) -> Tensor:
+        ctx.save_for_backward(mean)
+        ctx.lam = lam
+        if isinstance(lam, Tensor):
+            return torch.dot(torch.mul(lam, mean).flatten(), mean.flatten()).mul_(0.5)
+        return torch.dot(mean.flatten(), mean.flatten()).mul_(0.5 * lam)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        (mean,) = ctx.saved_tensors
+        lam = ctx.lam
+        return (torch.mul(lam, mean).mul_(g) if isinstance(lam, Tensor) else mean * (lam * g)), None
+
+
+def prior_quadratic(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
+    r""":math:`\tfrac12\sum_d \lambda_d \mu_d^2` (``prior_precision``: ``mean``'s shape or one number), the
+    KL's term in the mean, with a hand-written backward (:class:`_PriorQuadratic`)."""
+    return _PriorQuadratic.apply(mean, prior_precision)
