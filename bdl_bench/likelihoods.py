@@ -136,7 +136,7 @@ def stacked_nll(likelihoods: Sequence[Likelihood], f: Tensor, y: Tensor) -> Tens
     if len(kinds) != 1 or len(likelihoods) != f.shape[0]:
         raise ValueError(f"stacked_nll needs one likelihood of one class per copy, got {kinds} for {f.shape[0]} copies")
     targets = y.reshape(y.shape[0], *([1] * (f.dim() - 3)), y.shape[1])  # (R, 1.., M)
-    if kinds == {Gaussian}:
+    if kinds == {Gaussian} and any(lik != likelihoods[0] for lik in likelihoods):  # one noise precision per copy
         shape = (len(likelihoods), *([1] * (f.dim() - 2)))
         tau = torch.tensor([lik.noise_precision for lik in likelihoods], dtype=f.dtype, device=f.device).view(shape)
         return 0.5 * tau * (f.squeeze(-1) - targets) ** 2 - 0.5 * torch.log(tau / (2 * math.pi))

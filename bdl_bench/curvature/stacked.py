@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.curvature.per_example import LinearLayout
-from bdl_bench.curvature.products import t_matmul, thin_matmul
+from bdl_bench.curvature.per_example import LinearLayout, LinearSlot
+from bdl_bench.curvature.products import t_matmul_into, thin_matmul
 from bdl_bench.likelihoods import Likelihood, stacked_nll
 
 __all__ = [
@@ -120,12 +120,21 @@ def stacked_factors(
 
 def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
     r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
-    parts = []
-    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
+    out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
+    for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
             d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        parts.append((t_matmul(d, a), d.sum(1)))
-    return assemble_layers(layout, parts, factors.output_grads[0], ())
+        weight, bias = _layer_views(out, slot)
+        t_matmul_into(d, a, weight)
+        if bias is not None:
+            torch.sum(d, 1, out=bias)
+    return out
+
+
+def _layer_views(out: Tensor, slot: LinearSlot) -> tuple[Tensor, Tensor | None]:
+    """A layer's weight ``(R, out, in)`` and bias ``(R, out)`` (or ``None``) as views of ``out`` ``(R, D)``."""
+    weight = out[:, slot.weight_slice].view(out.shape[0], slot.out_features, slot.in_features)
+    return weight, None if slot.bias_offset is None else out[:, slot.bias_slice]
 
 
 def assemble_layers(
@@ -144,13 +153,16 @@ def assemble_layers(
 def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
     r""":math:`\sum_p g_p\circ g_p` of every copy, ``(R, D)``: per layer :math:`(\Delta^{\circ2})^\top A^{\circ2}`
     (no per-example gradient is formed)."""
-    parts = []
-    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
+    out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
+    for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
         d2 = d.square()
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
             d2 = d2.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        parts.append((d2.mT @ a.square(), d2.sum(1)))
-    return assemble_layers(layout, parts, factors.output_grads[0], ())
+        weight, bias = _layer_views(out, slot)
+        t_matmul_into(d2, a.square(), weight)
+        if bias is not None:
+            torch.sum(d2, 1, out=bias)
+    return out
 
 
 def gradient_columns(factors: StackedFactors, layout: LinearLayout) -> Tensor:

@@ -258,13 +258,14 @@ def factored_terms(
         curvature, full: as in :func:`per_example_terms`.
     """
     curvature = Curvature(curvature)
-    factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=True)
+    shared = len(layout.slots) == 1  # logistic regression: the data is the one layer's input for all K samples
+    factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=shared)
     if curvature is Curvature.EF:
         pieces = [factors]
     else:
         roots = _hessian_roots(likelihoods, factors.outputs, y)  # (C, R·P, out)
         pseudo = [[_PseudoLoss(root)] * len(likelihoods) for root in roots]  # stacked_nll: all rows in one call
-        pieces = [stacked_factors(model, layout, thetas, x, y, p, share_first_input=True) for p in pseudo]
+        pieces = [stacked_factors(model, layout, thetas, x, y, p, share_first_input=shared) for p in pseudo]
     sum_of = gram if full else squared_gradient_sum
     curv = sum_of(pieces[0], layout)
     for piece in pieces[1:]:
