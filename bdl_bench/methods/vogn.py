@@ -142,11 +142,15 @@ def _cholesky(precision: Tensor, step: int) -> Tensor:
 
 
 def _first_bad_copy(*tensors: Tensor) -> int | None:
-    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None`` (one read of the device)."""
-    ok = torch.isfinite(tensors[0]).flatten(1).all(1)
+    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None`` (one read of the device;
+    the copy is looked for only when there is one)."""
+    ok = torch.isfinite(tensors[0]).all()
     for t in tensors[1:]:
-        ok &= torch.isfinite(t).flatten(1).all(1)
-    return None if bool(ok.all()) else int((~ok).nonzero()[0, 0])
+        ok &= torch.isfinite(t).all()
+    if bool(ok):
+        return None
+    finite = torch.stack([torch.isfinite(t).flatten(1).all(1) for t in tensors]).all(0)
+    return int((~finite).nonzero()[0, 0])
 
 
 def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor, noise: Tensor | None = None) -> Tensor:
