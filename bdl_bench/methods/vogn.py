@@ -479,25 +479,23 @@ class VOGN(StackedMethod):
 
     # ------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """A single run's mean ``(D,)``, precision and step."""
+        """Every copy's mean ``(R, D)``, precision and the step (a stack's checkpoint holds all its copies)."""
         s = self.state
-        return {
-            "mean": self.only_copy(s.mean).clone(),
-            "precision": self.only_copy(s.precision).clone(),
-            "step": s.step,
-        }
+        return {"mean": s.mean.clone(), "precision": s.precision.clone(), "step": s.step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (or a single run's mean ``(D,)`` and precision, as saved before
+        single runs became stacks of one)."""
         mean, precision = state["mean"], state["precision"]
-        like_mean, like_precision = self.only_copy(self.state.mean), self.only_copy(self.state.precision)
-        if mean.shape != like_mean.shape or precision.shape != like_precision.shape:
+        like = self.state
+        if mean.shape == like.mean.shape[1:] and precision.shape == like.precision.shape[1:]:
+            mean, precision = mean[None], precision[None]
+        if mean.shape != like.mean.shape or precision.shape != like.precision.shape:
             raise ValueError(
                 f"vogn: checkpoint shapes mean {tuple(mean.shape)}, precision {tuple(precision.shape)} "
-                f"do not match mean {tuple(like_mean.shape)}, precision {tuple(like_precision.shape)} "
+                f"do not match mean {tuple(like.mean.shape)}, precision {tuple(like.precision.shape)} "
                 f"(covariance={self.covariance.value})"
             )
         if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(precision).all())):
             raise ValueError("vogn: checkpoint holds a non-finite mean or precision")
-        self.state = VognState(
-            mean=mean.to(like_mean)[None], precision=precision.to(like_mean)[None], step=int(state["step"])
-        )
+        self.state = VognState(mean=mean.to(like.mean), precision=precision.to(like.mean), step=int(state["step"]))

@@ -402,3 +402,27 @@ def test_full_covariance_divergence_names_the_step_and_the_copy(n_copies: int) -
     which = " of stacked copy 1" if n_copies == 2 else ""
     with pytest.raises(NonFiniteLossError, match=rf"precision{which} is not positive definite after step 4 \(leading"):
         _cholesky(precisions, 4)
+
+
+def test_a_stacks_checkpoint_resumes_every_copy_and_a_single_runs_old_one_loads() -> None:
+    """A stack's state_dict holds all its copies (the stacked job's checkpoint); a fresh stack that loads it takes
+    the same next step. A single run's checkpoint of the copy-less form ``(D,)`` still loads."""
+    x, y, _, _ = logistic_data()
+    xs, ys = torch.stack([x[:20], x[20:40]]), torch.stack([y[:20], y[20:40]])
+    method = make_vogn(covariance="full")
+    method.setup_replicas([make_problem(), make_problem()])
+    method.train_step_replicas(xs, ys)
+    saved = method.state_dict()
+    assert saved["mean"].shape == (2, 3) and saved["precision"].shape == (2, 3, 3)
+    resumed = make_vogn(covariance="full")
+    resumed.setup_replicas([make_problem(), make_problem()])
+    resumed.load_state_dict(saved)
+    resumed.problem.generator.set_state(method.problem.generator.get_state())
+    method.train_step_replicas(xs, ys)
+    resumed.train_step_replicas(xs, ys)
+    assert_close(resumed.state.mean, method.state.mean)
+    assert_close(resumed.state.precision, method.state.precision)
+    single = make_vogn(covariance="full")
+    single.setup(make_problem())
+    single.load_state_dict({"mean": saved["mean"][1], "precision": saved["precision"][1], "step": 1})
+    assert_close(single.posterior().mean, saved["mean"][1])
