@@ -39,6 +39,24 @@ class Likelihood(ABC):
         n_samples = f_samples.shape[0]
         return torch.logsumexp(self.sample_nll(f_samples, y).neg_(), dim=0) - math.log(n_samples)
 
+    def hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r"""Square-root factors of the NLL's Hessian in the network output, ``(C, N, out)``: rows
+        :math:`a_{ci}` with :math:`\sum_c a_{ci}a_{ci}^\top = \Lambda_i = \partial^2[-\log p(y_i\mid f_i)]/\partial f_i^2`
+        for outputs ``f`` ``(N, out)`` and targets ``y`` ``(N,)`` (the GGN's :math:`J^\top\Lambda J` is then a
+        sum of squares of the pseudo-gradients :math:`J^\top a_{ci}`).
+
+        This default: the eigendecomposition of the autograd Hessian of :meth:`nll` per example (negative
+        eigenvalues, possible for a non-convex likelihood, are set to 0; C = out). The built-in likelihoods
+        override it with closed forms.
+        """
+        f = f.detach()
+
+        def nll_one(f_i: Tensor, y_i: Tensor) -> Tensor:
+            return self.nll(f_i.unsqueeze(0), y_i.unsqueeze(0)).squeeze(0)
+
+        evals, evecs = torch.linalg.eigh(torch.func.vmap(torch.func.hessian(nll_one))(f, y))  # (N, out, out)
+        return (evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)).permute(2, 0, 1)
+
 
 @dataclass(frozen=True)
 class Gaussian(Likelihood):
@@ -58,12 +76,21 @@ class Gaussian(Likelihood):
         tau = self.noise_precision
         return 0.5 * tau * (f.squeeze(-1) - y) ** 2 - 0.5 * math.log(tau / (2 * math.pi))
 
+    def hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\Lambda_i = \tau`: the one factor :math:`\sqrt\tau`, ``(1, N, 1)``."""
+        return torch.full((1, *f.shape), math.sqrt(self.noise_precision), dtype=f.dtype, device=f.device)
 
+
+@dataclass(frozen=True)
 class Bernoulli(Likelihood):
     """``y ∈ {0, 1}`` with ``p(y=1) = σ(f)``."""
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         return F.binary_cross_entropy_with_logits(f.squeeze(-1), y.to(f.dtype), reduction="none")
+
+    def hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\Lambda_i = \sigma(f_i)\sigma(-f_i)`: its square root, ``(1, N, 1)``."""
+        return (torch.sigmoid(f) * torch.sigmoid(-f)).sqrt_().unsqueeze(0)
 
     @staticmethod
     def probs(f_samples: Tensor) -> Tensor:
@@ -72,11 +99,20 @@ class Bernoulli(Likelihood):
         return torch.stack([1 - p1, p1], dim=-1)
 
 
+@dataclass(frozen=True)
 class Categorical(Likelihood):
     """``y ∈ {0..C-1}`` with softmax probabilities."""
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(f, y.long(), reduction="none")
+
+    def hessian_sqrt(self, f: Tensor, y: Tensor) -> Tensor:
+        r""":math:`\Lambda_i = \operatorname{diag}(p_i) - p_ip_i^\top` with :math:`p_i = \operatorname{softmax}(f_i)`:
+        factors :math:`a_{ci} = \sqrt{p_{ic}}\,(e_c - p_i)`, ``(C, N, C)`` (their squares sum to
+        :math:`\Lambda_i` because :math:`\sum_c p_{ic} = 1`)."""
+        p = torch.softmax(f, dim=-1)  # (N, C)
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return p.sqrt().mT[:, :, None] * (eye[:, None, :] - p[None, :, :])
 
     @staticmethod
     def probs(f_samples: Tensor) -> Tensor:
@@ -100,7 +136,7 @@ def stacked_nll(likelihoods: Sequence[Likelihood], f: Tensor, y: Tensor) -> Tens
     if len(kinds) != 1 or len(likelihoods) != f.shape[0]:
         raise ValueError(f"stacked_nll needs one likelihood of one class per copy, got {kinds} for {f.shape[0]} copies")
     targets = y.reshape(y.shape[0], *([1] * (f.dim() - 3)), y.shape[1])  # (R, 1.., M)
-    if kinds == {Gaussian} and any(lik != likelihoods[0] for lik in likelihoods):
+    if kinds == {Gaussian} and any(lik != likelihoods[0] for lik in likelihoods):  # one noise precision per copy
         shape = (len(likelihoods), *([1] * (f.dim() - 2)))
         tau = torch.tensor([lik.noise_precision for lik in likelihoods], dtype=f.dtype, device=f.device).view(shape)
         return 0.5 * tau * (f.squeeze(-1) - targets) ** 2 - 0.5 * torch.log(tau / (2 * math.pi))

@@ -467,9 +467,10 @@ def _recording(function, calls: list):
 
 @pytest.mark.parametrize("variant", ["full_hess", "mf_ef"])
 def test_stacked_table1_vogn_job_equals_its_single_runs(tmp_path: Path, compose_cfg, variant: str) -> None:
-    """SLANG Table 1's natural-gradient columns (logistic regression) stack their splits too."""
+    """SLANG Table 1's natural-gradient columns (logistic regression) stack their splits too (and checkpoint the
+    stack after epoch 1)."""
     common = ["experiment=slang_table1", f"variant=slang_table1/{variant}", "data=libsvm/breast_cancer"]
-    common += ["trainer.n_epochs=2", "trainer.eval_every=1"]
+    common += ["trainer.n_epochs=2", "trainer.eval_every=1", "trainer.checkpoint_every=1"]
     run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack")
     for split in (0, 2):
         single = run(compose_cfg([*common, f"data.split={split}"]), tmp_path / f"single{split}").metrics

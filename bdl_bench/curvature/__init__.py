@@ -3,6 +3,7 @@
 ``per_example`` computes, for ``nn.Sequential`` networks of ``nn.Linear`` layers, every layer's inputs
 and output gradients in one batched forward/backward; ``gram`` multiplies with the per-example
 gradient matrix G layer by layer and implements SLANG's exact top-L update by the Gram trick;
+``stacked`` computes the layer factors and their sums for R stacked copies (one per data split);
 ``low_rank`` holds the Woodbury pieces of the precision U Uᵀ + diag(d) (U stored column-major);
 ``dense`` holds the materialised twins used by the tests.
 """

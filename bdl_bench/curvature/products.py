@@ -42,6 +42,15 @@ def t_matmul(x: Tensor, y: Tensor) -> Tensor:
     return x.mT @ y
 
 
+def t_matmul_into(x: Tensor, y: Tensor, out: Tensor) -> None:
+    r""":func:`t_matmul` of batched matrices (:math:`x^\top y`, ``(R, m, n)``) written into ``out`` (e.g. a view of
+    a flat ``(R, D)`` vector), in the transposed form where that one is the faster."""
+    if y.shape[-1] <= _FEW_COLUMNS and y.shape[-1] < x.shape[-1]:
+        torch.bmm(y.mT, x, out=out.mT)
+    else:
+        torch.bmm(x.mT, y, out=out)
+
+
 def stacked_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """A linear layer of R copies, ``h`` ``(R, P, in)``, ``weight`` ``(R, out, in)``, ``bias`` ``(R, out)`` or
     ``None``: ``(R, P, out)``. A layer with one output is a broadcast product and a sum (so is its backward:

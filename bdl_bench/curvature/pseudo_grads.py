@@ -355,30 +355,6 @@ def sample_labels(likelihood: Likelihood, f: Tensor, n_samples: int, generator: 
     raise ValueError(f"cannot sample labels for likelihood {type(likelihood).__name__}")
 
 
-def hessian_sqrt(likelihood: Likelihood, f: Tensor) -> Tensor:
-    """Columns of :math:`L_i` with :math:`L_iL_i^\\top = \\partial^2\\ell/\\partial f^2`, ``(K, M, out)``.
-
-    Gaussian: :math:`\\sqrt\\tau`. Bernoulli: :math:`\\sqrt{p(1-p)}`. Softmax: with p the class
-    probabilities, :math:`L = \\operatorname{diag}(\\sqrt p) - p\\sqrt p^\\top` satisfies
-    :math:`LL^\\top = \\operatorname{diag}(p) - pp^\\top` because :math:`\\sum_k p_k = 1`.
-
-    Raises:
-        ValueError: for a likelihood this module does not know.
-    """
-    if isinstance(likelihood, Gaussian):
-        return torch.full_like(f, math.sqrt(likelihood.noise_precision)).unsqueeze(0)
-    if isinstance(likelihood, Bernoulli):
-        p = torch.sigmoid(f)
-        return (p * (1 - p)).sqrt().unsqueeze(0)
-    if isinstance(likelihood, Categorical):
-        p = torch.softmax(f, dim=-1)  # (M, C)
-        sqrt_p = p.sqrt()
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        # column k: sqrt(p_k) e_k - p sqrt(p_k)  ->  (C, M, C)
-        return sqrt_p.T[:, :, None] * (eye[:, None, :] - p[None, :, :])
-    raise ValueError(f"no GGN factor for likelihood {type(likelihood).__name__}")
-
-
 def _forward(
     model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -438,7 +414,8 @@ def pseudo_grads(
         model: an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and parameter-free modules.
         theta: flat parameters ``(D,)`` at which the curvature is taken (e.g. the MAP).
         x: inputs ``(M, in)``.
-        y: targets ``(M,)`` (unused: neither the GGN nor the model Fisher depends on them).
+        y: targets ``(M,)`` (read only by a likelihood without a closed-form Hessian factor: neither the GGN
+            nor the model Fisher of the built-in ones depends on them).
         likelihood: gives :math:`\\ell` and its Hessian / predictive.
         kind: ``ggn`` or ``fisher``.
         n_samples: S label draws per example for ``fisher``.
@@ -454,7 +431,6 @@ def pseudo_grads(
     Raises:
         ValueError: on an unknown ``kind``, a missing generator, or ``n_samples < 1``.
     """
-    del y
     kind = CurvatureKind(kind)
     layout = kron_layout(model) if layout is None else layout
     theta = theta.detach()
@@ -462,7 +438,7 @@ def pseudo_grads(
     with torch.enable_grad():
         f, inputs, pre_activations = _forward(model, layout, theta, x)
         if kind is CurvatureKind.GGN:
-            cotangents = hessian_sqrt(likelihood, f.detach())  # (K, M, out)
+            cotangents = likelihood.hessian_sqrt(f.detach(), y)  # (K, M, out)
         else:
             if labels is None:
                 if generator is None:

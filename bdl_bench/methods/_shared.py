@@ -1,6 +1,8 @@
 r"""Helpers several methods share; no method of its own (it registers nothing).
 
 * :func:`parse_choice`: an option's value as one of an ``Enum``'s members, or a one-line error listing them.
+* :class:`Covariance`: full or diagonal Gaussian precision (``method=vogn``, ``method=exact_vi``).
+* :func:`decayed_rate`: the step-size schedule of the SLANG authors' code (``method=slang``, ``method=vogn``).
 * :func:`map_step` and :func:`add_prior_term`: one Adam step on the per-example MAP objective
 
   .. math:: \frac1N\textstyle\sum_i -\log p(y_i\mid x_i,\theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2,
@@ -28,6 +30,26 @@ def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> An
     except ValueError:
         choices = ", ".join(str(e.value) for e in enum_cls)
         raise ConfigError(f"{method}: unknown {what} {value!r}; choices: {choices}") from None
+
+
+class Covariance(str, Enum):
+    """Structure of a Gaussian posterior's precision."""
+
+    FULL = "full"
+    """Dense D x D precision ("Full-Gaussian" in SLANG Table 1)."""
+    DIAG = "diag"
+    """Diagonal precision ("Mean-Field" in SLANG Table 1)."""
+
+
+def decayed_rate(rate: float, decay: float, step: int) -> float:
+    """``rate / (1 + step**decay)`` for ``decay > 0``, else ``rate`` (the SLANG authors' ``decay_rates``).
+
+    Args:
+        rate: the initial rate (:math:`\\alpha` or :math:`\\beta`).
+        decay: the exponent :math:`\\gamma \\ge 0`.
+        step: t >= 1, the index of the update being taken.
+    """
+    return rate / (1.0 + step**decay) if decay > 0 else rate
 
 
 @torch.no_grad()

@@ -16,113 +16,17 @@ precision), so a stacked fit equals R single runs up to rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from bdl_bench.curvature.gram import canonical_signs, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, capacitance_cholesky
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.curvature.products import t_matmul, thin_matmul
-from bdl_bench.likelihoods import Likelihood, stacked_nll
+from bdl_bench.curvature.stacked import StackedFactors, assemble_layers, gradient_sum
 from bdl_bench.methods.slang import NonFiniteGradientError, SlangState
-
-
-@dataclass(frozen=True)
-class StackedFactors:
-    """Per-example layer factors of R copies: ``inputs[l]`` ``(R, P, in_l)``, ``output_grads[l]``
-    ``(R, P, out_l)`` (P = S·M, sample-major), per-example losses ``(R, S, M)`` and the network outputs
-    ``(R, S, M, out)``. With ``first_input_shared``, ``inputs[0]`` is ``(R, M, in_0)``: the first layer's
-    input, the same for all S samples, not repeated."""
-
-    inputs: list[Tensor]
-    output_grads: list[Tensor]
-    losses: Tensor
-    outputs: Tensor
-    first_input_shared: bool = False
-
-    def input_columns(self, layer: int) -> Tensor:
-        """``inputs[layer]`` as ``(R, P, in)``, repeating a shared first input over the samples."""
-        a = self.inputs[layer]
-        if layer == 0 and self.first_input_shared:
-            n_samples = self.losses.shape[1]
-            return a.unsqueeze(1).expand(a.shape[0], n_samples, *a.shape[1:]).reshape(a.shape[0], -1, a.shape[-1])
-        return a
-
-
-def stacked_factors(
-    model: nn.Sequential,
-    layout: LinearLayout,
-    thetas: Tensor,
-    x: Tensor,
-    y: Tensor,
-    likelihoods: Sequence[Likelihood],
-    *,
-    share_first_input: bool = False,
-) -> StackedFactors:
-    """Layer inputs and output gradients of :math:`\\sum_{s,i}\\ell_r(f(x_{r,i};\\theta_{r,s}), y_{r,i})`.
-
-    Args:
-        thetas: ``(R, S, D)``; x: ``(R, M, in)``; y: ``(R, M)``; likelihoods: one per copy.
-        share_first_input: the first layer takes the data as it is (one GEMM per copy for all S samples)
-            and :attr:`StackedFactors.inputs` ``[0]`` is not repeated S times (a wide input, e.g. USPS's 257
-            features with S·M = 768, made that copy the slowest part of a logistic-regression step).
-    """
-    n_copies, n_samples = thetas.shape[:2]
-    n_examples = x.shape[1]
-    slot_of = {slot.module_index: slot for slot in layout.slots}
-    inputs, pre_activations = [], []
-    with torch.enable_grad():
-        data = x.to(thetas.dtype)  # (R, M, in)
-        h = None if share_first_input else data.unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:])  # (R, S, M, in)
-        for index, module in enumerate(model):
-            slot = slot_of.get(index)
-            if slot is None:
-                if h is None:
-                    data = module(data)
-                else:
-                    h = module(h)
-                continue
-            weight = thetas[..., slot.weight_slice].view(n_copies, n_samples, slot.out_features, slot.in_features)
-            if h is None:  # the data, before the first layer: (R, M, in) x (R, in, S·out)
-                z = (data @ weight.flatten(1, 2).mT).view(n_copies, n_examples, n_samples, -1).transpose(1, 2)
-                if slot.bias_slice is not None:
-                    z = z + thetas[..., slot.bias_slice].unsqueeze(2)
-                if not z.requires_grad:
-                    z.requires_grad_(True)
-                inputs.append(data)
-                pre_activations.append(z)
-                h = z
-                continue
-            z = thin_matmul(h, weight.mT)
-            if slot.bias_slice is not None:
-                z = z + thetas[..., slot.bias_slice].unsqueeze(2)
-            if not z.requires_grad:
-                z.requires_grad_(True)
-            inputs.append(h.reshape(n_copies, n_samples * n_examples, slot.in_features))
-            pre_activations.append(z)
-            h = z
-        losses = stacked_nll(likelihoods, h, y)  # (R, S, M)
-        grads = torch.autograd.grad(losses.sum(), pre_activations)
-    return StackedFactors(
-        inputs=[a.detach() for a in inputs],
-        output_grads=[g.reshape(n_copies, n_samples * n_examples, -1) for g in grads],
-        losses=losses.detach(),
-        outputs=h.detach(),
-        first_input_shared=share_first_input,
-    )
-
-
-def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
-    r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
-    parts = []
-    for layer, (a, d) in enumerate(zip(factors.inputs, factors.output_grads)):
-        if layer == 0 and factors.first_input_shared:  # sum over the samples first
-            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        parts.append((t_matmul(d, a), d.sum(1)))
-    return _assemble(layout, parts, factors.output_grads[0], ())
 
 
 def merged_columns(factors: StackedFactors, layout: LinearLayout) -> tuple[list[Tensor], list[Tensor]] | None:
@@ -145,16 +49,6 @@ def _per_layer(matrix: Tensor, layout: LinearLayout) -> list[tuple[Tensor, Tenso
         bias = None if slot.bias_slice is None else matrix[:, slot.bias_slice]
         parts.append((weight, bias))
     return parts
-
-
-def _assemble(layout: LinearLayout, parts: list[tuple[Tensor, Tensor | None]], like: Tensor, trailing: tuple) -> Tensor:
-    """Inverse of :func:`_per_layer`: per-layer (weight, bias) blocks into ``(R, D, *trailing)``."""
-    out = torch.empty(like.shape[0], layout.n_params, *trailing, dtype=like.dtype, device=like.device)
-    for slot, (weight, bias) in zip(layout.slots, parts):
-        out[:, slot.weight_slice] = weight.reshape(like.shape[0], -1, *trailing)
-        if slot.bias_slice is not None and bias is not None:
-            out[:, slot.bias_slice] = bias
-    return out
 
 
 def stacked_slang_update(
@@ -394,7 +288,7 @@ def _gram_update(
     # U_new = sqrt(w0) U W_U + sqrt(w1) G W_G; diag residual of w0 UU^T + w1 GG^T - U_new U_new^T
     g_top = top[:, rank:] * w1**0.5  # (R, P, L)
     new_u = thin_matmul(u, top[:, :rank]) * w0**0.5
-    new_u += _assemble(
+    new_u += assemble_layers(
         layout,
         [
             (_weighted_outer_sum(dl, g_top, a), thin_matmul(dl.mT, g_top) if b else None)
@@ -404,7 +298,7 @@ def _gram_update(
         (rank,),
     )
     squares = [dl.square() for dl in deltas]
-    sq_diag = _assemble(
+    sq_diag = assemble_layers(
         layout,
         [
             (t_matmul(_sample_sum(sq, a), a.square()), sq.sum(1) if b else None)
@@ -467,7 +361,7 @@ def _dense_update(
     rank = u.shape[-1]
     n_cols = deltas[0].shape[1]
     has_bias = [slot.bias_slice is not None for slot in layout.slots]
-    grads = _assemble(  # (R, D, P): per-example gradient p of layer l is delta_p a_p^T (and delta_p)
+    grads = assemble_layers(  # (R, D, P): per-example gradient p of layer l is delta_p a_p^T (and delta_p)
         layout,
         [(torch.einsum("rpo,rpi->roip", dl, a), dl.mT if b else None) for dl, a, b in zip(deltas, acts, has_bias)],
         u,

@@ -49,8 +49,8 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.likelihoods import Bernoulli, Likelihood
+from bdl_bench.methods._shared import Covariance, parse_choice
 from bdl_bench.methods.base import EpochCallback, Method, NonFiniteLossError, Problem, register_method
-from bdl_bench.methods.vogn import Covariance, parse_choice
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.quadrature import Expectation, expected_log_sigmoid_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range

@@ -74,6 +74,7 @@ from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, lin
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods._diag_vi import sum_log, uniform_value
+from bdl_bench.methods._shared import decayed_rate
 from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
@@ -107,17 +108,6 @@ class SlangState:
     prec_diag: Tensor  # (D,)
     step: int
     momentum: Tensor  # (D,)
-
-
-def decayed_rate(rate: float, decay: float, step: int) -> float:
-    """``rate / (1 + step**decay)`` for ``decay > 0``, else ``rate`` (the SLANG authors' ``decay_rates``).
-
-    Args:
-        rate: the initial rate (:math:`\\alpha` or :math:`\\beta`).
-        decay: the exponent :math:`\\gamma \\ge 0`.
-        step: t >= 1, the index of the update being taken.
-    """
-    return rate / (1.0 + step**decay) if decay > 0 else rate
 
 
 def slang_update(
@@ -382,7 +372,8 @@ class Slang(Method):
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """:meth:`train_step` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``)."""
-        from bdl_bench.methods._slang_stacked import stacked_factors, stacked_slang_update
+        from bdl_bench.curvature.stacked import stacked_factors
+        from bdl_bench.methods._slang_stacked import stacked_slang_update
 
         problem, state = self.problem, self.state
         step = state.step + 1

@@ -35,38 +35,47 @@ mean is the model's current parameters; the initial precision is
 :math:`S_0 = I`, which is ``init_prec: 1`` up to λ). Like the authors' code, this is the update
 with the exact :math:`\hat g_t, \hat H_t`; nothing is clipped or damped.
 
-Computation: for ``nn.Sequential`` networks of ``nn.Linear`` layers (``logreg``, ``mlp``) all K·M
-per-example gradients come from one batched forward/backward (``bdl_bench.curvature``: layer inputs
-times output gradients). The GGN is a sum of such outer products too: writing
-:math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top` (:func:`output_hessian_sqrt`),
-:math:`J_i^\top\Lambda_iJ_i = \sum_c h_{ic}h_{ic}^\top` with :math:`h_{ic} = J_i^\top a_{ic}` the
-gradient of the pseudo-loss :math:`a_{ic}^\top f_i` (``a`` held fixed), so ``out`` more passes give
-it. Other models use ``torch.func`` (:func:`per_example_terms`: ``vmap(grad)``, ``jacrev``), one MC
-sample at a time; that path is also the dense twin of the fast one in the tests. The full version
-stores a D × D precision and refuses D > 5000.
+Computation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.stacked`):
+the mean is ``(R, D)``, the precision ``(R, D, D)`` or ``(R, D)``, and a single run is the stack of one copy.
+Copy r draws exactly the standard normals a single run of the same seed draws (one ``(K, D)`` draw shared by
+the copies). For ``nn.Sequential`` networks of ``nn.Linear`` layers (``logreg``, ``mlp``) all K·M
+per-example gradients of every copy come from one batched forward/backward
+(:mod:`bdl_bench.curvature.stacked`: layer inputs times output gradients). The GGN is a sum of such outer
+products too: writing :math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top`
+(:meth:`~bdl_bench.likelihoods.Likelihood.hessian_sqrt`), :math:`J_i^\top\Lambda_iJ_i = \sum_c h_{ic}h_{ic}^\top`
+with :math:`h_{ic} = J_i^\top a_{ic}` the gradient of the pseudo-loss :math:`a_{ic}^\top f_i` (``a`` held
+fixed), so ``out`` more passes give it. Other models use ``torch.func`` (:func:`per_example_terms`:
+``vmap(grad)``, ``jacrev``), one MC sample at a time and a single run only; that path is also the dense twin
+of the fast one in the tests. The full version stores a D × D precision and refuses D > 5000.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, hessian, jacrev, vmap
+from torch.func import grad, jacrev, vmap
 
-from bdl_bench.curvature import LinearLayout, linear_factors, linear_layout, sq_diag
+from bdl_bench.curvature.per_example import LinearLayout, linear_layout
+from bdl_bench.curvature.stacked import gradient_sum, gram, squared_gradient_sum, stacked_factors
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
-from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.methods._shared import parse_choice
-from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem, register_method, stacked_prior
-from bdl_bench.methods.slang import decayed_rate
+from bdl_bench.likelihoods import Likelihood
+from bdl_bench.methods._shared import Covariance, decayed_rate, parse_choice
+from bdl_bench.methods.base import (
+    CannotStack,
+    NonFiniteLossError,
+    Problem,
+    StackedMethod,
+    register_method,
+    stacked_prior,
+)
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
@@ -77,23 +86,11 @@ __all__ = [
     "Curvature",
     "VognState",
     "factored_terms",
-    "output_hessian",
-    "output_hessian_sqrt",
-    "parse_choice",
     "per_example_terms",
 ]
 
 MAX_FULL_PARAMS = 5000
 """Largest D for ``covariance=full`` (a D x D precision and its Cholesky factor each step)."""
-
-
-class Covariance(str, Enum):
-    """Structure of the Gaussian posterior's precision."""
-
-    FULL = "full"
-    """Dense D x D precision ("Full-Gaussian" in SLANG Table 1)."""
-    DIAG = "diag"
-    """Diagonal precision ("Mean-Field" in SLANG Table 1)."""
 
 
 class Curvature(str, Enum):
@@ -107,36 +104,60 @@ class Curvature(str, Enum):
 
 @dataclass(frozen=True)
 class VognState:
-    """What changes while fitting.
+    """What changes while fitting, for R stacked copies (R = 1 for a single run).
 
     Attributes:
-        mean: μ_t, ``(D,)``.
-        precision: S_t, ``(D, D)`` for ``covariance=full``, its diagonal ``(D,)`` for ``diag``.
+        mean: μ_t, ``(R, D)``.
+        precision: S_t, ``(R, D, D)`` for ``covariance=full``, its diagonal ``(R, D)`` for ``diag``.
         step: t, the number of updates made so far.
-        chol: the lower Cholesky factor of a full S_t when known (the update that made S_t factored it
-            for its mean step; the next step samples with it instead of factoring S_t again); ``None``
-            for ``diag`` or when not known (it is recomputed, with the same result).
+        chol: the lower Cholesky factors ``(R, D, D)`` of a full S_t when known (the update that made S_t
+            factored it for its mean step; the next step samples with it instead of factoring S_t again);
+            ``None`` for ``diag`` or when not known (it is recomputed, with the same result).
     """
 
-    mean: Tensor  # (D,)
-    precision: Tensor  # (D, D) or (D,)
+    mean: Tensor  # (R, D)
+    precision: Tensor  # (R, D, D) or (R, D)
     step: int
     chol: Tensor | None = None
 
 
+def _in_copy(index: int, n_copies: int) -> str:
+    """`` in stacked copy r`` for an error of a stack of several copies; nothing for a single run."""
+    return f" in stacked copy {index}" if n_copies > 1 else ""
+
+
 def _cholesky(precision: Tensor, step: int) -> Tensor:
+    """Lower Cholesky factors of ``(R, D, D)`` precisions.
+
+    Raises:
+        NonFiniteLossError: if a copy's precision is not positive definite (naming the copy in a stack).
+    """
     chol, info = torch.linalg.cholesky_ex(precision)
-    if int(info.item()) != 0:
+    if bool(info.any()):
+        bad = int(info.flatten().nonzero()[0, 0])
+        which = f" of stacked copy {bad}" if info.numel() > 1 else ""
         raise NonFiniteLossError(
-            f"method 'vogn': precision is not positive definite after step {step} "
-            f"(leading minor {int(info.item())}) — lower beta or check the data"
+            f"method 'vogn': precision{which} is not positive definite after step {step} "
+            f"(leading minor {int(info.flatten()[bad])}) — lower beta or check the data"
         )
     return chol
 
 
+def _first_bad_copy(*tensors: Tensor) -> int | None:
+    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None`` (one read of the device;
+    the copy is looked for only when there is one)."""
+    ok = torch.isfinite(tensors[0]).all()
+    for t in tensors[1:]:
+        ok &= torch.isfinite(t).all()
+    if bool(ok):
+        return None
+    finite = torch.stack([torch.isfinite(t).flatten(1).all(1) for t in tensors]).all(0)
+    return int((~finite).nonzero()[0, 0])
+
+
 def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor, noise: Tensor | None = None) -> Tensor:
-    r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|]; with a
-    leading copy dimension on the state (stacked splits), one KL per copy.
+    r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|], one per copy
+    of the state's leading copy dimension.
 
     For a full S given ``noise`` (θ_k − μ of K samples of q, ``(..., K, D)``), the trace term
     Σ_j λ_j Σ_jj is estimated by their mean of (θ_k − μ)ᵀ diag(λ)(θ_k − μ) (unbiased; a training step's
@@ -156,26 +177,6 @@ def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor,
     return 0.5 * (quad - mean.shape[-1] - lam.log().sum(-1) + logdet)
 
 
-def output_hessian(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    r"""Λ_i = ∂²[−log p(y_i | f_i)]/∂f_i², ``(M, out, out)``, for outputs ``f`` ``(M, out)``.
-
-    Closed forms for the built-in likelihoods — Bernoulli σ(f)σ(−f), Gaussian τ, categorical
-    diag(p) − p pᵀ with p = softmax(f) — and ``vmap(hessian)`` of ``likelihood.nll`` otherwise.
-    """
-    if isinstance(likelihood, Bernoulli):
-        return (torch.sigmoid(f) * torch.sigmoid(-f)).unsqueeze(-1)
-    if isinstance(likelihood, Gaussian):
-        return torch.full((f.shape[0], 1, 1), likelihood.noise_precision, dtype=f.dtype, device=f.device)
-    if isinstance(likelihood, Categorical):
-        p = torch.softmax(f, dim=-1)
-        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
-
-    def nll_one(f_i: Tensor, y_i: Tensor) -> Tensor:
-        return likelihood.nll(f_i.unsqueeze(0), y_i.unsqueeze(0)).squeeze(0)
-
-    return vmap(hessian(nll_one))(f, y)
-
-
 def per_example_terms(
     model: nn.Module, likelihood: Likelihood, theta: Tensor, x: Tensor, y: Tensor, *, curvature: Curvature, full: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -183,8 +184,9 @@ def per_example_terms(
 
     The curvature is ``(D, D)`` when ``full``, else its diagonal ``(D,)``: Σ_i g_i g_iᵀ for ``ef``
     (per-example gradients by ``vmap(grad)``), Σ_i J_iᵀ Λ_i J_i for ``hessian``, with J = ∂f/∂θ
-    from one ``jacrev`` of the batched forward pass (valid as no layer mixes examples) and Λ_i from
-    :func:`output_hessian`. Gradients are of −log p(y_i | x_i, θ) at the flat parameters ``theta``.
+    from one ``jacrev`` of the batched forward pass (valid as no layer mixes examples) and
+    Λ_i = Σ_c a_ic a_icᵀ from :meth:`~bdl_bench.likelihoods.Likelihood.hessian_sqrt`. Gradients are of
+    −log p(y_i | x_i, θ) at the flat parameters ``theta``.
     """
     curvature = Curvature(curvature)
     if curvature is Curvature.EF:
@@ -206,36 +208,15 @@ def per_example_terms(
     with torch.enable_grad():
         nll = likelihood.nll(f, y)
         (resid,) = torch.autograd.grad(nll.sum(), f)  # (M, out): ∂nll_i/∂f_i
-    lam = output_hessian(likelihood, f.detach(), y)  # (M, out, out)
     grads = (resid.unsqueeze(1) @ jac).squeeze(1)  # (M, D): g_i = J_iᵀ r_i
-    lam_jac = lam @ jac  # (M, out, D)
+    roots = likelihood.hessian_sqrt(f.detach(), y)  # (C, M, out)
+    pseudo = torch.einsum("cmo,mod->cmd", roots, jac)  # (C, M, D): h_ic = J_iᵀ a_ic
     if full:
-        n_rows = jac.shape[0] * jac.shape[1]
-        curv = jac.reshape(n_rows, -1).T @ lam_jac.reshape(n_rows, -1)  # Σ_i J_iᵀ Λ_i J_i
-        curv = 0.5 * (curv + curv.T)
+        rows = pseudo.reshape(-1, pseudo.shape[-1])
+        curv = rows.T @ rows  # Σ_i J_iᵀ Λ_i J_i
     else:
-        curv = (jac * lam_jac).sum((0, 1))
+        curv = pseudo.square().sum((0, 1))
     return nll.detach(), grads, curv
-
-
-def output_hessian_sqrt(likelihood: Likelihood, f: Tensor, y: Tensor) -> Tensor:
-    r"""Rows :math:`a_{ic}` with :math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top`: shape ``(M, C, out)``.
-
-    Bernoulli :math:`\sqrt{\sigma(f)\sigma(-f)}`, Gaussian :math:`\sqrt\tau`, categorical
-    :math:`a_{ic} = \sqrt{p_c}\,(e_c - p)` (since :math:`\sum_c p_c(e_c-p)(e_c-p)^\top =
-    \operatorname{diag}(p) - pp^\top`); otherwise the eigendecomposition of :func:`output_hessian`
-    (negative eigenvalues, possible for a non-convex likelihood, are set to 0).
-    """
-    if isinstance(likelihood, Bernoulli):
-        return (torch.sigmoid(f) * torch.sigmoid(-f)).sqrt().unsqueeze(-1)
-    if isinstance(likelihood, Gaussian):
-        return torch.full((f.shape[0], 1, 1), likelihood.noise_precision**0.5, dtype=f.dtype, device=f.device)
-    if isinstance(likelihood, Categorical):
-        p = torch.softmax(f, dim=-1)  # (M, out)
-        eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
-        return p.sqrt().unsqueeze(-1) * (eye - p.unsqueeze(-2))
-    evals, evecs = torch.linalg.eigh(output_hessian(likelihood, f, y))
-    return (evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)).mT
 
 
 class _PseudoLoss(Likelihood):
@@ -248,53 +229,58 @@ class _PseudoLoss(Likelihood):
         return (f * self.coeffs).sum(-1)
 
 
+def _hessian_roots(likelihoods: Sequence[Likelihood], outputs: Tensor, y: Tensor) -> Tensor:
+    """The Hessian square-root factors of every copy's outputs ``(R, K, M, out)``: ``(C, R·K·M, out)``, rows in
+    (copy, sample, example) order; one call for copies under equal likelihoods (Bernoulli, categorical)."""
+    n_copies, n_samples = outputs.shape[:2]
+    f = outputs.reshape(n_copies, -1, outputs.shape[-1])  # (R, P, out), p = (k, i)
+    targets = y.repeat(1, n_samples)  # (R, P)
+    first = likelihoods[0]
+    if all(lik == first for lik in likelihoods):
+        return first.hessian_sqrt(f.flatten(0, 1), targets.flatten())
+    return torch.cat([lik.hessian_sqrt(f_r, t_r) for lik, f_r, t_r in zip(likelihoods, f, targets)], dim=1)
+
+
 def factored_terms(
-    model: nn.Module,
-    likelihood: Likelihood,
+    model: nn.Sequential,
+    layout: LinearLayout,
+    likelihoods: Sequence[Likelihood],
     thetas: Tensor,
     x: Tensor,
     y: Tensor,
     *,
     curvature: Curvature,
     full: bool,
-    layout: LinearLayout | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Mean NLL, Σ g and Σ H over K samples × M examples, from layer factors (module docstring).
+    """Per copy, from layer factors (module docstring): the NLL averaged over the K samples and M examples
+    ``(R,)``, Σ_{k,i} g_{k,i} ``(R, D)`` and Σ_{k,i} H_{k,i} ``(R, D, D)`` or its diagonal ``(R, D)``.
 
     Args:
-        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules.
-        thetas: ``(K, D)`` parameter samples.
-        x, y: the minibatch.
+        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules; ``layout`` its
+            :func:`~bdl_bench.curvature.per_example.linear_layout`.
+        likelihoods: one per copy.
+        thetas: ``(R, K, D)`` parameter samples.
+        x, y: the copies' minibatches, ``(R, M, ...)`` and ``(R, M)``.
         curvature, full: as in :func:`per_example_terms`.
-        layout: ``linear_layout(model)``, to skip recomputing it.
-
-    Returns:
-        The NLL averaged over samples and examples (scalar), Σ_{k,i} g_{k,i} ``(D,)`` and
-        Σ_{k,i} H_{k,i} ``(D, D)`` or its diagonal ``(D,)``.
     """
     curvature = Curvature(curvature)
-    layout = linear_layout(model) if layout is None else layout
-    factors = linear_factors(model, thetas, x, y, likelihood, layout)
-    grad_sum = factors.grad_sum()
+    shared = len(layout.slots) == 1  # logistic regression: the data is the one layer's input for all K samples
+    factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=shared)
     if curvature is Curvature.EF:
         pieces = [factors]
     else:
-        n_cols = factors.n_columns
-        f = factors.outputs.reshape(n_cols, -1)
-        roots = output_hessian_sqrt(likelihood, f, y.repeat(thetas.shape[0]))  # (P, C, out)
-        pieces = [linear_factors(model, thetas, x, y, _PseudoLoss(roots[:, c]), layout) for c in range(roots.shape[1])]
-    curv = torch.zeros((layout.n_params,) * (2 if full else 1), dtype=grad_sum.dtype, device=grad_sum.device)
-    for piece in pieces:
-        if full:
-            columns = piece.dense()  # (D, P)
-            curv.addmm_(columns, columns.mT)
-        else:
-            curv += sq_diag(piece)
-    return factors.losses.mean(), grad_sum, curv
+        roots = _hessian_roots(likelihoods, factors.outputs, y)  # (C, R·P, out)
+        pseudo = [[_PseudoLoss(root)] * len(likelihoods) for root in roots]  # stacked_nll: all rows in one call
+        pieces = [stacked_factors(model, layout, thetas, x, y, p, share_first_input=shared) for p in pseudo]
+    sum_of = gram if full else squared_gradient_sum
+    curv = sum_of(pieces[0], layout)
+    for piece in pieces[1:]:
+        curv += sum_of(piece, layout)
+    return factors.losses.mean(dim=(1, 2)), gradient_sum(factors, layout), curv
 
 
 @register_method("vogn")
-class VOGN(Method):
+class VOGN(StackedMethod):
     """Natural-gradient VI with a full or diagonal Gaussian (module docstring). Splits can be stacked
     (:meth:`setup_replicas`) for networks of ``nn.Linear`` layers.
 
@@ -320,7 +306,9 @@ class VOGN(Method):
             "init_prec": Range(0),
         }
     )
-    supports_replicas = True  # stacked splits: networks of nn.Linear layers (logistic regression, MLPs)
+    copy_state: ClassVar[tuple[str, ...]] = ("state", "_prior")
+    state: VognState
+    _prior: Tensor  # (R, D): each copy's prior precision λ
 
     def __init__(
         self,
@@ -335,245 +323,149 @@ class VOGN(Method):
     ) -> None:
         self.covariance = parse_choice(Covariance, covariance, "covariance", "vogn")
         self.curvature = parse_choice(Curvature, curvature, "curvature", "vogn")
-        if not lr > 0:
-            raise ConfigError(f"vogn: lr must be positive, got {lr}")
-        if not 0 < beta <= 1:
-            raise ConfigError(f"vogn: beta must be in (0, 1], got {beta}")
-        if not decay >= 0:
-            raise ConfigError(f"vogn: decay must be >= 0, got {decay}")
-        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ConfigError(f"vogn: n_train_mc_samples must be a positive integer, got {n_train_mc_samples}")
-        if not init_prec >= 0:
-            raise ConfigError(f"vogn: init_prec must be >= 0, got {init_prec}")
+        self.check_options(locals())
         self.lr, self.beta, self.decay = float(lr), float(beta), float(decay)
         self.n_train_mc_samples = int(n_train_mc_samples)
         self.init_prec = float(init_prec)
-
-    # ------------------------------------------------------------------------------ setup
-    def setup(self, problem: Problem) -> None:
-        super().setup(problem)
-        mean = flat_params(problem.model)
-        n = mean.numel()
-        if problem.prior_precision.shape != (n,):
-            raise ValueError(f"vogn: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected ({n},)")
-        if self.covariance is Covariance.FULL and n > MAX_FULL_PARAMS:
-            raise ConfigError(
-                f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
-                f"(limit {MAX_FULL_PARAMS}); use covariance=diag or a low-rank method such as slang"
-            )
-        try:
-            self._layout: LinearLayout | None = linear_layout(problem.model)
-        except ValueError:
-            self._layout = None  # not a Sequential of Linear layers: the torch.func path
-        prec_diag = problem.prior_precision.to(mean) + self.init_prec
-        precision = torch.diag(prec_diag) if self.covariance is Covariance.FULL else prec_diag
-        self.state = VognState(mean=mean, precision=precision, step=0)
 
     @property
     def _full(self) -> bool:
         return self.covariance is Covariance.FULL
 
+    # ------------------------------------------------------------------------------ setup
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked.
+
+        Raises:
+            ConfigError: for ``covariance=full`` on more than :data:`MAX_FULL_PARAMS` parameters.
+            CannotStack: for R > 1 copies of a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
+        """
+        super().setup_replicas(problems)
+        mean = flat_params(self.problem.model)
+        n = mean.numel()
+        for problem in problems:
+            if problem.prior_precision.shape != (n,):
+                raise ValueError(
+                    f"vogn: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected ({n},)"
+                )
+        if self._full and n > MAX_FULL_PARAMS:
+            raise ConfigError(
+                f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
+                f"(limit {MAX_FULL_PARAMS}); use covariance=diag or a low-rank method such as slang"
+            )
+        try:
+            self._layout: LinearLayout | None = linear_layout(self.problem.model)
+        except ValueError:
+            self._layout = None  # not a Sequential of Linear layers: the torch.func path, one copy
+        if self._layout is None and len(problems) > 1:
+            raise CannotStack("method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp)")
+        self._prior = stacked_prior(problems).to(mean)
+        prec_diag = self._prior + self.init_prec
+        precision = torch.diag_embed(prec_diag) if self._full else prec_diag
+        self.state = VognState(mean=mean.expand(len(problems), n).clone(), precision=precision, step=0)
+
     # ---------------------------------------------------------------------------- helpers
-    def _sampling_cholesky(self, state: VognState) -> Tensor | None:
-        """The Cholesky factor of a full precision (the one the state carries, else computed); ``None`` for diag."""
+    def _sampling_cholesky(self) -> Tensor | None:
+        """The Cholesky factors of a full precision (the ones the state carries, else computed); ``None`` for diag."""
         if not self._full:
             return None
+        state = self.state
         return state.chol if state.chol is not None else _cholesky(state.precision, state.step)
 
-    def _sample(self, state: VognState, chol: Tensor | None, n_samples: int) -> Tensor:
-        """θ_k = μ + A ε_k with A Aᵀ = S⁻¹ (A = L⁻ᵀ for S = L Lᵀ; A = S^{-1/2} for diagonal S): ``(K, D)``."""
-        mean = state.mean
+    def _draw(self, chol: Tensor | None, n_samples: int) -> tuple[Tensor, Tensor]:
+        """θ_{r,k} = μ_r + A_r ε_k with A_r A_rᵀ = S_r⁻¹ (A = L⁻ᵀ for S = L Lᵀ; S^{-1/2} for a diagonal S), the
+        same K standard normals ε for every copy: θ ``(R, K, D)`` and θ − μ."""
+        mean = self.state.mean
         eps = torch.randn(
-            (n_samples, mean.numel()), generator=self.problem.generator, dtype=mean.dtype, device=mean.device
+            (n_samples, mean.shape[-1]), generator=self.problem.generator, dtype=mean.dtype, device=mean.device
         )
         if chol is None:
-            return mean + eps * state.precision.rsqrt()
-        return mean + torch.linalg.solve_triangular(chol, eps, upper=False, left=False)
+            noise = eps * self.state.precision.rsqrt()[:, None]
+        else:
+            noise = torch.linalg.solve_triangular(chol, eps.expand(mean.shape[0], -1, -1), upper=False, left=False)
+        return mean[:, None] + noise, noise
+
+    def _terms(self, thetas: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`factored_terms`, or for a model outside the linear layout (one copy) the torch.func path."""
+        if self._layout is not None:
+            likelihoods = [q.likelihood for q in self._replica_problems]
+            model = self.problem.model
+            return factored_terms(
+                model, self._layout, likelihoods, thetas, x, y, curvature=self.curvature, full=self._full
+            )
+        p, (samples,), (x, y) = self.problem, thetas, (x[0], y[0])  # setup_replicas allows one copy here
+        nll_sum = torch.zeros((), dtype=samples.dtype, device=samples.device)
+        g_sum = torch.zeros_like(samples[0])
+        h_sum = torch.zeros_like(self.state.precision[0])
+        for theta in samples:
+            nll, grads, curv = per_example_terms(
+                p.model, p.likelihood, theta, x, y, curvature=self.curvature, full=self._full
+            )
+            nll_sum += nll.mean()
+            g_sum += grads.sum(0)
+            h_sum += curv
+        return (nll_sum / samples.shape[0])[None], g_sum[None], h_sum[None]
 
     # ----------------------------------------------------------------------------- update
-    def update(self, state: VognState, x: Tensor, y: Tensor) -> tuple[VognState, dict[str, Tensor]]:
-        """One natural-gradient step on the minibatch ``(x, y)`` (module docstring).
-
-        Returns:
-            The new state and ``{"loss", "nll"}`` (0-dim tensors): the minibatch estimate of −ELBO/N at the
-            current q (expected NLL per example plus KL/N; for ``covariance=full`` the KL's trace term
-            is estimated from the step's samples, :func:`_kl_to_prior`) and of the expected NLL per example.
-            With a diagonal precision, a step whose new mean or precision would not be finite, or whose
-            precision would not be positive, keeps the old ones and reports a NaN loss, found without
-            reading the device (:meth:`Method.fit` raises at the end of the epoch).
-
-        Raises:
-            NonFiniteLossError: ``covariance=full``: if the new mean or precision is not finite, or the
-                precision is not positive definite (its Cholesky reads the device anyway).
-        """
-        p = self.problem
-        lam = p.prior_precision.to(state.mean)
-        chol = self._sampling_cholesky(state)
-        thetas = self._sample(state, chol, self.n_train_mc_samples)
-        if self._layout is not None:
-            nll_mean, g_sum, h_sum = factored_terms(
-                p.model, p.likelihood, thetas, x, y, curvature=self.curvature, full=self._full, layout=self._layout
-            )
-        else:
-            g_sum, h_sum = torch.zeros_like(state.mean), torch.zeros_like(state.precision)
-            nll_mean = torch.zeros((), dtype=state.mean.dtype, device=state.mean.device)
-            for theta in thetas:
-                nll, grads, curv = per_example_terms(
-                    p.model, p.likelihood, theta, x, y, curvature=self.curvature, full=self._full
-                )
-                nll_mean = nll_mean + nll.mean() / self.n_train_mc_samples
-                g_sum += grads.sum(0)
-                h_sum += curv
-        nll_mean = nll_mean.detach().reshape(())
-        scale = p.n_data / (x.shape[0] * self.n_train_mc_samples)
-        g_hat, h_hat = scale * g_sum, scale * h_sum
-
-        step = state.step + 1
-        precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
-        direction = g_hat + lam * state.mean
-        new_chol = None
-        if self._full:
-            if not (bool(torch.isfinite(precision).all()) and bool(torch.isfinite(g_hat).all())):
-                raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient at step {step}")
-            new_chol = _cholesky(precision, step)
-            delta = torch.cholesky_solve(direction[:, None], new_chol)[:, 0]
-            mean = state.mean - alpha * delta
-            if not bool(torch.isfinite(mean).all()):
-                raise NonFiniteLossError(f"method 'vogn': non-finite mean at step {step}")
-            ok = None
-        else:
-            mean = state.mean - alpha * (direction / precision)
-            ok = (precision > 0).all() & torch.isfinite(precision).all() & torch.isfinite(mean).all()
-            mean, precision = torch.where(ok, mean, state.mean), torch.where(ok, precision, state.precision)
-
-        kl = _kl_to_prior(state, chol, lam, noise=None if chol is None else thetas - state.mean).detach()
-        loss = nll_mean + kl / p.n_data
-        if ok is not None:
-            loss = torch.where(ok, loss, torch.full_like(loss, math.nan))
-        out = {"loss": loss, "nll": nll_mean}
-        return VognState(mean=mean, precision=precision, step=step, chol=new_chol), out
-
-    def _precision_step(self, precision: Tensor, h_hat: Tensor, lam: Tensor, step: int) -> tuple[Tensor, float]:
-        """:math:`S_{t+1} = (1-\\beta_t)S_t + \\beta_t(\\hat H_t + \\operatorname{diag}\\lambda)` (symmetrised when
-        full; stacked copies allowed) and the step's :math:`\\alpha_t`."""
-        alpha = decayed_rate(self.lr, self.decay, step)
-        beta = decayed_rate(self.beta, self.decay, step)
-        if self._full:
-            new = (1 - beta) * precision + beta * (h_hat + torch.diag_embed(lam))
-            return 0.5 * (new + new.mT), alpha
-        return (1 - beta) * precision + beta * (h_hat + lam), alpha
-
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        self.state, out = self.update(self.state, x, y)
-        return out
-
-    # ---------------------------------------------------------------------- stacked splits
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies of the initial state, stacked (mean ``(R, D)``, precision ``(R, D, D)`` or ``(R, D)``);
-        fitted by :meth:`train_step_replicas` (:mod:`bdl_bench.methods._vogn_stacked`).
-
-        Raises:
-            CannotStack: for a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
-        """
-        self.setup(problems[0])
-        if self._layout is None:
-            raise CannotStack("method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp)")
-        self._replica_problems = list(problems)
-        self._replica_prior = stacked_prior(problems).to(self.state.mean)  # (R, D): each copy its own
-        n_copies, s = len(problems), self.state
-        prec_diag = self._replica_prior + self.init_prec  # setup's initial precision, per copy
-        self.state = VognState(
-            mean=s.mean.expand(n_copies, *s.mean.shape).clone(),
-            precision=torch.diag_embed(prec_diag) if self._full else prec_diag,
-            step=0,
-        )
-
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """:meth:`update` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``); the
-        statistics as ``(R,)`` tensors.
+        """One natural-gradient step of every copy on its minibatch (module docstring), ``x`` ``(R, M, ...)``,
+        ``y`` ``(R, M)``.
+
+        Returns:
+            ``{"loss", "nll"}`` as ``(R,)`` tensors: the minibatch estimate of −ELBO/N at the current q (expected
+            NLL per example plus KL/N; for ``covariance=full`` the KL's trace term is estimated from the step's
+            samples, :func:`_kl_to_prior`) and of the expected NLL per example. With a diagonal precision, a copy
+            whose new mean or precision would not be finite, or whose precision would not be positive, keeps
+            the old ones and reports a NaN loss, found without reading the device (:meth:`Method.fit` raises at
+            the end of the epoch, naming the copy in a stack).
 
         Raises:
-            NonFiniteLossError: naming the copy and step, as :meth:`update` does for a single run.
+            NonFiniteLossError: ``covariance=full``: if a copy's new mean or precision is not finite, or its
+                precision is not positive definite (its Cholesky reads the device anyway), naming the step (and
+                the copy in a stack).
         """
-        from bdl_bench.methods import _vogn_stacked as stacked
-
-        p, state = self.problem, self.state
-        assert self._layout is not None and state.mean.dim() == 2, "setup_replicas first"
-        lam = self._replica_prior
-        n_copies, n_params = state.mean.shape
-        n_samples = self.n_train_mc_samples
-        chol = None
-        if self._full:
-            chol = state.chol if state.chol is not None else stacked.cholesky_or_raise(state.precision, state.step)
-        eps = torch.randn(
-            (n_samples, n_params), generator=p.generator, dtype=state.mean.dtype, device=state.mean.device
-        )
-        if chol is None:  # the draws of a single run of the same seed, shared by the copies
-            noise = None
-            thetas = state.mean[:, None] + eps * state.precision.rsqrt()[:, None]
-        else:
-            noise = torch.linalg.solve_triangular(chol, eps.expand(n_copies, -1, -1), upper=False, left=False)
-            thetas = state.mean[:, None] + noise
-        likelihoods = [q.likelihood for q in self._replica_problems]
-        nll, g_sum, h_sum = stacked.stacked_terms(
-            p.model,
-            self._layout,
-            likelihoods,
-            thetas,
-            x,
-            y,
-            hessian=self.curvature is Curvature.HESSIAN,
-            full=self._full,
-        )
+        p, state, lam = self.problem, self.state, self._prior
+        n_copies, n_samples = state.mean.shape[0], self.n_train_mc_samples
+        chol = self._sampling_cholesky()
+        thetas, noise = self._draw(chol, n_samples)
+        nll, g_sum, h_sum = self._terms(thetas, x, y)
         scale = p.n_data / (x.shape[1] * n_samples)
         g_hat, h_hat = scale * g_sum, scale * h_sum
 
         step = state.step + 1
-        precision, alpha = self._precision_step(state.precision, h_hat, lam, step)
+        alpha, beta = decayed_rate(self.lr, self.decay, step), decayed_rate(self.beta, self.decay, step)
         direction = g_hat + lam * state.mean
         new_chol, ok = None, None
         if self._full:
-            bad = stacked.first_bad_copy(precision, g_hat)
+            precision = (1 - beta) * state.precision + beta * (h_hat + torch.diag_embed(lam))
+            precision = 0.5 * (precision + precision.mT)
+            bad = _first_bad_copy(precision, g_hat)
             if bad is not None:
-                raise NonFiniteLossError(
-                    f"method 'vogn': non-finite precision or gradient in stacked copy {bad} at step {step}"
-                )
-            new_chol = stacked.cholesky_or_raise(precision, step)
+                where = _in_copy(bad, n_copies)
+                raise NonFiniteLossError(f"method 'vogn': non-finite precision or gradient{where} at step {step}")
+            new_chol = _cholesky(precision, step)
             mean = state.mean - alpha * torch.cholesky_solve(direction[..., None], new_chol)[..., 0]
-            bad = stacked.first_bad_copy(mean)
+            bad = _first_bad_copy(mean)
             if bad is not None:
-                raise NonFiniteLossError(f"method 'vogn': non-finite mean in stacked copy {bad} at step {step}")
-        else:  # as the single run's diagonal step: a bad copy keeps its state and reports NaN, unread
+                raise NonFiniteLossError(f"method 'vogn': non-finite mean{_in_copy(bad, n_copies)} at step {step}")
+        else:  # a bad copy keeps its state and reports NaN, unread
+            precision = (1 - beta) * state.precision + beta * (h_hat + lam)
             mean = state.mean - alpha * (direction / precision)
             ok = (precision > 0).all(1) & torch.isfinite(precision).all(1) & torch.isfinite(mean).all(1)  # (R,)
             mean = torch.where(ok[:, None], mean, state.mean)
             precision = torch.where(ok[:, None], precision, state.precision)
-        kl = _kl_to_prior(state, chol, lam, noise)
+        kl = _kl_to_prior(state, chol, lam, None if chol is None else noise)
         self.state = VognState(mean=mean, precision=precision, step=step, chol=new_chol)
         loss = nll + kl / p.n_data
         if ok is not None:
             loss = torch.where(ok, loss, torch.full_like(loss, math.nan))
         return {"loss": loss, "nll": nll}
 
-    def replica(self, index: int) -> VOGN:
-        single = copy.copy(self)
-        single.setup(self._replica_problems[index])
-        s = self.state
-        single.state = VognState(
-            mean=s.mean[index].clone(),
-            precision=s.precision[index].clone(),
-            step=s.step,
-            chol=None if s.chol is None else s.chol[index].clone(),
-        )
-        return single
-
     # -------------------------------------------------------------------------- posterior
     def posterior(self) -> FullGaussian | DiagGaussian:
-        s = self.state
-        if self._full:
-            return FullGaussian(s.mean, s.precision)
-        return DiagGaussian(s.mean, s.precision)
+        mean, precision = self.only_copy(self.state.mean), self.only_copy(self.state.precision)
+        return FullGaussian(mean, precision) if self._full else DiagGaussian(mean, precision)
 
     def kl_to_prior(self) -> Tensor:
         q = self.posterior()
@@ -583,23 +475,29 @@ class VOGN(Method):
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``(n_samples, N, out)`` network outputs at θ_k ~ q (generator: ``problem.generator``)."""
-        thetas = self._sample(self.state, self._sampling_cholesky(self.state), n_samples)
-        return torch.stack([forward_with(self.problem.model, th, x) for th in thetas])
+        self.only_copy(self.state.mean)
+        thetas, _ = self._draw(self._sampling_cholesky(), n_samples)
+        return torch.stack([forward_with(self.problem.model, th, x) for th in thetas[0]])
 
     # ------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
+        """Every copy's mean ``(R, D)``, precision and the step (a stack's checkpoint holds all its copies)."""
         s = self.state
         return {"mean": s.mean.clone(), "precision": s.precision.clone(), "step": s.step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (or a single run's mean ``(D,)`` and precision, as saved before
+        single runs became stacks of one)."""
         mean, precision = state["mean"], state["precision"]
-        if mean.shape != self.state.mean.shape or precision.shape != self.state.precision.shape:
+        like = self.state
+        if mean.shape == like.mean.shape[1:] and precision.shape == like.precision.shape[1:]:
+            mean, precision = mean[None], precision[None]
+        if mean.shape != like.mean.shape or precision.shape != like.precision.shape:
             raise ValueError(
                 f"vogn: checkpoint shapes mean {tuple(mean.shape)}, precision {tuple(precision.shape)} "
-                f"do not match mean {tuple(self.state.mean.shape)}, precision {tuple(self.state.precision.shape)} "
+                f"do not match mean {tuple(like.mean.shape)}, precision {tuple(like.precision.shape)} "
                 f"(covariance={self.covariance.value})"
             )
         if not (bool(torch.isfinite(mean).all()) and bool(torch.isfinite(precision).all())):
             raise ValueError("vogn: checkpoint holds a non-finite mean or precision")
-        like = self.state.mean
-        self.state = VognState(mean=mean.to(like), precision=precision.to(like), step=int(state["step"]))
+        self.state = VognState(mean=mean.to(like.mean), precision=precision.to(like.mean), step=int(state["step"]))

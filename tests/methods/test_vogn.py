@@ -12,18 +12,12 @@ from torch import Tensor, nn
 from torch.distributions import MultivariateNormal, kl_divergence
 from torch.testing import assert_close
 
+from bdl_bench.curvature.per_example import linear_layout
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
-from bdl_bench.methods.base import Method, NonFiniteLossError, Problem
-from bdl_bench.methods.vogn import (
-    VOGN,
-    Curvature,
-    factored_terms,
-    output_hessian,
-    output_hessian_sqrt,
-    per_example_terms,
-)
+from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem
+from bdl_bench.methods.vogn import VOGN, Curvature, factored_terms, per_example_terms
 from bdl_bench.models import build_model
 from bdl_bench.models.params import forward_with, prior_precision_vector
 
@@ -98,15 +92,17 @@ def test_update_matches_a_dense_twin(covariance: str, curvature: str) -> None:
     x, y, _, _ = logistic_data()
     method.train_step(x[:20], y[:20])
     state = method.state
+    assert state.mean.shape == (1, 3)  # a single run is the stack of one copy
+    mean0 = state.mean[0]
     twin_gen = torch.Generator()
     twin_gen.set_state(problem.generator.get_state())
     out = method.train_step(x[20:40], y[20:40])
 
     full = covariance == "full"
-    prec = state.precision if full else torch.diag(state.precision)
+    prec = state.precision[0] if full else torch.diag(state.precision[0])
     eps = torch.randn((3, 3), generator=twin_gen, dtype=F64)
     chol = torch.linalg.cholesky(prec)
-    thetas = [state.mean + torch.linalg.solve(chol.T, e) for e in eps]  # θ = μ + L^{-T} ε, S = L Lᵀ
+    thetas = [mean0 + torch.linalg.solve(chol.T, e) for e in eps]  # θ = μ + L^{-T} ε, S = L Lᵀ
     xb, yb = x[20:40], y[20:40]
     design = torch.cat([xb, torch.ones(20, 1, dtype=F64)], 1)
     g_hat, h_hat, nll = torch.zeros(3, dtype=F64), torch.zeros(3, 3, dtype=F64), 0.0
@@ -130,15 +126,15 @@ def test_update_matches_a_dense_twin(covariance: str, curvature: str) -> None:
     if not full:
         h_hat = torch.diag(h_hat.diagonal())
     new_prec = (1 - beta) * prec + beta * (h_hat + torch.diag(lam))
-    new_mean = state.mean - alpha * torch.linalg.solve(new_prec, g_hat + lam * state.mean)
+    new_mean = mean0 - alpha * torch.linalg.solve(new_prec, g_hat + lam * mean0)
     assert method.state.step == 2
-    assert_close(method.state.mean, new_mean)
-    assert_close(method.state.precision, new_prec if full else new_prec.diagonal())
-    q = MultivariateNormal(state.mean, precision_matrix=prec)
+    assert_close(method.state.mean[0], new_mean)
+    assert_close(method.state.precision[0], new_prec if full else new_prec.diagonal())
+    q = MultivariateNormal(mean0, precision_matrix=prec)
     kl = float(kl_divergence(q, MultivariateNormal(torch.zeros(3, dtype=F64), precision_matrix=torch.diag(lam))))
     if full:  # the step's loss estimates the KL's trace term tr(diag(λ) S⁻¹) from its samples
         trace = torch.linalg.solve(prec, torch.diag(lam)).trace()
-        kl += 0.5 * float(torch.stack([(th - state.mean).square() @ lam for th in thetas]).mean() - trace)
+        kl += 0.5 * float(torch.stack([(th - mean0).square() @ lam for th in thetas]).mean() - trace)
     assert_close(float(out["nll"]), nll / 60)
     assert_close(float(out["loss"]), nll / 60 + kl / N)
 
@@ -167,7 +163,7 @@ def test_variants_beat_the_base_rate_with_positive_precisions(covariance: str, c
     problem = make_problem()
     method = make_vogn(covariance=covariance, curvature=curvature, n_train_mc_samples=4)
     fit(method, problem, n_epochs=40, batch_size=20)
-    precision = method.state.precision
+    (precision,) = method.state.precision
     assert bool(torch.isfinite(precision).all())
     if covariance == "diag":
         assert precision.shape == (3,) and bool((precision > 0).all())
@@ -224,61 +220,35 @@ def test_hessian_curvature_is_the_exact_hessian_for_logistic_regression() -> Non
     assert_close(ef, grads.T @ grads)
 
 
-class _Opaque(Likelihood):
-    """Hides a likelihood's class so that ``output_hessian`` takes its generic ``vmap(hessian)`` path."""
-
-    def __init__(self, inner: Likelihood) -> None:
-        self.inner = inner
-
-    def nll(self, f: Tensor, y: Tensor) -> Tensor:
-        return self.inner.nll(f, y)
-
-
-@pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
-def test_output_hessian_closed_forms_match_autodiff(kind: str, generator: torch.Generator) -> None:
-    out = 4 if kind == "categorical" else 1
-    f = torch.randn(7, out, generator=generator, dtype=F64)
-    if kind == "bernoulli":
-        lik, y = Bernoulli(), (torch.rand(7, generator=generator) < 0.5).to(F64)
-    elif kind == "gaussian":
-        lik, y = Gaussian(3.0), torch.randn(7, generator=generator, dtype=F64)
-    else:
-        lik, y = Categorical(), torch.randint(0, 4, (7,), generator=generator)
-    assert_close(output_hessian(lik, f, y), output_hessian(_Opaque(lik), f, y))
-
-
-@pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
-def test_output_hessian_sqrt_factors_the_output_hessian(kind: str, generator: torch.Generator) -> None:
-    out = 4 if kind == "categorical" else 1
-    f = torch.randn(7, out, generator=generator, dtype=F64)
-    lik = {"bernoulli": Bernoulli(), "gaussian": Gaussian(3.0), "categorical": Categorical()}[kind]
-    y = torch.zeros(7, dtype=torch.long) if kind == "categorical" else torch.zeros(7, dtype=F64)
-    for likelihood in (lik, _Opaque(lik)):
-        roots = output_hessian_sqrt(likelihood, f, y)  # (M, C, out)
-        assert_close(roots.mT @ roots, output_hessian(lik, f, y))
-
-
 @pytest.mark.parametrize("kind", ["bernoulli", "gaussian", "categorical"])
 @pytest.mark.parametrize("curvature", ["ef", "hessian"])
 def test_factored_terms_match_the_torch_func_twin(kind: str, curvature: str, generator: torch.Generator) -> None:
-    """The fast layer-factor path against per-sample ``vmap``/``jacrev``, K = 3 samples, a 2-4-out MLP."""
+    """The fast layer-factor path against per-sample ``vmap``/``jacrev``, K = 3 samples, a 2-4-out MLP, for two
+    stacked copies with their own samples, data and likelihood (Gaussians: their own noise precision)."""
     out = 3 if kind == "categorical" else 1
-    lik = {"bernoulli": Bernoulli(), "gaussian": Gaussian(2.0), "categorical": Categorical()}[kind]
+    likelihoods = {
+        "bernoulli": [Bernoulli(), Bernoulli()],
+        "gaussian": [Gaussian(2.0), Gaussian(0.5)],
+        "categorical": [Categorical(), Categorical()],
+    }[kind]
     model = build_model({"name": "mlp", "hidden": [4], "activation": "tanh"}, in_features=2, out_features=out).to(F64)
     n_params = sum(p.numel() for p in model.parameters())
-    thetas = torch.randn(3, n_params, generator=generator, dtype=F64)
-    x = torch.randn(5, 2, generator=generator, dtype=F64)
+    thetas = torch.randn(2, 3, n_params, generator=generator, dtype=F64)
+    x = torch.randn(2, 5, 2, generator=generator, dtype=F64)
     y = (
-        torch.randint(0, out, (5,), generator=generator)
+        torch.randint(0, out, (2, 5), generator=generator)
         if kind == "categorical"
-        else (torch.rand(5, generator=generator, dtype=F64) < 0.5).to(F64)
+        else (torch.rand(2, 5, generator=generator, dtype=F64) < 0.5).to(F64)
     )
+    layout = linear_layout(model)
     for full in (True, False):
-        nll, g_sum, h_sum = factored_terms(model, lik, thetas, x, y, curvature=curvature, full=full)
-        terms = [per_example_terms(model, lik, t, x, y, curvature=curvature, full=full) for t in thetas]
-        assert_close(nll, torch.stack([t[0].mean() for t in terms]).mean())
-        assert_close(g_sum, sum(t[1].sum(0) for t in terms))
-        assert_close(h_sum, sum(t[2] for t in terms))
+        nll, g_sum, h_sum = factored_terms(model, layout, likelihoods, thetas, x, y, curvature=curvature, full=full)
+        assert nll.shape == (2,) and g_sum.shape == (2, n_params)
+        for r, lik in enumerate(likelihoods):
+            terms = [per_example_terms(model, lik, t, x[r], y[r], curvature=curvature, full=full) for t in thetas[r]]
+            assert_close(nll[r], torch.stack([t[0].mean() for t in terms]).mean())
+            assert_close(g_sum[r], sum(t[1].sum(0) for t in terms))
+            assert_close(h_sum[r], sum(t[2] for t in terms))
 
 
 def test_models_outside_the_linear_layout_take_the_torch_func_path() -> None:
@@ -310,6 +280,9 @@ def test_models_outside_the_linear_layout_take_the_torch_func_path() -> None:
         for _ in range(3):
             method.train_step(x[:20], y[:20])
         states.append(method.state)
+        if wrap:  # a single run only: several copies of it cannot be stacked
+            with pytest.raises(CannotStack, match="networks of nn.Linear layers"):
+                make_vogn(n_train_mc_samples=3).setup_replicas([problem, problem])
     assert_close(states[0].mean, states[1].mean)
     assert_close(states[0].precision, states[1].precision)
 
@@ -409,3 +382,47 @@ def test_full_state_carries_the_cholesky_factor_and_the_step_kl_estimate_is_unbi
     noise = torch.linalg.solve_triangular(state.chol, eps, upper=False, left=False)  # rows ~ N(0, S^-1)
     estimate = _kl_to_prior(state, state.chol, lam, noise)
     assert float(estimate) == pytest.approx(float(exact), rel=5e-3)
+
+
+@pytest.mark.parametrize("n_copies", [1, 2])
+def test_full_covariance_divergence_names_the_step_and_the_copy(n_copies: int) -> None:
+    """A single run's error names the step; a stack's also names the copy."""
+    from bdl_bench.methods.vogn import _cholesky
+
+    method = make_vogn(covariance="full")
+    method.setup_replicas([make_problem()] * n_copies)
+    x, y, _, _ = logistic_data()
+    xs, ys = torch.stack([x[:20]] * n_copies), torch.stack([y[:20]] * n_copies)
+    xs[-1, 3, 0] = float("nan")
+    where = " in stacked copy 1" if n_copies == 2 else ""
+    with pytest.raises(NonFiniteLossError, match=rf"'vogn': non-finite precision or gradient{where} at step 1$"):
+        method.train_step_replicas(xs, ys)
+    eye = torch.eye(3, dtype=F64)
+    precisions = torch.stack([eye, -eye][-n_copies:]) if n_copies == 2 else -eye[None]
+    which = " of stacked copy 1" if n_copies == 2 else ""
+    with pytest.raises(NonFiniteLossError, match=rf"precision{which} is not positive definite after step 4 \(leading"):
+        _cholesky(precisions, 4)
+
+
+def test_a_stacks_checkpoint_resumes_every_copy_and_a_single_runs_old_one_loads() -> None:
+    """A stack's state_dict holds all its copies (the stacked job's checkpoint); a fresh stack that loads it takes
+    the same next step. A single run's checkpoint of the copy-less form ``(D,)`` still loads."""
+    x, y, _, _ = logistic_data()
+    xs, ys = torch.stack([x[:20], x[20:40]]), torch.stack([y[:20], y[20:40]])
+    method = make_vogn(covariance="full")
+    method.setup_replicas([make_problem(), make_problem()])
+    method.train_step_replicas(xs, ys)
+    saved = method.state_dict()
+    assert saved["mean"].shape == (2, 3) and saved["precision"].shape == (2, 3, 3)
+    resumed = make_vogn(covariance="full")
+    resumed.setup_replicas([make_problem(), make_problem()])
+    resumed.load_state_dict(saved)
+    resumed.problem.generator.set_state(method.problem.generator.get_state())
+    method.train_step_replicas(xs, ys)
+    resumed.train_step_replicas(xs, ys)
+    assert_close(resumed.state.mean, method.state.mean)
+    assert_close(resumed.state.precision, method.state.precision)
+    single = make_vogn(covariance="full")
+    single.setup(make_problem())
+    single.load_state_dict({"mean": saved["mean"][1], "precision": saved["precision"][1], "step": 1})
+    assert_close(single.posterior().mean, saved["mean"][1])
