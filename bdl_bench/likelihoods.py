@@ -100,7 +100,7 @@ def stacked_nll(likelihoods: Sequence[Likelihood], f: Tensor, y: Tensor) -> Tens
     if len(kinds) != 1 or len(likelihoods) != f.shape[0]:
         raise ValueError(f"stacked_nll needs one likelihood of one class per copy, got {kinds} for {f.shape[0]} copies")
     targets = y.reshape(y.shape[0], *([1] * (f.dim() - 3)), y.shape[1])  # (R, 1.., M)
-    if kinds == {Gaussian}:
+    if kinds == {Gaussian} and len(likelihoods) > 1:  # one copy: its own nll, with a plain-number precision
         shape = (len(likelihoods), *([1] * (f.dim() - 2)))
         tau = torch.tensor([lik.noise_precision for lik in likelihoods], dtype=f.dtype, device=f.device).view(shape)
         return 0.5 * tau * (f.squeeze(-1) - targets) ** 2 - 0.5 * torch.log(tau / (2 * math.pi))
