@@ -82,7 +82,7 @@ def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails
 
     def diverge_at_rate_01(self, x, y):  # every trial with dropout rate 0.1 diverges
         out = step(self, x, y)
-        out["loss"] = torch.where(self._replica_rates == 0.1, torch.nan, out["loss"])
+        out["loss"] = torch.where(self._rate_tensor == 0.1, torch.nan, out["loss"])
         return out
 
     monkeypatch.setattr(MCDropout, "train_step_replicas", diverge_at_rate_01)

@@ -197,10 +197,12 @@ def test_only_replica_options_may_differ_between_copies() -> None:
     dropout.configure_replicas([{"dropout_rate": 0.1}, {"dropout_rate": 0.2}])  # allowed
 
 
-def test_stacked_nll_matches_each_likelihood() -> None:
-    likelihoods = [Gaussian(0.5), Gaussian(3.0)]
-    f, y = torch.randn(2, 4, 5, 1), torch.randn(2, 5)
+@pytest.mark.parametrize("precisions", [(0.5, 3.0), (2.0,)])  # several copies, and a single run's one
+def test_stacked_nll_matches_each_likelihood(precisions: tuple[float, ...]) -> None:
+    likelihoods = [Gaussian(tau) for tau in precisions]
+    f, y = torch.randn(len(precisions), 4, 5, 1), torch.randn(len(precisions), 5)
     out = stacked_nll(likelihoods, f, y)
+    assert out.shape == (len(precisions), 4, 5)
     for r, lik in enumerate(likelihoods):
         for s in range(4):
             torch.testing.assert_close(out[r, s], lik.nll(f[r, s], y[r]))
@@ -258,7 +260,13 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
         monkeypatch.setattr(stacked.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
     calls = []
     original = MCDropout.predict_replicas
-    monkeypatch.setattr(MCDropout, "predict_replicas", lambda self, *a: calls.append(a[2]) or original(self, *a))
+
+    def recorded(self: MCDropout, *args: object) -> torch.Tensor:
+        if self.n_copies > 1:  # the stack's shared predictions (a replica's own predict is a stack of one)
+            calls.append(args[2])
+        return original(self, *args)
+
+    monkeypatch.setattr(MCDropout, "predict_replicas", recorded)
     common = ["method=dropout", "data=uci/yacht", "data.val_fraction=0.2", "trainer.n_test_mc_samples=70"]
     job = run_job(compose_cfg([*common, "data.split=[1,4,6]"]), tmp_path / "stack")
     assert not job.skipped

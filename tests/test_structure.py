@@ -13,23 +13,10 @@ import ast
 from collections.abc import Mapping
 from pathlib import Path
 
-import pytest
-
 import bdl_bench.methods
 from bdl_bench.methods import METHODS, import_all
 
 PACKAGE = "bdl_bench.methods"
-
-PENDING: set[str] = {
-    # the VOGN branch: Covariance and decayed_rate to _shared.py, _vogn_stacked.py's stacked factors to
-    # bdl_bench/curvature/stacked.py (then nothing of vogn reaches _slang_stacked.py, which imports slang.py)
-    "exact_vi -> vogn",
-    "vogn -> slang",
-    "vogn -> _vogn_stacked -> _slang_stacked -> slang",
-    # the dropout branch: add_prior_term from _shared.py (then map.py drops it from its __all__)
-    "dropout -> map",
-}
-"""Imports other helpers are removing in parallel; the lead empties this set (and drops the xfail) on merging."""
 
 
 def _package_sources() -> dict[str, str]:
@@ -142,12 +129,6 @@ def test_the_check_sees_direct_and_indirect_imports() -> None:
     assert method_imports(sources) == ["a -> _helper -> b", "b -> c", "c -> p"]
 
 
-def test_no_method_imports_another_beyond_the_pending_ones() -> None:
-    """Every method-to-method import is one of :data:`PENDING` (which others are removing)."""
-    assert set(method_imports(_package_sources())) <= PENDING
-
-
-@pytest.mark.xfail(strict=False, reason=f"pending in other branches: {sorted(PENDING)}")
 def test_no_method_imports_another() -> None:
     """No method reaches another method's module through its imports."""
     assert method_imports(_package_sources()) == []

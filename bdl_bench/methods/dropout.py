@@ -34,6 +34,13 @@ it regularises weights only, not biases. Reproducing it exactly therefore needs
 :math:`\lambda_d = l^2 (1 - p)\, s_y^2 / 2` on weights (l = 0.01, :math:`s_y` the training-target std)
 and a negligible bias precision. At test time ``predict`` averages over n stochastic forward passes
 with fresh masks (MC dropout); the noise precision :math:`\tau` enters through ``problem.likelihood``.
+
+**Stacked copies** (:class:`~bdl_bench.methods.base.StackedMethod`): the weights are ``theta`` ``(R, D)``, R
+copies under one Adam (per coordinate, so R independent Adams), and a single run is the stack of one copy.
+Every mask is drawn once, with a single run's shape, and shared by the copies, copy r keeping the units
+whose uniform draw is at least its own rate (``replica_options``: the trials of Gal's grid differ in
+``dropout_rate``); so copy r draws exactly the masks a single run of the same seed draws. Models with
+other parametrised layers run as a single run only (R = 1).
 """
 
 from __future__ import annotations
@@ -52,20 +59,20 @@ from torch.func import functional_call
 from bdl_bench.curvature.products import stacked_linear
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import stacked_nll
-from bdl_bench.methods.base import CannotStack, Method, Problem, register_method, stacked_prior
-from bdl_bench.methods.map import add_prior_term
+from bdl_bench.methods._shared import add_prior_term
+from bdl_bench.methods.base import CannotStack, Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, POSITIVE, UNIT_OPEN
 
-_PREDICT_CHUNK = 64  # mask draws per vectorised forward pass in ``predict``
+_PREDICT_CHUNK = 64  # mask draws per chunk of ``predict``
 _PREDICT_BUDGET = 2**16  # module-wise path: (mask draws x examples) per forward pass in ``predict``
-_SLICE_ELEMENTS = 2**19  # predict_replicas: (mask draws x examples x widest layer) per slice, 2 MB in float32
+_SLICE_ELEMENTS = 2**19  # predict: (mask draws x examples x widest layer) per slice, 2 MB in float32
 _PREFIX_ROWS = 1024  # module-wise path: examples per pass through the deterministic modules in ``predict``
 
 
 @register_method("dropout")
-class MCDropout(Method):
+class MCDropout(StackedMethod):
     """MC dropout trained with Adam (see the module docstring).
 
     Args:
@@ -79,17 +86,12 @@ class MCDropout(Method):
             or a non-bool ``dropout_inputs``.
     """
 
-    supports_replicas = True  # stacked splits: models of nn.Linear layers (UCI MLPs)
     replica_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
     option_ranges = MappingProxyType({"lr": POSITIVE, "dropout_rate": UNIT_OPEN, "n_train_mc_samples": COUNT})
+    copy_state = ("theta",)
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
-        if not lr > 0:
-            raise ConfigError(f"dropout: lr must be positive, got {lr}")
-        if not 0 < dropout_rate < 1:
-            raise ConfigError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {dropout_rate}")
-        if int(n_train_mc_samples) != n_train_mc_samples or n_train_mc_samples < 1:
-            raise ConfigError(f"dropout: n_train_mc_samples must be an integer >= 1, got {n_train_mc_samples}")
+        self.check_options(locals())
         if not isinstance(dropout_inputs, bool):
             raise ConfigError(f"dropout: dropout_inputs must be true or false, got {dropout_inputs!r}")
         self.lr = lr
@@ -97,16 +99,17 @@ class MCDropout(Method):
         self.n_train_mc_samples = int(n_train_mc_samples)
         self.dropout_inputs = dropout_inputs
 
-    def setup(self, problem: Problem) -> None:
-        """Start from the model's parameters.
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """R copies from the model's parameters: ``theta`` ``(R, D)``, one Adam over it.
 
         Raises:
             ValueError: unless the model is an ``nn.Sequential``; when it has parametrised modules
                 other than ``nn.Linear``, unless it has top-level ``nn.Dropout`` modules, all of rate
-                ``dropout_rate``, and no dropout nested inside another module.
+                ``dropout_rate``, and no dropout nested inside another module; on a copy's rate outside (0, 1).
+            CannotStack: for R > 1 copies of a model with layers other than ``nn.Linear``.
         """
-        super().setup(problem)
-        model = problem.model
+        super().setup_replicas(problems)
+        model = self.problem.model
         if not isinstance(model, nn.Sequential):
             raise ConfigError(f"dropout: needs an nn.Sequential model, got {type(model).__name__}")
         others = [
@@ -117,8 +120,30 @@ class MCDropout(Method):
         self._linear_only = not others
         if not self._linear_only:
             self._check_dropout_modules(model, others[0])
-        self.theta = flat_params(model).requires_grad_(True)  # (D,)
+            if len(problems) > 1:
+                raise CannotStack("dropout: stacked splits need a model of nn.Linear layers")
+        rates = [float(p) for p in self.replica_option("dropout_rate")]
+        if not all(0 < p < 1 for p in rates):
+            raise ConfigError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
+        theta = flat_params(model)
+        self._per_copy(rates, theta)
+        self._prior = stacked_prior(problems).to(theta)  # (R, D)
+        self.theta = theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
         self.optimizer = adam([self.theta], self.lr)
+
+    def _per_copy(self, rates: list[float], like: Tensor) -> None:
+        """The copies' constants: their dropout rates ``_rates``, for the masks either ``_shared_rate`` (one rate
+        for all copies: a single run's mask serves them all) or ``_rate_tensor`` ``(R,)``, and ``_ones`` ``(R,)``."""
+        self._rates = rates
+        self._shared_rate = rates[0] if len(set(rates)) == 1 else None
+        self._rate_tensor = torch.tensor(rates, dtype=like.dtype, device=like.device)
+        self._ones = torch.ones(len(rates), dtype=like.dtype, device=like.device)
+
+    def replica(self, index: int) -> MCDropout:
+        single: MCDropout = super().replica(index)  # type: ignore[assignment]
+        single._per_copy([single.dropout_rate], single.theta)
+        single._prior = self._prior[index : index + 1]
+        return single
 
     def _check_dropout_modules(self, model: nn.Sequential, first_other: tuple[str, nn.Module]) -> None:
         """The module-wise path's requirements (module docstring)."""
@@ -145,154 +170,92 @@ class MCDropout(Method):
             ):
                 raise ConfigError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
 
-    def _drop(self, h: Tensor, shared_dims: int = 0) -> Tensor:
-        """``h`` times a fresh inverted-dropout mask from the generator, one entry per element; the
-        mask is drawn without ``h``'s first ``shared_dims`` dimensions and shared along them."""
-        return h * self._scaled_masks(h.shape[shared_dims:], h, [self.dropout_rate])[self.dropout_rate]
+    # ------------------------------------------------------------------ masks
+    def _masks(self, shape: Sequence[int], like: Tensor) -> Tensor:
+        r"""Every copy's inverted-dropout mask :math:`m/(1 - p_r)`, :math:`m = [u \ge p_r]`, from one uniform
+        draw u of ``shape`` (a single run's): ``shape`` itself where the copies share their rate, else
+        ``(R, *shape)``."""
+        u = self._uniform(shape, like)
+        if self._shared_rate is not None:
+            return u.ge_(self._shared_rate).div_(1 - self._shared_rate)
+        rates = self._rate_tensor.view(-1, *([1] * len(shape)))
+        return (u >= rates).to(u.dtype).div_(1 - rates)
 
-    def _scaled_masks(self, shape: torch.Size, like: Tensor, rates: Sequence[float]) -> dict[float, Tensor]:
-        r"""Inverted-dropout masks :math:`m/(1 - p)`, :math:`m = [u \ge p]`, of ``shape`` for each rate p of
-        ``rates``, all from one uniform draw u of the generator (in place for a single rate)."""
-        g = self.problem.generator
-        u = torch.rand(shape, generator=g, device=g.device, dtype=like.dtype).to(like.device)
+    def _scaled_masks(self, shape: Sequence[int], like: Tensor, rates: Sequence[float]) -> dict[float, Tensor]:
+        """:meth:`_masks` for each distinct rate of ``rates``, all from one uniform draw."""
+        u = self._uniform(shape, like)
         distinct = list(dict.fromkeys(rates))
         if len(distinct) == 1:
             return {distinct[0]: u.ge_(distinct[0]).div_(1 - distinct[0])}
         return {p: u.ge(p).to(u.dtype).div_(1 - p) for p in distinct}
 
-    def _outputs(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs under ``n_samples`` independent mask draws: ``(S, N, out)``."""
-        if not self._linear_only:
-            params = self._module_params(theta)
-            return self._stochastic_part(params, self._deterministic_part(params, x), n_samples)
+    def _uniform(self, shape: Sequence[int], like: Tensor) -> Tensor:
+        """U(0, 1) numbers of ``shape`` from the method's generator, in ``like``'s dtype and on its device."""
+        g = self.problem.generator
+        return torch.rand(shape, generator=g, device=g.device, dtype=like.dtype).to(like.device)
+
+    # ------------------------------------------------------------------ fitting
+    def _outputs(self, x: Tensor, n_samples: int) -> Tensor:
+        """Every copy's network outputs on its inputs ``x`` ``(R, M, in)`` under ``n_samples`` mask draws, draw by
+        draw: ``(R, S·M, out)`` (models of ``nn.Linear`` layers)."""
         model = self.problem.model
-        params = unflatten(model, theta)
-        h = x.unsqueeze(0).expand(n_samples, *x.shape)  # (S, N, in)
+        n_copies = x.shape[0]
+        # a single run's weights are 2-d: its GEMMs give the weight gradients in the parameters' own layout
+        params = unflatten(model, self.theta.view(-1)) if n_copies == 1 else unflatten_stacked(model, self.theta)
+        h = x if n_samples == 1 else x.repeat(1, n_samples, 1)  # (R, S·M, in): the minibatch once per mask draw
         first = True
         for name, module in model.named_children():
             if isinstance(module, nn.Linear):
                 if not first or self.dropout_inputs:
-                    h = self._drop(h)
+                    h = h * self._masks(h.shape[1:], h)  # each (S, M, in) mask draw of a single run, flattened
                 first = False
-                h = F.linear(h, params[f"{name}.weight"], params.get(f"{name}.bias"))
+                weight, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
+                h = F.linear(h, weight, bias) if weight.dim() == 2 else stacked_linear(h, weight, bias)
             elif not isinstance(module, nn.modules.dropout._DropoutNd):
                 h = module(h)
         return h
 
-    # ------------------------------------------------------------------ module-wise path (conv models)
-    def _module_params(self, theta: Tensor) -> list[dict[str, Tensor]]:
-        """``theta`` split per top-level module, keyed by the module's own parameter names."""
-        params = unflatten(self.problem.model, theta)
-        out: list[dict[str, Tensor]] = []
-        for name, _ in self.problem.model.named_children():
-            prefix = f"{name}."
-            out.append({k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)})
-        return out
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        n_samples = self.n_train_mc_samples
+        if self._linear_only:
+            f = self._outputs(x, n_samples)  # (R, S·M, out)
+        else:  # a single run (setup_replicas)
+            f = self._outputs_module_wise(self.theta.view(-1), x[0], n_samples).flatten(0, 1).unsqueeze(0)
+        y = y if n_samples == 1 else y.repeat(1, n_samples)  # (R, S·M): the targets of each draw's outputs
+        nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=1)  # (R,)
+        nll.backward(self._ones)  # the gradient of the copies' sum: each copy's is its own objective's
+        penalty = add_prior_term(self.theta, self._prior, self.problem.n_data)  # (R,)
+        self.optimizer.step()
+        nll = nll.detach()
+        return {"loss": nll + penalty, "nll": nll}
 
-    def _first_stochastic(self) -> int:
-        """Index of the first top-level module that draws masks (0 with ``dropout_inputs``)."""
-        if self.dropout_inputs:
-            return 0
-        return next(i for i, m in enumerate(self.problem.model.children()) if isinstance(m, nn.Dropout))
-
-    def _apply(self, index: int, module: nn.Module, params: list[dict[str, Tensor]], h: Tensor) -> Tensor:
-        if isinstance(module, nn.Dropout):
-            return self._drop(h)
-        return functional_call(module, params[index], (h,)) if params[index] else module(h)
-
-    def _deterministic_part(self, params: list[dict[str, Tensor]], x: Tensor) -> Tensor:
-        """The modules before the first mask, once for all mask draws: ``(N, ...)``."""
-        h = x
-        for i, module in enumerate(list(self.problem.model.children())[: self._first_stochastic()]):
-            h = self._apply(i, module, params, h)
-        return h
-
-    def _stochastic_part(self, params: list[dict[str, Tensor]], h: Tensor, n_samples: int) -> Tensor:
-        """The remaining modules under ``n_samples`` mask draws of ``h`` ``(N, ...)``: ``(S, N, out)``."""
-        n = h.shape[0]
-        h = h.unsqueeze(0).expand(n_samples, *h.shape).reshape(n_samples * n, *h.shape[1:])
-        start = self._first_stochastic()
-        if self.dropout_inputs:
-            h = self._drop(h)
-        for i, module in enumerate(list(self.problem.model.children())[start:], start=start):
-            h = self._apply(i, module, params, h)
-        return h.reshape(n_samples, n, *h.shape[1:])
-
-    def _predict_module_wise(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
-        """``predict`` of the module-wise path, in slices that bound the memory of a conv net on a test set."""
-        params = self._module_params(theta)
-        h = torch.cat([self._deterministic_part(params, xs) for xs in x.split(_PREFIX_ROWS)])
-        chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            s = min(_PREDICT_CHUNK, n_samples - start)
-            rows = max(1, _PREDICT_BUDGET // s)
-            chunks.append(torch.cat([self._stochastic_part(params, hs, s) for hs in h.split(rows)], dim=1))
-        return torch.cat(chunks)
-
-    # ------------------------------------------------------------------ stacked splits
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies: ``(R, D)`` weights, one Adam (per coordinate, so R independent Adams).
-
-        Raises:
-            CannotStack: for models with layers other than ``nn.Linear`` (and whatever :meth:`setup` refuses).
-        """
-        self.setup(problems[0])
+    # ------------------------------------------------------------------ prediction
+    @torch.no_grad()
+    def predict(self, x: Tensor, n_samples: int) -> Tensor:
+        """``n_samples`` stochastic forward passes with dropout active: ``(S, N, out)``."""
+        theta = self.only_copy(self.theta.detach())
         if not self._linear_only:
-            raise CannotStack("dropout: stacked splits need a model of nn.Linear layers")
-        self._replica_problems = list(problems)
-        self._replica_prior = stacked_prior(problems).to(self.theta)  # (R, D)
-        rates = self.replica_option("dropout_rate")
-        if not all(0 < p < 1 for p in rates):
-            raise ValueError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
-        self._replica_rate_values = [float(p) for p in rates]
-        self._replica_rates = torch.tensor(rates, dtype=self.theta.dtype, device=self.theta.device)  # (R,)
-        # one rate for all copies (e.g. trials of tau alone): the single run's mask serves them all
-        self._shared_rate = self._replica_rate_values[0] if len(set(self._replica_rate_values)) == 1 else None
-        self.theta = self.theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
-        self.optimizer = adam([self.theta], self.lr)
-
-    def _outputs_replicas(self, x: Tensor, n_samples: int) -> Tensor:
-        """:meth:`_outputs` of every copy on its inputs ``x`` ``(R, M, in)``: ``(R, S, M, out)``; each mask
-        is drawn once, with a single run's shape, and shared by the copies."""
-        params = unflatten_stacked(self.problem.model, self.theta)
-        n_copies, n_examples = x.shape[0], x.shape[1]
-        h = x.unsqueeze(1).expand(n_copies, n_samples, *x.shape[1:]).reshape(n_copies, n_samples * n_examples, -1)
-        first = True
-        for name, module in self.problem.model.named_children():
-            if isinstance(module, nn.Linear):
-                if not first or self.dropout_inputs:
-                    h = self._drop_replicas(h.view(n_copies, n_samples, n_examples, -1)).view(h.shape)
-                first = False
-                h = stacked_linear(h, params[f"{name}.weight"], params.get(f"{name}.bias"))
-            elif not isinstance(module, nn.modules.dropout._DropoutNd):
-                h = module(h)
-        return h.view(n_copies, n_samples, n_examples, -1)
-
-    def _drop_replicas(self, h: Tensor) -> Tensor:
-        """:meth:`_drop` of stacked copies ``h`` ``(R, ...)``: one uniform draw with a single run's shape,
-        shared by the copies, copy r keeping the units whose draw is at least its own rate."""
-        if self._shared_rate is not None:  # one rate for all copies: the single run's mask, in place
-            return h * self._scaled_masks(h.shape[1:], h, [self._shared_rate])[self._shared_rate]
-        g = self.problem.generator
-        u = torch.rand(h.shape[1:], generator=g, device=g.device, dtype=h.dtype).to(h.device)
-        rates = self._replica_rates.view(-1, *([1] * (h.dim() - 1)))
-        return h * (u >= rates).to(h.dtype).div_(1 - rates)
+            return self._predict_module_wise(theta, x, n_samples)
+        return self.predict_replicas(x.unsqueeze(0), n_samples, [0])[0]
 
     @torch.no_grad()
     def predict_replicas(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
         """:meth:`predict` of the stacked copies ``copies`` on their inputs ``x`` ``(len(copies), N, in)``:
         ``(len(copies), S, N, out)``, copy r's slice what ``self.replica(r).predict(x[r], S)`` returns from
         the generator's present state, and the generator left where that call leaves it. The masks a
-        single run draws are drawn once, in its order and chunks, and shared by the copies (one per distinct
-        rate), so the copies cost their products only, not their random numbers.
+        single run draws are drawn once, in chunks of ``_PREDICT_CHUNK`` draws, layer by layer, and shared
+        by the copies (one per distinct rate), so the copies cost their products only, not their random
+        numbers. Each copy is then run a slice of the chunk's draws at a time (its activations in cache).
 
         Raises:
             CannotStack: for models with layers other than ``nn.Linear``.
         """
         if not self._linear_only:
             raise CannotStack("dropout: shared predictions need a model of nn.Linear layers")
-        thetas = self.theta.detach()[list(copies)]
-        rates = [self._replica_rate_values[r] for r in copies]
+        thetas = self.theta.detach().index_select(0, torch.tensor(list(copies), device=self.theta.device))
+        rates = [self._rates[r] for r in copies]
         layers = [(name, m) for name, m in self.problem.model.named_children()]
         params = unflatten_stacked(self.problem.model, thetas)
         n_examples = x.shape[1]
@@ -301,12 +264,12 @@ class MCDropout(Method):
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
             size = min(_PREDICT_CHUNK, n_samples - start)
-            masks, first = [], True  # each Linear's masks, drawn in the order _outputs draws them
+            masks, first = [], True  # each Linear's masks, drawn in the order training draws them
             for _, module in layers:
                 if isinstance(module, nn.Linear):
                     drop = not first or self.dropout_inputs
                     first = False
-                    shape = torch.Size((size, n_examples, module.in_features))
+                    shape = (size, n_examples, module.in_features)
                     masks.append(self._scaled_masks(shape, thetas, rates) if drop else None)
             out = None
             for c, rate in enumerate(rates):
@@ -331,53 +294,65 @@ class MCDropout(Method):
             chunks.append(out)
         return torch.cat(chunks, dim=1)
 
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
-        p = self.problem
-        self.optimizer.zero_grad(set_to_none=True)
-        f = self._outputs_replicas(x, self.n_train_mc_samples)
-        nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=(1, 2))  # (R,)
-        nll.sum().backward()
-        with torch.no_grad():  # the prior's term and gradient by hand, as map.add_prior_term, copy by copy
-            self.theta.grad.addcmul_(self.theta, self._replica_prior, value=1.0 / p.n_data)
-            penalty = (self.theta * self.theta * self._replica_prior).sum(-1) * (0.5 / p.n_data)
-        self.optimizer.step()
-        nll = nll.detach()
-        return {"loss": nll + penalty, "nll": nll}
+    # ------------------------------------------------------------------ module-wise path (conv models, R = 1)
+    def _outputs_module_wise(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
+        """Network outputs at ``theta`` ``(D,)`` under ``n_samples`` independent mask draws: ``(S, N, out)``."""
+        params = self._module_params(theta)
+        return self._stochastic_part(params, self._deterministic_part(params, x), n_samples)
 
-    def replica(self, index: int) -> MCDropout:
-        single = copy.copy(self)
-        single.dropout_rate = self._replica_rate_values[index]
-        single.setup(self._replica_problems[index])
-        with torch.no_grad():
-            single.theta.copy_(self.theta[index])
-        return single
+    def _module_params(self, theta: Tensor) -> list[dict[str, Tensor]]:
+        """``theta`` split per top-level module, keyed by the module's own parameter names."""
+        params = unflatten(self.problem.model, theta)
+        out: list[dict[str, Tensor]] = []
+        for name, _ in self.problem.model.named_children():
+            prefix = f"{name}."
+            out.append({k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)})
+        return out
 
-    # ------------------------------------------------------------------ fitting and prediction
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
-        p = self.problem
-        self.optimizer.zero_grad(set_to_none=True)
-        f = self._outputs(self.theta, x, self.n_train_mc_samples)
-        nll = p.likelihood.sample_nll(f, y).mean()
-        nll.backward()
-        penalty = add_prior_term(self.theta, p.prior_precision, p.n_data)
-        self.optimizer.step()
-        return {"loss": nll.detach() + penalty, "nll": nll.detach()}
+    def _first_stochastic(self) -> int:
+        """Index of the first top-level module that draws masks (0 with ``dropout_inputs``)."""
+        if self.dropout_inputs:
+            return 0
+        return next(i for i, m in enumerate(self.problem.model.children()) if isinstance(m, nn.Dropout))
 
-    @torch.no_grad()
-    def predict(self, x: Tensor, n_samples: int) -> Tensor:
-        """``n_samples`` stochastic forward passes with dropout active: ``(S, N, out)``."""
-        theta = self.theta.detach()
-        if not self._linear_only:
-            return self._predict_module_wise(theta, x, n_samples)
+    def _apply(self, index: int, module: nn.Module, params: list[dict[str, Tensor]], h: Tensor) -> Tensor:
+        if isinstance(module, nn.Dropout):
+            return h * self._masks(h.shape, h)
+        return functional_call(module, params[index], (h,)) if params[index] else module(h)
+
+    def _deterministic_part(self, params: list[dict[str, Tensor]], x: Tensor) -> Tensor:
+        """The modules before the first mask, once for all mask draws: ``(N, ...)``."""
+        h = x
+        for i, module in enumerate(list(self.problem.model.children())[: self._first_stochastic()]):
+            h = self._apply(i, module, params, h)
+        return h
+
+    def _stochastic_part(self, params: list[dict[str, Tensor]], h: Tensor, n_samples: int) -> Tensor:
+        """The remaining modules under ``n_samples`` mask draws of ``h`` ``(N, ...)``: ``(S, N, out)``."""
+        n = h.shape[0]
+        h = h.unsqueeze(0).expand(n_samples, *h.shape).reshape(n_samples * n, *h.shape[1:])
+        start = self._first_stochastic()
+        if self.dropout_inputs:
+            h = h * self._masks(h.shape, h)
+        for i, module in enumerate(list(self.problem.model.children())[start:], start=start):
+            h = self._apply(i, module, params, h)
+        return h.reshape(n_samples, n, *h.shape[1:])
+
+    def _predict_module_wise(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
+        """``predict`` of the module-wise path, in slices that bound the memory of a conv net on a test set."""
+        params = self._module_params(theta)
+        h = torch.cat([self._deterministic_part(params, xs) for xs in x.split(_PREFIX_ROWS)])
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
-            chunks.append(self._outputs(theta, x, min(_PREDICT_CHUNK, n_samples - start)))
+            s = min(_PREDICT_CHUNK, n_samples - start)
+            rows = max(1, _PREDICT_BUDGET // s)
+            chunks.append(torch.cat([self._stochastic_part(params, hs, s) for hs in h.split(rows)], dim=1))
         return torch.cat(chunks)
 
+    # ------------------------------------------------------------------ state
     def point_estimate(self) -> Tensor:
         """The trained weights (what a deterministic network with dropout switched off would use)."""
-        return self.theta.detach()
+        return self.only_copy(self.theta.detach())
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}

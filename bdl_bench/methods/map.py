@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bdl_bench.methods._shared import add_prior_term, map_step
+from bdl_bench.methods._shared import map_step
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import POSITIVE
 
-__all__ = ["MAP", "add_prior_term"]  # add_prior_term: only until dropout.py imports it from _shared
+__all__ = ["MAP"]
 
 
 @register_method("map")

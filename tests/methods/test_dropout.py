@@ -14,9 +14,9 @@ from torch.testing import assert_close
 
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
-from bdl_bench.methods.base import Method, Problem
+from bdl_bench.methods.base import CannotStack, Method, Problem
 from bdl_bench.models import build_model
-from bdl_bench.models.params import flat_params, prior_precision_vector
+from bdl_bench.models.params import flat_params, prior_precision_vector, unflatten
 
 NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
 MLP = {"name": "mlp", "hidden": [32], "activation": "relu"}
@@ -63,6 +63,28 @@ def classification_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 100) -> None:
     method.setup(problem)
     method.fit(x, y, n_epochs=n_epochs, batch_size=50, data_generator=torch.Generator().manual_seed(7))
+
+
+def reference_outputs(
+    model: nn.Module, theta: Tensor, x: Tensor, n_samples: int, rate: float, generator: torch.Generator, inputs: bool
+) -> Tensor:
+    """The slow twin of MC dropout's forward pass on an MLP: its layers one by one at the flat parameters ``theta``,
+    the ``(S, N, in)`` masks of every ``nn.Linear`` but the first (and of the first with ``inputs``) drawn from
+    ``generator`` layer by layer: ``(S, N, out)``."""
+    params = unflatten(model, theta)
+    h, first = x.expand(n_samples, *x.shape), True
+    for name, module in model.named_children():
+        if isinstance(module, nn.Linear):
+            if inputs or not first:
+                keep = torch.rand(h.shape, generator=generator, dtype=h.dtype) >= rate
+                h = h * keep / (1 - rate)
+            first = False
+            h = h @ params[f"{name}.weight"].T + params[f"{name}.bias"]
+        elif isinstance(module, nn.ReLU):
+            h = torch.relu(h)
+        else:
+            assert isinstance(module, nn.Dropout), module
+    return h
 
 
 @pytest.mark.parametrize("dropout_inputs", [True, False])
@@ -112,7 +134,7 @@ def test_mask_rate_and_inverted_scaling() -> None:
     problem = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=0)
     method = make_dropout(dropout_rate=0.3)
     method.setup(problem)
-    dropped = method._drop(torch.ones(200_000))
+    dropped = method._masks((200_000,), torch.ones(()))
     assert_close((dropped == 0).double().mean().item(), 0.3, rtol=0, atol=0.005)
     assert_close(dropped[dropped != 0], torch.full_like(dropped[dropped != 0], 1 / 0.7))
 
@@ -142,7 +164,9 @@ def test_ignores_the_models_own_dropout_modules() -> None:
 
 @pytest.mark.parametrize("rate", [0.0, 1.0, -0.1, 1.5])
 def test_bad_dropout_rate_raises(rate: float) -> None:
-    with pytest.raises(ValueError, match=rf"0 < p < 1, got {rate}"):
+    with pytest.raises(
+        ValueError, match=rf"dropout: method\.dropout_rate={rate} is out of range: it must be a number in \(0, 1\)"
+    ):
         make_dropout(dropout_rate=rate)
 
 
@@ -244,7 +268,7 @@ def test_lenet_predict_in_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch
     sliced = method.predict(x, 3)
     assert sliced.shape == whole.shape and torch.isfinite(sliced).all()
     assert not torch.allclose(sliced, whole)  # other masks, same distribution
-    params = method._module_params(method.theta.detach())
+    params = method._module_params(method.point_estimate())
     problem.generator.manual_seed(0)
     assert_close(method._stochastic_part(params, x[:3], 3), sliced[:, :3], rtol=0, atol=0)
 
@@ -262,6 +286,16 @@ def test_lenet_train_steps_decrease_the_loss() -> None:
     losses = [method.train_step(x, y)["loss"] for _ in range(30)]
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0]
     assert predictive_nll() < 0.6 * before
+
+
+def test_conv_model_runs_alone_but_does_not_stack() -> None:
+    """The stacked step is written for nn.Linear layers: a LeNet is a single run (a stack of one) only."""
+    problem, x, y = lenet_problem(0.5)
+    with pytest.raises(CannotStack, match="nn.Linear"):
+        make_dropout(dropout_rate=0.5).setup_replicas([problem, problem])
+    single = make_dropout(dropout_rate=0.5)
+    single.setup_replicas([problem])
+    assert torch.isfinite(single.train_step_replicas(x[None], y[None])["loss"]).all()
 
 
 def test_conv_model_without_dropout_modules_or_with_another_rate_is_refused() -> None:
@@ -294,7 +328,8 @@ def test_def_table1_mc_dropout_variant_builds_a_lenet_with_matching_rates() -> N
 def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stacked copies with their own rates (a grid's trials), predicted together with shared masks: each
     copy's outputs are bit for bit its replica's ``predict`` from the same generator state, in slices
-    of a chunk too, and the generator ends where that ``predict`` leaves it."""
+    of a chunk too, and the generator ends where that ``predict`` leaves it; and they are the slow twin's
+    forward passes, chunk by chunk of ``_PREDICT_CHUNK`` mask draws, with the copy's weights and rate."""
     import bdl_bench.methods.dropout as dropout_module
 
     monkeypatch.setattr(dropout_module, "_SLICE_ELEMENTS", 2 * 40 * 32)  # two samples per slice
@@ -323,13 +358,26 @@ def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, mon
         assert single.dropout_rate == rates[r]
         assert torch.equal(outputs[position], single.predict(x[r], n_samples)), r
         assert torch.equal(own.get_state(), shared.get_state())
+        twin = torch.Generator().manual_seed(9)
+        chunk = dropout_module._PREDICT_CHUNK
+        chunks = [min(chunk, n_samples - start) for start in range(0, n_samples, chunk)]
+        expected = torch.cat(
+            [
+                reference_outputs(
+                    method.problem.model, single.point_estimate(), x[r], n, rates[r], twin, dropout_inputs
+                )
+                for n in chunks
+            ]
+        )
+        assert_close(outputs[position], expected)
+        assert torch.equal(twin.get_state(), shared.get_state())
     assert not torch.equal(outputs[0], outputs[2])  # copies 0 and 2 share a rate, not their weights
 
 
 def test_step_equals_autograd_of_the_objective_with_plain_adam() -> None:
-    """The prior's gradient added in place (map.add_prior_term) and the fused Adam give the steps of autograd
-    through the whole objective + the plain Adam, with the same masks (float64, several steps, a
-    per-parameter prior with its own bias precision)."""
+    """The prior's gradient added in place (add_prior_term) and the fused Adam give the steps of autograd
+    through the whole objective of the slow twin's forward pass + the plain Adam, with the same masks (float64,
+    several steps, a per-parameter prior with its own bias precision)."""
     x, y, _, _ = regression_data(0)
     x, y = x.double(), y.double()
     base = make_problem(1, Gaussian(noise_precision=NOISE_PRECISION), seed=1)
@@ -346,11 +394,11 @@ def test_step_equals_autograd_of_the_objective_with_plain_adam() -> None:
         out = method.train_step(x[batch], y[batch])
         problem.generator.set_state(state)  # the twin draws the same masks
         plain.zero_grad()
-        f = method._outputs(twin, x[batch], 2)
+        f = reference_outputs(problem.model, twin, x[batch], 2, 0.2, problem.generator, inputs=True)
         nll = torch.stack([problem.likelihood.nll(f_s, y[batch]) for f_s in f]).mean()
         loss = nll + 0.5 * (problem.prior_precision * twin**2).sum() / problem.n_data
         loss.backward()
         plain.step()
         assert_close(out["loss"], loss.detach(), rtol=1e-12, atol=0)
-    assert_close(method.theta.detach(), twin.detach(), rtol=1e-10, atol=1e-12)
+    assert_close(method.point_estimate(), twin.detach(), rtol=1e-10, atol=1e-12)
     assert not torch.equal(twin.detach(), flat_params(problem.model))

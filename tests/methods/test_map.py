@@ -169,10 +169,12 @@ def test_step_equals_autograd_of_the_objective_with_plain_adam() -> None:
     assert not torch.equal(twin.detach(), flat_params(problem.model))
 
 
-def test_add_prior_term_rows_match_autograd() -> None:
+@pytest.mark.parametrize("prior_rows", [None, 1, 3])  # (D,), one (1, D) row for all, a row per row of theta
+def test_add_prior_term_rows_match_autograd(prior_rows: int | None) -> None:
     g = torch.Generator().manual_seed(0)
     theta = torch.randn(3, 7, generator=g, dtype=torch.float64, requires_grad=True)
-    prior = torch.rand(7, generator=g, dtype=torch.float64) + 0.1
+    shape = (7,) if prior_rows is None else (prior_rows, 7)
+    prior = torch.rand(shape, generator=g, dtype=torch.float64) + 0.1
     term = 0.5 * (prior * theta**2).sum(1) / 40
     (grad,) = torch.autograd.grad(term.sum(), theta)
     theta.grad = torch.full_like(theta, 2.0)
