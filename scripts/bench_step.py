@@ -26,9 +26,12 @@ The layer-wise VI methods of the k-tied and ELRG papers are timed the same way w
 their ``conf/method`` defaults with one MC sample (``--mc-samples``), no KL annealing and no SNR
 tracking; ``rank`` in the record is k or K (``null`` for gmfvi). Their ``flop_ratio``
 (:func:`vi_flop_ratio`) is 2 for GMFVI (mean and variance paths), about 1 for k-tied (its variance path
-is a rank-k² product) and 1 + K for ELRG (K + 2 with the learned diagonal).
+is a rank-k² product) and 1 + K for ELRG (K + 2 with the learned diagonal). ``ivon`` is IVON (Shen et al. 2024)
+with beta2 = 0.99999, h_0 = 1 and lr 1e-3; its ``flop_ratio`` is 1 per MC sample (one forward and backward at
+a sampled weight vector), the rest of its step being passes over the ``(D,)`` state and the weight noise.
 
     python scripts/bench_step.py --methods gmfvi,ktied:2,elrg:1,elrg:5 --no-memory
+    python scripts/bench_step.py --methods ivon --no-memory --clock thread
 
 ``--clock thread`` times with ``time.thread_time`` (this thread's CPU time) instead of the wall clock,
 for machines shared with other jobs, where a long step is preempted more often than a short one; the
@@ -149,6 +152,9 @@ def vi_config(spec: str, n_samples: int) -> dict:
         ValueError: on another spec.
     """
     name, _, rank = spec.partition(":")
+    if name == "ivon":
+        ivon = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.99999, "hess_init": 1.0, "clip_radius": None, "decay": 0.0}
+        return {"name": "ivon", "n_train_mc_samples": n_samples, **ivon}
     common = {"lr": 1e-3, "n_train_mc_samples": n_samples, "init_std": 0.01, "kl_annealing_steps": 0, "snr_window": 0}
     if name == "gmfvi":
         return {"name": "gmfvi", "conv_estimator": "local", **common}
@@ -156,7 +162,7 @@ def vi_config(spec: str, n_samples: int) -> dict:
         return {"name": "ktied", "k": int(rank or 2), "tie_conv": False, "conv_estimator": "local", **common}
     if name in ("elrg", "elrg_d"):
         return {"name": "elrg", "rank": int(rank or 1), "learn_diag": name == "elrg_d", **common}
-    raise ValueError(f"unknown method {spec!r}; use slang, gmfvi, ktied:<k>, elrg:<K> or elrg_d:<K>")
+    raise ValueError(f"unknown method {spec!r}; use slang, gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K> or ivon")
 
 
 def _vi_stepper(device: torch.device, batch: int, cfg: dict) -> Callable[[], None]:
@@ -191,7 +197,9 @@ def vi_flop_ratio(model: torch.nn.Module, batch: int, cfg: dict, n_samples: int)
     weights = [m.in_features * m.out_features for m in linears]
     one_path = batch * (3 * sum(weights) - weights[0])  # forward, weight grads, input grads but the first
     paths = n_samples * one_path
-    if cfg["name"] == "gmfvi":
+    if cfg["name"] == "ivon":  # one path per sample: the gradient at the sample is all it needs
+        step = paths
+    elif cfg["name"] == "gmfvi":
         step = 2 * paths
     elif cfg["name"] == "ktied":
         ranks = [min(cfg["k"], m.in_features, m.out_features) for m in linears]
@@ -249,7 +257,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="skip the (slow, profiled) memory measurement")
     parser.add_argument(
-        "--methods", default="slang", help="comma-separated: slang, gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K>"
+        "--methods", default="slang", help="comma-separated: slang, gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K>, ivon"
     )
     parser.add_argument("--clock", default="wall", choices=["wall", "thread"], help="wall clock or thread CPU time")
     args = parser.parse_args()

@@ -53,3 +53,13 @@ def test_gmfvi_flop_ratio_counts_every_matrix_product(small_mlp: torch.nn.Module
     gmfvi = _count(bench_step._vi_stepper(cpu, batch, cfg))
     sgd = _count(bench_step._sgd_stepper(cpu, batch))
     assert bench_step.vi_flop_ratio(small_mlp, batch, cfg, 1) == pytest.approx(gmfvi / sgd, rel=1e-9)
+
+
+def test_ivon_flop_ratio_counts_every_matrix_product(small_mlp: torch.nn.Module) -> None:
+    """IVON's step is one forward and backward per sample at a sampled weight vector, the gradient taken with
+    respect to the weights alone: SGD's products, once per sample."""
+    cpu, batch = torch.device("cpu"), 16
+    cfg = bench_step.vi_config("ivon", 1)
+    ivon = _count(bench_step._vi_stepper(cpu, batch, cfg))
+    sgd = _count(bench_step._sgd_stepper(cpu, batch))
+    assert bench_step.vi_flop_ratio(small_mlp, batch, cfg, 1) == pytest.approx(ivon / sgd, rel=1e-9)

@@ -175,6 +175,7 @@ METHODS = [
     "map",
     "bbb",
     "dropout",
+    "ivon",
     "slang",
     "vogn",
     "vogn method.covariance=diag",
@@ -235,6 +236,7 @@ STEP_METHODS = {  # each method's conf/method/<name>.yaml with these changes
     "map": {},
     "dropout": {},
     "bbb": {},
+    "ivon": {},
     "ensemble": {"n_members": 3},
     "vogn": {"covariance": "diag"},
     "gmfvi": {},
@@ -295,7 +297,7 @@ def test_a_diverging_loss_is_still_caught_at_its_step(compose_cfg) -> None:
             built.fit(x, y, n_epochs=2, batch_size=10, data_generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("method", ["bbb", "dropout", "vogn"])
+@pytest.mark.parametrize("method", ["bbb", "dropout", "ivon", "vogn"])
 def test_stacked_training_steps_do_not_wait_for_the_device(method: str, compose_cfg) -> None:
     config = _method_config(method, compose_cfg)
     with fake_device() as check:

@@ -31,6 +31,16 @@ METHODS = {
     "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},
     "bbb_reparam": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "reparam", "init_std": 0.05},
     "dropout": {"name": "dropout", "lr": 0.01, "dropout_rate": 0.1, "n_train_mc_samples": 2, "dropout_inputs": True},
+    "ivon": {
+        "name": "ivon",
+        "lr": 0.01,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "hess_init": 1.0,
+        "n_train_mc_samples": 3,
+        "clip_radius": None,
+        "decay": 0.0,
+    },
     "slang": {
         "name": "slang",
         "rank": 2,
@@ -96,6 +106,8 @@ def _model(device: str = "cpu") -> torch.nn.Module:
 
 def _state(method: object) -> dict[str, torch.Tensor]:
     """What defines a fitted copy: the parameters of its posterior (or weights)."""
+    if hasattr(method, "hess"):  # ivon
+        return {"mean": method.mean, "hess": method.hess, "momentum": method.momentum}
     if hasattr(method, "rho"):
         return {"mean": method.mean.detach(), "rho": method.rho.detach()}
     if hasattr(method, "theta"):
@@ -157,7 +169,7 @@ def test_stacked_fit_equals_single_fits(name: str, device: str) -> None:
 TRIALS = [(0, 2.0, 1.0, 0.1), (0, 0.5, 10.0, 0.01), (3, 8.0, 0.1, 0.3)]
 
 
-@pytest.mark.parametrize("name", ["bbb", "dropout", "slang", "vogn_diag_ef", "vogn_full_hessian"])
+@pytest.mark.parametrize("name", ["bbb", "dropout", "ivon", "slang", "vogn_diag_ef", "vogn_full_hessian"])
 def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: str) -> None:
     """Copies that differ in noise precision, prior precision (and dropout's rate), as the trials of a
     stacked hyperparameter search do, each equal the single run with the same values."""
