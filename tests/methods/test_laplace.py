@@ -646,3 +646,20 @@ def test_long_curvature_passes_show_bars_when_progress_is_on(capsys, monkeypatch
     method.step_progress = False
     method.fit_posterior(x, y)
     assert capsys.readouterr().err == ""
+
+
+def test_predictive_auto_is_linearised_for_regression_and_sample_for_classification() -> None:
+    """The default ``predictive: auto`` (laplace-torch's regression default; DEF's sampled classification one)."""
+    from bdl_bench.methods.laplace.predictive import Predictive
+
+    assert make_laplace().predictive is Predictive.AUTO
+    classification, _, _ = logistic_problem()
+    model = build_model({"name": "mlp", "hidden": [3], "activation": "relu"}, in_features=2, out_features=1).to(F64)
+    regression = Problem(model, Gaussian(1.0), 80, prior_precision_vector(model, 1.0, None), torch.Generator())
+    for problem, expected in ((regression, Predictive.LINEARISED), (classification, Predictive.SAMPLE)):
+        method = make_laplace()
+        method.setup(problem)
+        assert method.predictive is expected
+    pinned = make_laplace(predictive="sample")
+    pinned.setup(regression)
+    assert pinned.predictive is Predictive.SAMPLE

@@ -133,7 +133,7 @@ def test_marglik_is_the_dense_laplace_evidence(structure: str) -> None:
 
 
 def test_marglik_fit_raises_the_evidence_and_sets_prior_and_noise() -> None:
-    method, problem, *_ = fitted("kfac", kfac_prior="exact", marglik={"n_steps": 200})
+    method, problem, *_ = fitted("kfac", kfac_prior="exact", marglik={"n_steps": 200, "noise": True})
     metrics = method.extra_metrics
     assert metrics["marglik"] > metrics["marglik_initial"]
     objective = method.last_evidence

@@ -73,7 +73,7 @@ class Laplace(GaussianPredictive):
         prior_precision: :math:`\\tau` > 0 of the posterior, or ``None`` for the run's prior.
         dataset_scale: the paper's N > 0, or ``None`` for the number of training examples.
         rank: ``def`` only: the number K of top eigenvalues kept per layer, or ``None`` for all.
-        predictive: ``sample`` or ``linearised``.
+        predictive: ``sample``, ``linearised`` or ``auto`` (linearised for regression, sample for classification).
         lr: Adam learning rate of the MAP fit.
         map_dir: a finished run folder to take the MAP from instead of training, or ``None``.
         curvature_batch_size: examples per chunk when accumulating the curvature.
@@ -173,6 +173,9 @@ class Laplace(GaussianPredictive):
                 parameter-free modules, or ``map_dir`` does not match it.
         """
         super().setup(problem)
+        if self.predictive is Predictive.AUTO:
+            regression = isinstance(problem.likelihood, Gaussian)
+            self.predictive = Predictive.LINEARISED if regression else Predictive.SAMPLE
         try:
             self._layout: KronLayout = kron_layout(problem.model)
         except ValueError as err:

@@ -31,6 +31,9 @@ class Predictive(str, Enum):
     """Evaluate the network at sampled parameters."""
     LINEARISED = "linearised"
     """Evaluate the network's first-order Taylor expansion around the MAP."""
+    AUTO = "auto"
+    """``linearised`` for regression (a Gaussian likelihood: laplace-torch's default there, and a closed-form
+    predictive), ``sample`` for classification (the DEF paper's predictive); resolved at ``setup``."""
 
 
 class GaussianPredictive(Method):

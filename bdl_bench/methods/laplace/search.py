@@ -117,7 +117,7 @@ class MarglikSettings:
     Attributes:
         prior: ``layer`` (one τ per weight layer) or ``scalar``.
         noise: regression only (ignored for classification): ``true`` fits γ jointly with τ; ``false`` keeps the
-            run's γ; ``residual`` fixes :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the inverse mean squared
+            run's γ; ``residual`` (the default) fixes :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the inverse mean squared
             training residual of the MAP, and fits τ only (laplace-torch's usual recipe: ``sigma_noise`` from the
             residuals, then ``optimize_prior_precision``). A MAP that fits its training set closely gives a γ above
             the joint optimum: on UCI boston/yacht the residual γ is ≈ 3× the joint one and scores a higher test LL.
@@ -126,7 +126,7 @@ class MarglikSettings:
     """
 
     prior: str = "layer"
-    noise: bool | str = True
+    noise: bool | str = "residual"
     n_steps: int = 300
     lr: float = 0.1
 
