@@ -301,7 +301,8 @@ def bench(
     hidden: Sequence[int] = HIDDEN,
 ) -> Iterator[dict]:
     """Time each entry against SGD on the same model (alternating, medians) and measure peak memory; one record
-    each, as the module's docstring shows (``threads``, ``mc_samples`` and ``clock`` are the caller's to add)."""
+    each, as the module's docstring shows, unrounded (``threads``, ``mc_samples`` and ``clock`` are the caller's
+    to add; :data:`ROUNDING` is what the command line prints)."""
     sgd_mem = peak_memory_mib(lambda: _sgd_stepper(device, batch, hidden), device) if memory else None
     for name, rank, make, flops in found:
         sgd = _sgd_stepper(device, batch, hidden)
@@ -320,16 +321,27 @@ def bench(
             "method": name,
             "rank": rank,
             "hidden": list(hidden),
-            "step_ms": round(step_ms, 2),
-            "sgd_step_ms": round(sgd_step_ms, 3),
-            "ratio_to_sgd": round(step_ms / sgd_step_ms, 2),
-            "flop_ratio": round(flops, 2),
-            "peak_mem_mib": None if method_mem is None else round(method_mem, 1),
-            "sgd_peak_mem_mib": None if sgd_mem is None else round(sgd_mem, 1),
+            "step_ms": step_ms,
+            "sgd_step_ms": sgd_step_ms,
+            "ratio_to_sgd": step_ms / sgd_step_ms,
+            "flop_ratio": flops,
+            "peak_mem_mib": method_mem,
+            "sgd_peak_mem_mib": sgd_mem,
             "device": device.type,
             "batch": batch,
             "n_rounds": steps,
         }
+
+
+ROUNDING = {
+    "step_ms": 2,
+    "sgd_step_ms": 3,
+    "ratio_to_sgd": 2,
+    "flop_ratio": 2,
+    "peak_mem_mib": 1,
+    "sgd_peak_mem_mib": 1,
+}
+"""Decimals of the printed record's numbers."""
 
 
 def main() -> None:
@@ -376,6 +388,7 @@ def main() -> None:
         clock=clock,
         hidden=hidden,
     ):
+        record.update({k: round(v, ROUNDING[k]) for k, v in record.items() if k in ROUNDING and v is not None})
         record.update(threads=args.threads, mc_samples=args.mc_samples)
         if args.clock != "wall":
             record["clock"] = args.clock
