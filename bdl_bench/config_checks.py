@@ -49,8 +49,9 @@ _ABSENT = object()
 
 
 def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
-    """Refuse the first numeric key of ``cfg`` (a composed root config) outside its range, and a run
-    that would train nothing (:func:`check_epochs`).
+    """Refuse the first numeric key of ``cfg`` (a composed root config) outside its range, a run
+    that would train nothing (:func:`check_epochs`), and an experiment that is a benchmark
+    (:mod:`bdl_bench.benchmark`), which ``reproduce`` runs.
 
     Raises:
         ConfigError: ``<key>=<value> is out of range: it must be <range>``.
@@ -70,6 +71,9 @@ def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
             check_value(key, value, allowed)
     check_split(OmegaConf.select(cfg, "data.split", default=None))
     check_epochs(cfg)
+    if OmegaConf.select(cfg, "benchmark", default=None) is not None:
+        name = OmegaConf.select(cfg, "experiment_name", default="<experiment>")
+        raise ConfigError(f"{name} is a benchmark of step times, not a training run: use `bdl-bench reproduce {name}`")
 
 
 def check_value(key: str, value: Any, allowed: Range) -> None:

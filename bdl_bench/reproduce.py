@@ -16,6 +16,9 @@
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
    printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
 
+An experiment whose config holds a ``benchmark:`` block (``ktied_table4``, ``elrg_table1``) times training steps
+instead of sweeping runs: :mod:`bdl_bench.benchmark`.
+
 The table is refused when the results folder holds runs of another config version (a run folder this
 sweep would reuse whose config hash differs, or a finished run outside this sweep that its config no
 longer reproduces): mixing them would compare two protocols at once.
@@ -386,6 +389,13 @@ def _default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def benchmark_experiment(experiment: str) -> bool:
+    """Whether ``conf/experiment/<experiment>.yaml`` has a ``benchmark:`` block: it times training steps
+    (:mod:`bdl_bench.benchmark`) instead of sweeping runs."""
+    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
+    return path.exists() and "benchmark" in (yaml.safe_load(path.read_text()) or {})
+
+
 def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="bdl-bench reproduce",
@@ -411,6 +421,13 @@ def main(args: list[str]) -> None:
     )
     parser.add_argument("--jobs", type=int, default=_default_jobs(), help="parallel jobs (default: the usable cores)")
     ns = parser.parse_intermixed_args(args)
+    if benchmark_experiment(ns.experiment):
+        from bdl_bench.benchmark import run_benchmark
+
+        quick = [f"experiment_name={ns.experiment}_quick"] if ns.quick else []
+        config = _load([f"experiment={ns.experiment}", *quick, *ns.overrides], multirun=False)
+        run_benchmark(ns.experiment, config, args, quick=ns.quick)
+        return
     started = time.perf_counter()
     plan = make_plan(ns.experiment, ns.overrides, quick=ns.quick, tune=not ns.no_tune)
     launcher = _launcher_overrides(plan, ns.jobs)

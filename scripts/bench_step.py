@@ -32,6 +32,11 @@ a sampled weight vector), the rest of its step being passes over the ``(D,)`` st
 
     python scripts/bench_step.py --methods gmfvi,ktied:2,elrg:1,elrg:5 --no-memory
     python scripts/bench_step.py --methods ivon --no-memory --clock thread
+    python scripts/bench_step.py --methods gmfvi,elrg:5 --hidden 800,800   # a 784-800-800-10 MLP
+
+``--hidden`` sets the MLP's hidden widths (default 400,400). :func:`entries` and :func:`bench` are the
+measurement without the command line; ``bdl-bench reproduce ktied_table4`` / ``elrg_table1``
+(:mod:`bdl_bench.benchmark`) call them in-process.
 
 ``--clock thread`` times with ``time.thread_time`` (this thread's CPU time) instead of the wall clock,
 for machines shared with other jobs, where a long step is preempted more often than a short one; the
@@ -46,7 +51,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -63,6 +68,7 @@ from bdl_bench.threads import set_threads
 
 SGD_PER_ROUND = 3
 N_DATA = 50_000  # SLANG's N (Table 3: 50k training images); it only scales the curvature
+HIDDEN = (400, 400)  # SLANG Table 3's hidden layers (--hidden)
 
 
 def _sync(device: torch.device) -> None:
@@ -70,16 +76,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(device: torch.device, batch: int, seed: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def _build(
+    device: torch.device, batch: int, seed: int, hidden: Sequence[int] = HIDDEN
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    model = mlp(in_features=784, out_features=10, hidden=[400, 400], activation="relu").to(device)
+    model = mlp(in_features=784, out_features=10, hidden=list(hidden), activation="relu").to(device)
     x = torch.randn(batch, 784, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     return model, x, y
 
 
-def _sgd_stepper(device: torch.device, batch: int) -> Callable[[], None]:
-    model, x, y = _build(device, batch, seed=0)
+def _sgd_stepper(device: torch.device, batch: int, hidden: Sequence[int] = HIDDEN) -> Callable[[], None]:
+    model, x, y = _build(device, batch, seed=0, hidden=hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -90,8 +98,10 @@ def _sgd_stepper(device: torch.device, batch: int) -> Callable[[], None]:
     return step
 
 
-def _slang_stepper(device: torch.device, batch: int, rank: int, n_samples: int) -> Callable[[], None]:
-    model, x, y = _build(device, batch, seed=0)
+def _slang_stepper(
+    device: torch.device, batch: int, rank: int, n_samples: int, hidden: Sequence[int] = HIDDEN
+) -> Callable[[], None]:
+    model, x, y = _build(device, batch, seed=0, hidden=hidden)
     n_params = sum(p.numel() for p in model.parameters())
     method = Slang(
         rank=rank, lr=0.01, beta=0.01, decay=0.0, momentum=0.9, n_train_mc_samples=n_samples, init_prec_diag=1.0
@@ -165,8 +175,8 @@ def vi_config(spec: str, n_samples: int) -> dict:
     raise ValueError(f"unknown method {spec!r}; use slang, gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K> or ivon")
 
 
-def _vi_stepper(device: torch.device, batch: int, cfg: dict) -> Callable[[], None]:
-    model, x, y = _build(device, batch, seed=0)
+def _vi_stepper(device: torch.device, batch: int, cfg: dict, hidden: Sequence[int] = HIDDEN) -> Callable[[], None]:
+    model, x, y = _build(device, batch, seed=0, hidden=hidden)
     n_params = sum(p.numel() for p in model.parameters())
     method = build_method(cfg)
     method.setup(
@@ -244,6 +254,104 @@ def peak_memory_mib(make: Callable[[], Callable[[], None]], device: torch.device
     return max((sum(categories) for categories in sizes), default=0) / 2**20
 
 
+Entry = tuple[str, int | None, Callable[[], Callable[[], None]], float]
+"""(method, rank, stepper factory, flop ratio) of one JSON line."""
+
+
+def entries(
+    methods: Sequence[str],
+    ranks: Sequence[int],
+    device: torch.device,
+    batch: int,
+    n_samples: int,
+    hidden: Sequence[int] = HIDDEN,
+) -> list[Entry]:
+    """The steps to time: ``slang`` at every rank of ``ranks``, the others as :func:`vi_config` reads them.
+
+    Raises:
+        ValueError: on an unknown method.
+    """
+    model, _, _ = _build(torch.device("cpu"), batch, seed=0, hidden=hidden)
+    found: list[Entry] = []
+    for spec in methods:
+        if spec == "slang":
+            for rank in ranks:
+                found.append(
+                    (
+                        "slang",
+                        rank,
+                        lambda rank=rank: _slang_stepper(device, batch, rank, n_samples, hidden),
+                        flop_ratio(model, batch, rank, n_samples),
+                    )
+                )
+        else:
+            cfg = vi_config(spec, n_samples)
+            found.append(
+                (
+                    spec.partition(":")[0],
+                    cfg.get("k", cfg.get("rank")),
+                    lambda cfg=cfg: _vi_stepper(device, batch, cfg, hidden),
+                    vi_flop_ratio(model, batch, cfg, n_samples),
+                )
+            )
+    return found
+
+
+def bench(
+    found: Sequence[Entry],
+    device: torch.device,
+    *,
+    batch: int,
+    steps: int,
+    warmup: int,
+    memory: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+    hidden: Sequence[int] = HIDDEN,
+) -> Iterator[dict]:
+    """Time each entry against SGD on the same model (alternating, medians) and measure peak memory; one record
+    each, as the module's docstring shows, unrounded (``threads``, ``mc_samples`` and ``clock`` are the caller's
+    to add; :data:`ROUNDING` is what the command line prints)."""
+    sgd_mem = peak_memory_mib(lambda: _sgd_stepper(device, batch, hidden), device) if memory else None
+    for name, rank, make, flops in found:
+        sgd = _sgd_stepper(device, batch, hidden)
+        method = make()
+        for _ in range(warmup):
+            method()
+            sgd()
+        method_ms, sgd_ms = [], []
+        for _ in range(steps):
+            method_ms.append(_timed(method, device, clock))
+            sgd_ms.extend(_timed(sgd, device, clock) for _ in range(SGD_PER_ROUND))
+        del method, sgd
+        method_mem = peak_memory_mib(make, device) if memory else None
+        step_ms, sgd_step_ms = statistics.median(method_ms), statistics.median(sgd_ms)
+        yield {
+            "method": name,
+            "rank": rank,
+            "hidden": list(hidden),
+            "step_ms": step_ms,
+            "sgd_step_ms": sgd_step_ms,
+            "ratio_to_sgd": step_ms / sgd_step_ms,
+            "flop_ratio": flops,
+            "peak_mem_mib": method_mem,
+            "sgd_peak_mem_mib": sgd_mem,
+            "device": device.type,
+            "batch": batch,
+            "n_rounds": steps,
+        }
+
+
+ROUNDING = {
+    "step_ms": 2,
+    "sgd_step_ms": 3,
+    "ratio_to_sgd": 2,
+    "flop_ratio": 2,
+    "peak_mem_mib": 1,
+    "sgd_peak_mem_mib": 1,
+}
+"""Decimals of the printed record's numbers."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -252,6 +360,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="8,32", help="comma-separated SLANG ranks L (default 8,32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument(
+        "--hidden", default="400,400", help="comma-separated hidden widths of the 784-...-10 MLP (default 400,400)"
+    )
     parser.add_argument("--mc-samples", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20, help="timed rounds (>= 20)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -272,61 +383,21 @@ def main() -> None:
         parser.error("--clock thread measures CPU time; use the wall clock on CUDA")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-
-    # (method, rank, stepper factory, flop ratio) per JSON line
-    model, _, _ = _build(torch.device("cpu"), args.batch, seed=0)
-    entries: list[tuple[str, int | None, Callable[[], Callable[[], None]], float]] = []
-    for spec in (m.strip() for m in args.methods.split(",") if m.strip()):
-        if spec == "slang":
-            for rank in ranks:
-                entries.append(
-                    (
-                        "slang",
-                        rank,
-                        lambda rank=rank: _slang_stepper(device, args.batch, rank, args.mc_samples),
-                        flop_ratio(model, args.batch, rank, args.mc_samples),
-                    )
-                )
-        else:
-            cfg = vi_config(spec, args.mc_samples)
-            entries.append(
-                (
-                    spec.partition(":")[0],
-                    cfg.get("k", cfg.get("rank")),
-                    lambda cfg=cfg: _vi_stepper(device, args.batch, cfg),
-                    vi_flop_ratio(model, args.batch, cfg, args.mc_samples),
-                )
-            )
-
-    sgd_mem = None if args.no_memory else peak_memory_mib(lambda: _sgd_stepper(device, args.batch), device)
-    for name, rank, make, flops in entries:
-        sgd = _sgd_stepper(device, args.batch)
-        method = make()
-        for _ in range(args.warmup):
-            method()
-            sgd()
-        method_ms, sgd_ms = [], []
-        for _ in range(args.steps):
-            method_ms.append(_timed(method, device, clock))
-            sgd_ms.extend(_timed(sgd, device, clock) for _ in range(SGD_PER_ROUND))
-        del method, sgd
-        method_mem = None if args.no_memory else peak_memory_mib(make, device)
-        step_ms, sgd_step_ms = statistics.median(method_ms), statistics.median(sgd_ms)
-        record = {
-            "method": name,
-            "rank": rank,
-            "step_ms": round(step_ms, 2),
-            "sgd_step_ms": round(sgd_step_ms, 3),
-            "ratio_to_sgd": round(step_ms / sgd_step_ms, 2),
-            "flop_ratio": round(flops, 2),
-            "peak_mem_mib": None if method_mem is None else round(method_mem, 1),
-            "sgd_peak_mem_mib": None if sgd_mem is None else round(sgd_mem, 1),
-            "device": device.type,
-            "threads": args.threads,
-            "batch": args.batch,
-            "mc_samples": args.mc_samples,
-            "n_rounds": args.steps,
-        }
+    hidden = [int(h) for h in args.hidden.split(",") if h.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    found = entries(methods, ranks, device, args.batch, args.mc_samples, hidden)
+    for record in bench(
+        found,
+        device,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        memory=not args.no_memory,
+        clock=clock,
+        hidden=hidden,
+    ):
+        record.update({k: round(v, ROUNDING[k]) for k, v in record.items() if k in ROUNDING and v is not None})
+        record.update(threads=args.threads, mc_samples=args.mc_samples)
         if args.clock != "wall":
             record["clock"] = args.clock
         print(json.dumps(record), flush=True)

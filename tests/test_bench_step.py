@@ -30,7 +30,7 @@ def small_mlp(monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
     """bench_step's model, shrunk to 30-20-20-4 (same structure: three linear layers, ReLU)."""
     from bdl_bench.models.mlp import mlp
 
-    def build(device: torch.device, batch: int, seed: int):  # noqa: ANN202
+    def build(device: torch.device, batch: int, seed: int, hidden: object = None):  # noqa: ANN202
         torch.manual_seed(seed)
         model = mlp(in_features=30, out_features=4, hidden=[20, 20], activation="relu").to(device)
         return model, torch.randn(batch, 30, device=device), torch.randint(0, 4, (batch,), device=device)
