@@ -23,8 +23,8 @@ from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.reproduce import make_plan
 from bdl_bench.results import config_hash, read_run_record, without_cost
-from bdl_bench.runner import run
-from bdl_bench.stacked import _check_stackable, stacked_splits
+from bdl_bench.runner import _check_stackable, run
+from bdl_bench.stacked import stacked_splits
 from bdl_bench.sweep import ConfigVersionError, run_job
 
 METHODS = {
@@ -251,11 +251,11 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
     """MC dropout's final test and validation predictions are made for all copies at once (shared masks,
     ``SharedPredictions``; with ``group_elements=1`` one copy per group, each replaying the shared
     generator state), and every split's metrics equal its single run's."""
-    from bdl_bench import stacked
+    from bdl_bench import runner
     from bdl_bench.methods.dropout import MCDropout
 
     if group_elements is not None:
-        monkeypatch.setattr(stacked.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
+        monkeypatch.setattr(runner.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
     calls = []
     original = MCDropout.predict_replicas
     monkeypatch.setattr(MCDropout, "predict_replicas", lambda self, *a: calls.append(a[2]) or original(self, *a))
