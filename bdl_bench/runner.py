@@ -11,6 +11,10 @@ same metrics as an unbroken run (bit for bit on the CPU with one thread). The ch
 once ``metrics.json`` is written; a method with a point estimate or a posterior mean
 (``Method.point_estimate``) leaves its final flat parameters in ``params.pt`` (what ``method.map_dir``
 of ``method=laplace`` reads).
+
+:func:`fit_job` is the one training loop: a single run is a job of one member, and a stacked job
+(:mod:`bdl_bench.stacked`: several splits, or the trials of a search) goes through the same loop with R
+members.
 """
 
 from __future__ import annotations

@@ -14,10 +14,15 @@ re-run. Copy k draws the noise a single run with the same seed draws (one draw s
 so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; each copy is
 evaluated as an ordinary method (``Method.replica``) with its own evaluation generator. All of them start
 from one seed, so a method that can (MC dropout's ``predict_replicas``) makes the final test and validation
-predictions of all copies at once, drawing each random number once for all (:class:`SharedPredictions`):
+predictions of all copies at once, drawing each random number once for all (:class:`~bdl_bench.runner.SharedPredictions`):
 the same outputs, bit for bit, for the products alone (a tuned MC-dropout search predicts 1000 samples of
 every trial: drawn one copy at a time, their masks took as long as the training).
 ``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
+
+This module says which members a job stacks and checks that they may share one fit; the fit itself is the
+runner's one training loop (:func:`bdl_bench.runner.fit_job`), the loop of every single run too. A stack
+of one split (``data.split=[k]``, a re-run left with one unfinished split, a search round of one trial) is
+fitted as that split's single run, bit for bit, by any method.
 
 The stack checkpoints into the job's own folder (``checkpoint.pt``: the stacked state, the generators
 and every split's history) every ``trainer.checkpoint_every`` epochs; re-running the job resumes it
@@ -27,7 +32,7 @@ discarded with a warning: the splits it still lacks start afresh).
 Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
 examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
 ``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout``, ``slang`` and ``vogn`` on networks of
-``nn.Linear`` layers). For other methods ``setup_replicas`` raises
+``nn.Linear`` layers). For other methods ``setup_replicas`` of several copies raises
 :class:`~bdl_bench.methods.base.CannotStack` and the job runs the splits one after another instead
 (:func:`bdl_bench.sweep.run_job`), each exactly as its single run.
 """
