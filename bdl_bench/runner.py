@@ -479,20 +479,7 @@ def _fit_job(
     job_hash = hashes[keys[0]] if single else config_hash({"members": [hashes[k] for k in keys]})
     job_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = job_dir / CHECKPOINT_FILE
-    checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint is not None and checkpoint.config_hash != job_hash:
-        if single:
-            raise ConfigError(
-                f"{checkpoint_path} belongs to another config (hash {checkpoint.config_hash}, this run {job_hash}); "
-                "delete it or re-run with force=true"
-            )
-        # another set of unfinished members (e.g. a stack killed while writing its splits' results): start afresh
-        warnings.warn(
-            f"{checkpoint_path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job "
-            f"{job_hash}); starting the splits {keys} from scratch",
-            stacklevel=3,
-        )
-        checkpoint = None
+    checkpoint = _job_checkpoint(checkpoint_path, job_hash, single, keys)
     record = device_record(device)
     for k in keys:
         dirs[k].mkdir(parents=True, exist_ok=True)
@@ -647,6 +634,26 @@ def _fit_job(
         )
     checkpoint_path.unlink(missing_ok=True)
     return results
+
+
+def _job_checkpoint(path: Path, job_hash: str, single: bool, keys: Sequence[Hashable]) -> Checkpoint | None:
+    """The job's checkpoint to resume from, if any. One of another config is refused for a single run; for a
+    stack it is one of another set of unfinished members (e.g. left by a stack killed while writing its
+    splits' results), discarded with a warning: the members start afresh."""
+    checkpoint = load_checkpoint(path)
+    if checkpoint is None or checkpoint.config_hash == job_hash:
+        return checkpoint
+    if single:
+        raise ConfigError(
+            f"{path} belongs to another config (hash {checkpoint.config_hash}, this run {job_hash}); "
+            "delete it or re-run with force=true"
+        )
+    warnings.warn(
+        f"{path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job {job_hash}); "
+        f"starting the splits {list(keys)} from scratch",
+        stacklevel=4,
+    )
+    return None
 
 
 def _checkpoint_histories(checkpoint: Checkpoint, paths: Sequence[Path], single: bool) -> list[list[dict[str, Any]]]:
