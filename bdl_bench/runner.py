@@ -11,6 +11,10 @@ same metrics as an unbroken run (bit for bit on the CPU with one thread). The ch
 once ``metrics.json`` is written; a method with a point estimate or a posterior mean
 (``Method.point_estimate``) leaves its final flat parameters in ``params.pt`` (what ``method.map_dir``
 of ``method=laplace`` reads).
+
+:func:`fit_job` is the one training loop: a single run is a job of one member, and a stacked job
+(:mod:`bdl_bench.stacked`: several splits, or the trials of a search) goes through the same loop with R
+members.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,78 +417,135 @@ def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) 
     """
     check_config(cfg)
     run_dir = Path(run_dir)
+    return fit_job(cfg, {0: cfg}, {0: run_dir}, run_dir, epoch_hook=epoch_hook, single=True)[0]
+
+
+def fit_job(
+    cfg: DictConfig,
+    members: Mapping[Hashable, DictConfig],
+    member_dirs: Mapping[Hashable, Path],
+    job_dir: Path,
+    *,
+    epoch_hook: EpochHook | None = None,
+    single: bool = False,
+) -> dict[Hashable, RunResult]:
+    """The one training loop: fit ``cfg``'s method on R members at once and write each member's run folder.
+
+    A member is a config that differs from ``cfg`` only where copies of a method may differ (the split, the
+    likelihood's and prior's precisions, the method's ``replica_options``: :mod:`bdl_bench.stacked` checks
+    that). One member is fitted through the method's single-run API (``setup``, ``use_validation``, ``fit``,
+    its ``fitted_likelihood`` and ``extra_metrics``), so a stack of one equals that member's single run bit
+    for bit; several through the stacked one (``setup_replicas``, ``fit_replicas``, ``replica(r)``:
+    :class:`~bdl_bench.methods.base.CannotStack` for a method that cannot), on splits of equal size and
+    without training augmentation.
+
+    Every ``trainer.checkpoint_every`` epochs the job checkpoints into ``job_dir``. With ``single`` (a
+    single run: one member whose folder is ``job_dir``) the checkpoint is that of the member's config (one of
+    another config is refused with :class:`~bdl_bench.errors.ConfigError`) and holds a single run's
+    generators and history count; otherwise it is the stack's, one of another set of members is discarded
+    with a warning, and each member's metrics say ``stack_size``. ``train_time_s`` and ``cpu_time_s`` are
+    the job's divided by R.
+
+    Raises:
+        ValueError: when several members' splits differ in size or width, or the data are augmented.
+        CannotStack: when the method cannot fit several members at once.
+    """
     checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
-    progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, run_dir / CHECKPOINT_FILE)
+    progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, Path(job_dir) / CHECKPOINT_FILE)
     with stop_on_interrupt(progress):
-        return _run(cfg, run_dir, progress, epoch_hook)
+        return _fit_job(cfg, members, member_dirs, Path(job_dir), epoch_hook, progress, single)
 
 
-def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: EpochHook | None) -> RunResult:
-    """:func:`run` once the config is checked; ``progress`` follows the epochs (for Ctrl-C's line)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def _fit_job(
+    cfg: DictConfig,
+    members: Mapping[Hashable, DictConfig],
+    member_dirs: Mapping[Hashable, Path],
+    job_dir: Path,
+    epoch_hook: EpochHook | None,
+    progress: EpochProgress,
+    single: bool,
+) -> dict[Hashable, RunResult]:
+    """:func:`fit_job`; ``progress`` follows the epochs (for Ctrl-C's line)."""
+    keys, dirs = list(members), {k: Path(member_dirs[k]) for k in members}
+    one = len(keys) == 1
     trainer = cfg.trainer
     if trainer.threads is not None:
         set_threads(int(trainer.threads))
     device = resolve_device(str(trainer.device))
     use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
-    dtype = resolve_dtype(str(trainer.dtype))
-    seed = int(trainer.seed)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    chash = config_hash(config)  # type: ignore[arg-type]
-    checkpoint_path = run_dir / CHECKPOINT_FILE
-    checkpoint = load_checkpoint(checkpoint_path)
-    if checkpoint is not None and checkpoint.config_hash != chash:
-        raise ConfigError(
-            f"{checkpoint_path} belongs to another config (hash {checkpoint.config_hash}, this run {chash}); "
-            "delete it or re-run with force=true"
-        )
-    checkpoint_every = progress.checkpoint_every
-    write_config(run_dir, config)  # type: ignore[arg-type]
-    update_run_record(run_dir, **device_record(device))
+    dtype, seed = resolve_dtype(str(trainer.dtype)), int(trainer.seed)
+    configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
+    hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
+    job_hash = hashes[keys[0]] if single else config_hash({"members": [hashes[k] for k in keys]})
+    job_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = job_dir / CHECKPOINT_FILE
+    checkpoint = _job_checkpoint(checkpoint_path, job_hash, single, keys)
+    record = device_record(device)
+    for k in keys:
+        dirs[k].mkdir(parents=True, exist_ok=True)
+        write_config(dirs[k], configs[k])  # type: ignore[arg-type]
+        update_run_record(dirs[k], **record)
 
-    dataset = _to_device(load_dataset(config["data"]), device, dtype)  # type: ignore[index]
-    torch.manual_seed(seed)  # the one global seed: nn.init of the model
+    datasets = {k: _to_device(load_dataset(configs[k]["data"]), device, dtype) for k in keys}  # type: ignore[index]
+    if not one:
+        _check_stackable(datasets, cfg)
+    first = datasets[keys[0]]
+    torch.manual_seed(seed)  # the one global seed: nn.init of the model (every member's initial network)
     model = build_model(
-        OmegaConf.to_container(cfg.model, resolve=True),
-        in_features=dataset.n_features,  # type: ignore[arg-type]
-        out_features=dataset.n_outputs,
+        OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+        in_features=first.n_features,
+        out_features=first.n_outputs,
     ).to(device, dtype)
-    likelihood = build_likelihood(dataset, _cfg_get(cfg, "noise_precision"))
-    prior = run_prior(model, cfg, dataset)
-    method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
+    likelihoods = {k: build_likelihood(datasets[k], _cfg_get(members[k], "noise_precision")) for k in keys}
+    priors = {k: run_prior(model, members[k], datasets[k]) for k in keys}
+    options = [configs[k]["method"] for k in keys]  # type: ignore[index]
+    method = build_method(options[0])  # type: ignore[arg-type]
+    if any(o != options[0] for o in options):
+        method.configure_replicas(options)  # type: ignore[arg-type]
     method_generator = torch.Generator(device=device).manual_seed(seed + 1)
     data_generator = torch.Generator().manual_seed(seed + 2)
-    eval_generator = torch.Generator(device=device).manual_seed(seed + 3)
-    method.setup(
+    eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in keys}
+    problems = [
         Problem(
             model=model,
-            likelihood=likelihood,
-            n_data=dataset.n_train,
-            prior_precision=prior,
+            likelihood=likelihoods[k],
+            n_data=first.n_train,
+            prior_precision=priors[k],
             generator=method_generator,
-            augmentation=dataset.augmentation,
+            augmentation=datasets[k].augmentation,
         )
-    )
-
-    method.use_validation(dataset.x_val, dataset.y_val, run_dir)
+        for k in keys
+    ]
+    if one:
+        method.setup(problems[0])
+        method.use_validation(first.x_val, first.y_val, dirs[keys[0]])
+    else:
+        method.setup_replicas(problems)  # a method that cannot stack says how to run the members instead
     method.step_progress = bool(trainer.progress)
 
-    generators = {"method": method_generator, "data": data_generator, "eval": eval_generator}
-    start_epoch, elapsed_before, rows = 0, 0.0, []
+    def copy_of(r: int) -> Method:
+        """Member ``r``'s fitted method, to evaluate (the method itself for one member)."""
+        return method if one else method.replica(r)
+
+    generators = {"method": method_generator, "data": data_generator}
+    if single:
+        generators["eval"] = eval_generators[keys[0]]
+    else:
+        generators.update({f"eval_{k}": g for k, g in eval_generators.items()})
+    start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in keys]
     if checkpoint is not None:
         restore_checkpoint(checkpoint, method, generators, device)
         start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
-        rows = checkpoint_history(checkpoint, run_dir / HISTORY_FILE)
+        histories = _checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
         progress.done = start_epoch
-        announce_resume(run_dir, start_epoch)
-
-    history = HistoryWriter(run_dir / "history.csv", rows)
-    n_epochs = int(trainer.n_epochs)
-    eval_every = int(trainer.eval_every)
+        announce_resume(job_dir, start_epoch)
+    writers = [HistoryWriter(dirs[k] / HISTORY_FILE, rows) for k, rows in zip(keys, histories)]
+    n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
+    checkpoint_every = progress.checkpoint_every
     bar = tqdm(
         total=n_epochs,
         initial=start_epoch,
-        desc=f"{cfg.method.name} on {cfg.data.name}",
+        desc=f"{cfg.method.name} on {cfg.data.name}" + ("" if one else f", {len(keys)} splits stacked"),
         unit="epoch",
         disable=not trainer.progress,
         leave=False,
@@ -492,29 +554,33 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
     cpu_start = time.process_time()
 
     def save(epoch: int) -> None:
+        rows = [len(w.rows) for w in writers]
         state = make_checkpoint(
-            epoch, chash, method, generators, device, len(history.rows), time.perf_counter() - start
+            epoch, job_hash, method, generators, device, rows[0] if single else rows, time.perf_counter() - start
         )
         save_checkpoint(checkpoint_path, state)
 
-    def on_epoch_end(epoch: int, train_stats: Mapping[str, float]) -> None:
-        row = epoch_row(
-            method,
-            likelihood,
-            dataset,
-            epoch,
-            train_stats,
-            elapsed=time.perf_counter() - start,
-            evaluate_now=eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs),
-            n_eval_samples=int(trainer.n_eval_mc_samples),
-            eval_generator=eval_generator,
-        )
-        history.append(row)
+    def on_epoch_end(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
+        evaluate_now = eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs)
+        for r, k in enumerate(keys):
+            row = epoch_row(
+                copy_of(r),
+                likelihoods[k],
+                datasets[k],
+                epoch,
+                stats[r],
+                elapsed=time.perf_counter() - start,
+                evaluate_now=evaluate_now,
+                n_eval_samples=int(trainer.n_eval_mc_samples),
+                eval_generator=eval_generators[k],
+            )
+            writers[r].append(row)
         saved = checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs
         if saved:
             save(epoch)
         bar.update(1)
-        bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
+        if one:
+            bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
         progress.done = epoch
         if epoch_hook is not None:
             epoch_hook(epoch)
@@ -522,37 +588,148 @@ def _run(cfg: DictConfig, run_dir: Path, progress: EpochProgress, epoch_hook: Ep
 
     progress.in_epochs = True
     try:
-        method.fit(
-            dataset.x_train,
-            dataset.y_train,
-            n_epochs=n_epochs,
-            batch_size=int(trainer.batch_size),
-            data_generator=data_generator,
-            on_epoch_end=on_epoch_end,
-            start_epoch=start_epoch,
-        )
+        fit_options = {"n_epochs": n_epochs, "batch_size": int(trainer.batch_size), "start_epoch": start_epoch}
+        if one:
+            method.fit(
+                first.x_train,
+                first.y_train,
+                data_generator=data_generator,
+                on_epoch_end=lambda epoch, stats: on_epoch_end(epoch, [stats]),
+                **fit_options,
+            )
+        else:
+            method.fit_replicas(
+                torch.stack([datasets[k].x_train for k in keys]),
+                torch.stack([datasets[k].y_train for k in keys]),
+                data_generator=data_generator,
+                on_epoch_end=on_epoch_end,
+                **fit_options,
+            )
     finally:
         progress.in_epochs = False
         bar.close()
     if progress.stop_requested:  # a SIGTERM during work of the fit after its last epoch: stop now
         raise Terminated()
-    train_time = time.perf_counter() - start
-    cpu_time = time.process_time() - cpu_start
+    train_time = (time.perf_counter() - start) / len(keys)
+    cpu_time = (time.process_time() - cpu_start) / len(keys)
     progress.done = max(progress.done, n_epochs)
-    return finish_run(
-        cfg,
-        run_dir,
-        method,
-        # a method that fitted the noise (Laplace's method.search=marglik) is scored with it
-        likelihood=getattr(method, "fitted_likelihood", None) or likelihood,
-        dataset=dataset,
-        prior=prior,
-        config_hash_=chash,
-        train_time=train_time,
-        cpu_time=cpu_time,
-        eval_generator=eval_generator,
-        extra_metrics=method.extra_metrics,
+    shared = SharedPredictions(method, list(datasets.values()), list(eval_generators.values()))
+    results = {}
+    for r, k in enumerate(keys):
+        fitted = copy_of(r)
+        results[k] = finish_run(
+            members[k],
+            dirs[k],
+            fitted,
+            # a method that fitted the noise (Laplace's method.search=marglik) is scored with it
+            likelihood=getattr(fitted, "fitted_likelihood", None) or likelihoods[k],
+            dataset=datasets[k],
+            prior=priors[k],
+            config_hash_=hashes[k],
+            train_time=train_time,
+            cpu_time=cpu_time,
+            eval_generator=eval_generators[k],
+            extra_metrics={**fitted.extra_metrics, **({} if single else {"stack_size": float(len(keys))})},
+            predictions=shared.of_copy(r, int(_cfg_get(members[k], "trainer.n_test_mc_samples"))),
+        )
+    checkpoint_path.unlink(missing_ok=True)
+    return results
+
+
+def _job_checkpoint(path: Path, job_hash: str, single: bool, keys: Sequence[Hashable]) -> Checkpoint | None:
+    """The job's checkpoint to resume from, if any. One of another config is refused for a single run; for a
+    stack it is one of another set of unfinished members (e.g. left by a stack killed while writing its
+    splits' results), discarded with a warning: the members start afresh."""
+    checkpoint = load_checkpoint(path)
+    if checkpoint is None or checkpoint.config_hash == job_hash:
+        return checkpoint
+    if single:
+        raise ConfigError(
+            f"{path} belongs to another config (hash {checkpoint.config_hash}, this run {job_hash}); "
+            "delete it or re-run with force=true"
+        )
+    warnings.warn(
+        f"{path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job {job_hash}); "
+        f"starting the splits {list(keys)} from scratch",
+        stacklevel=4,
     )
+    return None
+
+
+def _checkpoint_histories(checkpoint: Checkpoint, paths: Sequence[Path], single: bool) -> list[list[dict[str, Any]]]:
+    """Each member's history rows at the checkpoint: read back from ``paths`` (their ``history.csv``), or
+    the rows stored in a checkpoint written before checkpoints kept only the row counts."""
+    if single:
+        return [checkpoint_history(checkpoint, paths[0])]
+    if checkpoint.history_rows is None:
+        return list(checkpoint.history)
+    return [read_history(p, int(n)) for p, n in zip(paths, checkpoint.history_rows)]  # type: ignore[arg-type]
+
+
+class SharedPredictions:
+    """The final test and validation predictions of a stack's copies, made together where the method can
+    (``predict_replicas``: MC dropout draws each mask once for all copies) and every copy would make them
+    alike: several copies, all evaluation generators in one state and every split's parts of one shape. Copies
+    are predicted in groups of at most ``PREDICTION_ELEMENTS`` outputs per part; each group replays the shared
+    generator state, and each copy's generator is then left where its own ``predict`` calls would leave it,
+    so the metrics equal those of the copies predicted one by one (``finish_run`` without ``predictions``)."""
+
+    PREDICTION_ELEMENTS = 2**26  # outputs (copies x samples x rows x out) held at once: 256 MB in float32
+
+    def __init__(self, method: Any, datasets: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
+        self.method, self.datasets, self.generators = method, list(datasets), list(generators)
+        self._group: list[int] = []
+        self._outputs: dict[str, torch.Tensor] = {}
+        self._end: torch.Tensor | None = None  # the generators' state after the present group's predictions
+        states = [g.get_state() for g in self.generators]
+        self.enabled = (
+            len(self.datasets) > 1
+            and callable(getattr(method, "predict_replicas", None))
+            and all(torch.equal(s, states[0]) for s in states)
+            and all(self._shapes(d) == self._shapes(self.datasets[0]) for d in self.datasets)
+        )
+
+    @staticmethod
+    def _shapes(dataset: Any) -> tuple:
+        return tuple(tuple(getattr(dataset, f"x_{part}").shape) for part in ("test", "val"))
+
+    def _parts(self) -> list[str]:
+        return ["test"] + (["val"] if self.datasets[0].x_val.shape[0] > 0 else [])
+
+    def of_copy(self, r: int, n_samples: int) -> dict[str, torch.Tensor] | None:
+        """Copy ``r``'s ``{part: (S, N, out)}`` (``None`` where the copies are predicted one by one)."""
+        if not self.enabled:
+            return None
+        if r not in self._group:
+            rows = sum(getattr(self.datasets[0], f"x_{p}").shape[0] for p in self._parts())
+            size = max(1, self.PREDICTION_ELEMENTS // (n_samples * rows))
+            self._group = list(range(r, min(r + size, len(self.datasets))))  # copy r's generator is still at the start
+            with _swap_generator(self.method, self.generators[r]):
+                self._outputs = {
+                    p: self.method.predict_replicas(
+                        torch.stack([getattr(self.datasets[c], f"x_{p}") for c in self._group]), n_samples, self._group
+                    )
+                    for p in self._parts()
+                }
+            self._end = self.generators[r].get_state()
+        self.generators[r].set_state(self._end)
+        index = self._group.index(r)
+        return {p: f[index] for p, f in self._outputs.items()}
+
+
+def _check_stackable(datasets: Mapping[Hashable, Dataset], cfg: DictConfig) -> None:
+    """Refuse splits that cannot share one stacked fit, naming what differs."""
+    sizes = {k: (d.n_train, tuple(d.x_train.shape[1:]), d.task) for k, d in datasets.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"split {k}: {n} examples of shape {s}" for k, (n, s, _) in sizes.items())
+        raise ConfigError(
+            f"{cfg.data.name}: stacked splits need equal training sets ({listed}); run the splits one per job "
+            "(data.split=range(...)) instead of a list"
+        )
+    if any(d.augmentation is not None for d in datasets.values()):
+        raise ConfigError(
+            f"{cfg.data.name}: stacked splits do not support training augmentation; run one split per job"
+        )
 
 
 def peak_rss_mib(model: torch.nn.Module) -> float:

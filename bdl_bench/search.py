@@ -375,7 +375,7 @@ class Search:
                 self._train_one_by_one(configs, dirs, str(reason))
                 return
             except NonFiniteLossError as error:
-                index = _copy_index(error)
+                index = 0 if len(todo) == 1 else _copy_index(error)  # a stack of one runs as a single run
                 if index is None:
                     raise
                 key = list(todo)[index]

@@ -101,6 +101,27 @@ def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails
         assert config["noise_precision"] == best["noise_precision"]
 
 
+def test_a_diverging_trial_alone_in_its_round_fails_alone(tmp_path: Path, compose_cfg, monkeypatch) -> None:
+    """A round of one trial is fitted as that trial's single run (runner.fit_job), whose divergence names no
+    stacked copy: it is still that trial's failure, and the search goes on."""
+    from bdl_bench.methods.bbb import BayesByBackprop
+
+    step, calls = BayesByBackprop.train_step_replicas, []
+
+    def diverge_in_round_1(self, x, y):
+        calls.append(self.n_copies)
+        out = step(self, x, y)
+        out["loss"] = out["loss"] * torch.nan if len(calls) == 1 else out["loss"]
+        return out
+
+    monkeypatch.setattr(BayesByBackprop, "train_step_replicas", diverge_in_round_1)
+    overrides = ["method=bbb", "data=uci/yacht", "data.split=[0]", "tune=slang_table2", "trainer.n_epochs=1"]
+    run_job(compose_cfg([*overrides, "search.n_random=1", "search.n_guided=1", "search.round_size=1"]), tmp_path)
+    trials = _trials(tmp_path)
+    assert list(trials["state"]) == ["FAIL", "COMPLETE"] and set(calls) == {1}
+    assert trials["error"].iloc[0].startswith("NonFiniteLossError") and bool(trials["best"].iloc[1])
+
+
 @pytest.mark.parametrize(
     ("override", "error", "named"),
     [

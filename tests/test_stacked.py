@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -23,8 +24,8 @@ from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.reproduce import make_plan
 from bdl_bench.results import config_hash, read_run_record, without_cost
-from bdl_bench.runner import run
-from bdl_bench.stacked import _check_stackable, stacked_splits
+from bdl_bench.runner import _check_stackable, run
+from bdl_bench.stacked import stacked_splits
 from bdl_bench.sweep import ConfigVersionError, run_job
 
 METHODS = {
@@ -265,11 +266,11 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
     """MC dropout's final test and validation predictions are made for all copies at once (shared masks,
     ``SharedPredictions``; with ``group_elements=1`` one copy per group, each replaying the shared
     generator state), and every split's metrics equal its single run's."""
-    from bdl_bench import stacked
+    from bdl_bench import runner
     from bdl_bench.methods.dropout import MCDropout
 
     if group_elements is not None:
-        monkeypatch.setattr(stacked.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
+        monkeypatch.setattr(runner.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
     calls = []
     original = MCDropout.predict_replicas
 
@@ -320,6 +321,22 @@ def test_stacked_job_resumes_after_a_kill_and_records_failures(tmp_path: Path, c
         a = json.loads((unbroken / f"split={split}" / "metrics.json").read_text())
         b = json.loads((killed / f"split={split}" / "metrics.json").read_text())
         assert without_cost(a) == without_cost(b)
+
+
+@pytest.mark.parametrize("method", ["dropout", "laplace"])
+def test_a_stack_of_one_split_is_its_single_run(tmp_path: Path, compose_cfg, capsys, method: str) -> None:
+    """One loop (runner.fit_job): a job of one split (data.split=[k]) fits it as its single run, through the
+    method's single-run API, whether the method stacks (dropout) or not (laplace: no CannotStack detour, its extra metrics kept);
+    the metrics and history are the single run's bit for bit, and the stack's metrics add stack_size."""
+    common = [f"method={method}", "data=uci/yacht", "trainer.n_epochs=2", "trainer.eval_every=1"]
+    run_job(compose_cfg([*common, "data.split=[2]"]), tmp_path / "stack")
+    assert "one after another" not in capsys.readouterr().err
+    single = run(compose_cfg([*common, "data.split=2"]), tmp_path / "single").metrics
+    member = tmp_path / "stack" / "split=2"
+    stacked = json.loads((member / "metrics.json").read_text())
+    assert stacked.pop("stack_size") == 1.0 and without_cost(stacked) == without_cost(single)
+    histories = [pd.read_csv(d / "history.csv").drop(columns="time_s") for d in (member, tmp_path / "single")]
+    pd.testing.assert_frame_equal(histories[0], histories[1], check_exact=True)
 
 
 def test_stacking_refusals(compose_cfg, tmp_path: Path) -> None:
