@@ -121,8 +121,11 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
     values = eigenvalues.clamp_min(0).cpu()
     axes[3].hist(values.numpy(), bins=30, color="tab:gray")
     zero, small = (int((values <= f * values.max()).sum()) for f in (1e-10, 1e-2))
-    axes[3].set_title(f"(d) eigenvalues of I: {zero} ≈ 0, {small} of {values.numel()} below 1% of the largest")
+    axes[3].set_title(
+        f"(d) eigenvalues of I\n{zero} ≈ 0, {small} of {values.numel()} below 1% of the largest", fontsize=10
+    )
     axes[3].set_xlabel("eigenvalue")
+    axes[3].set_ylabel("count")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
