@@ -14,7 +14,10 @@
    stack too, each split with its own values).
 4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
-   printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder.
+   printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder, with
+   the experiment's ``figures`` (:mod:`bdl_bench.report.figures`) drawn beside it. A figure marked
+   ``table: true`` (DEF Fig. 5, for which the paper prints no numbers) supplies the table instead: its
+   numbers and how agreement is judged come first in ``reproduce.md`` and are ``reproduce.csv``.
 
 An experiment whose config holds a ``benchmark:`` block (``ktied_table4``, ``elrg_table1``) times training steps
 instead of sweeping runs: :mod:`bdl_bench.benchmark`.
@@ -45,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
 from bdl_bench.errors import ConfigError
-from bdl_bench.report.figures import draw_figures
+from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
     COST_METRICS,
@@ -345,6 +348,14 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
     return "\n".join(lines) + f"\n\n{rule}"
 
 
+def figure_table(drawn: Drawn) -> str:
+    """A ``table: true`` figure's numbers for ``reproduce.md``, with its ``criterion`` (how agreement with the
+    paper's figure is judged: the paper prints no numbers for it)."""
+    criterion = " ".join(str(drawn.spec.get("criterion") or "").split())
+    text = f"{drawn.png.stem} (the figure's numbers):\n\n{drawn.table_markdown}"
+    return text + (f"\n\nAgreement with the paper: {criterion}" if criterion else "")
+
+
 def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
     """Where a table came from, for the header of ``reproduce.md``/``.csv`` (the CSV's as ``# `` lines,
     read with ``pandas.read_csv(path, comment="#")``): the command, the code version (package version and
@@ -472,7 +483,11 @@ def main(args: list[str]) -> None:
     text += cost_table(plan.sweep_dir, str(paper) if paper else None)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
-    text += "".join(f"\n\n![{png.stem}]({png.name})" for png in figures)
+    own = [d for d in figures if d.is_table]
+    if own:  # the figures' numbers are the table; the runs' metrics follow as what they were computed from
+        text = "\n\n".join(figure_table(d) for d in own) + f"\n\nThe runs the figure is computed from:\n\n{text}"
+        frame = pd.concat([d.table.assign(figure=d.png.stem) for d in own], ignore_index=True)  # type: ignore[union-attr]
+    text += "".join(f"\n\n![{d.png.stem}]({d.png.name})" for d in figures)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
     atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
     csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())

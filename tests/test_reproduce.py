@@ -144,6 +144,10 @@ def test_a_figure_without_its_runs_is_skipped_with_the_reason(tmp_path: Path) ->
 
     drawn, skipped = draw_figures([{"name": "fig1", "kind": "covariance", "dataset": "usps_3vs5"}], tmp_path)
     assert drawn == [] and skipped[0].startswith("fig1: no finished runs")
+    drawn, skipped = draw_figures([{"name": "fig5", "kind": "frobenius"}], tmp_path)
+    assert drawn == [] and skipped == [
+        f"fig5: no finished map run below {tmp_path} (the figure is computed at its parameters)"
+    ]
     with pytest.raises(ValueError, match="needs a name and a kind"):
         draw_figures([{"name": "x", "kind": "histogram"}], tmp_path)
 
@@ -174,3 +178,29 @@ def test_quick_reproduce_of_def_toy_draws_fig4_from_the_runs(tmp_path: Path, mon
     assert all((std == 0).all() == ("map" in name) for name, std in stds.items())  # only the MAP has no spread
     only = plot_runs(folder, tmp_path / "only_map.png", ["map"])
     assert only.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """def_frobenius: one MAP run, then DEF Fig. 5 computed at its parameters (figure kind ``frobenius``); the
+    figure's numbers are reproduce.md's first table and all of reproduce.csv, with the criterion under them."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    main(["def_frobenius", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"])
+    folder = tmp_path / "def_frobenius_quick"
+    assert (folder / "def_frobenius.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in folder.rglob("params.pt")] == ["params.pt"]  # the one MAP run it is computed from
+    report = (folder / "reproduce.md").read_text()
+    assert report.index("def_frobenius (the figure's numbers)") < report.index("The runs the figure is computed from")
+    assert "Agreement with the paper: the paper prints no numbers for Fig. 5" in report
+    assert "| DEF | 14 | 14 | 1 | 0.0000 |" in report and "![def_frobenius](def_frobenius.png)" in report
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    assert list(table["method"].iloc[:3]) == ["Diag", "KFAC", "EFB"]
+    defs = table[table["method"] == "DEF"]
+    assert list(defs["rank"]) == list(range(1, 15))  # the first layer, 1 -> 7 with biases: 14 parameters
+    assert (defs["kept"] >= defs["rank"]).all() and (table["n_runs"] == 1).all()
+    assert (defs["err_diag"] < 1e-10).all()  # Prop. 1: DEF's diagonal is exact at every K
+    efb = table[table["method"] == "EFB"].iloc[0]
+    assert defs["err_offdiag"].iloc[-1] == pytest.approx(efb["err_offdiag"])  # full-rank DEF: EFB's off-diagonal
+    diag = table[table["method"] == "Diag"].iloc[0]
+    assert diag["err_diag"] == 0 and diag["err_offdiag"] == pytest.approx(1.0)  # the exact diagonal, no off-diagonal

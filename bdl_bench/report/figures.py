@@ -6,6 +6,14 @@ Each entry names a PNG and one of ``bdl-bench plot``'s kinds with its options, e
       - {name: fig4_left, kind: convergence, methods: [slang_L1, slang_L5, slang_L10, mf_hess, full_hess]}
       - {name: fig1, kind: covariance, dataset: usps_3vs5, split: 0, methods: [full_exact, slang_L1, mf_exact]}
       - {name: def_toy, kind: def_toy}   # DEF Fig. 4 from the runs' predictive.npz (bdl_bench.studies.def_toy)
+      - {name: def_frobenius, kind: frobenius, layer: 0, curvature: ggn, table: true, criterion: "..."}
+
+``frobenius`` (DEF Fig. 5, :mod:`bdl_bench.report.frobenius`) computes its numbers from the finished runs'
+parameters (``method``: which runs, default ``map``; ``layer``; ``curvature``: ``ggn`` or ``fisher``;
+``n_samples``: Fisher label samples) and hands them back with the PNG (:class:`Drawn`). ``table: true`` makes
+them the reproduction's table (``reproduce.md`` and ``reproduce.csv``: the paper prints no numbers for such a
+figure, so its runs' metrics are not what is compared), and ``criterion`` is printed under it: how agreement
+with the paper's figure is judged.
 
 A figure whose runs are not there yet (a sweep restricted to some datasets) is skipped with its reason, so a
 partial reproduction still gets its table.
@@ -14,15 +22,33 @@ partial reproduction still gets its table.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from bdl_bench.errors import ResultsError
 
-KINDS = ("convergence", "covariance", "ood", "def_toy")
+KINDS = ("convergence", "covariance", "ood", "def_toy", "frobenius")
 
 
-def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Path:
+@dataclass(frozen=True)
+class Drawn:
+    """A drawn figure: its PNG, and the numbers it shows where its kind computes them (``frobenius``)."""
+
+    png: Path
+    spec: Mapping[str, Any]
+    table: pd.DataFrame | None = None
+    table_markdown: str | None = None  # ``table`` as reproduce.md shows it
+
+    @property
+    def is_table(self) -> bool:
+        """Whether the spec makes this figure's numbers the reproduction's table (``table: true``)."""
+        return self.table is not None and bool(self.spec.get("table"))
+
+
+def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
     """Draw one ``figures`` entry from the runs below ``folder`` into ``out_dir/<name>.png``.
 
     Raises:
@@ -37,26 +63,42 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Path:
     out = out_dir / f"{name}.png"
     methods = list(spec["methods"]) if spec.get("methods") else None
     if kind == "convergence":
-        return plots.plot_convergence(folder, out, methods)
+        return Drawn(plots.plot_convergence(folder, out, methods), spec)
     if kind == "covariance":
-        return plots.plot_covariance(
-            folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))
+        return Drawn(
+            plots.plot_covariance(
+                folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))
+            ),
+            spec,
         )
     if kind == "def_toy":
         from bdl_bench.studies.def_toy import plot_runs
 
-        return plot_runs(folder, out, methods)
+        return Drawn(plot_runs(folder, out, methods), spec)
+    if kind == "frobenius":
+        from bdl_bench.report.frobenius import markdown_table
+        from bdl_bench.report.frobenius import plot_runs as plot_frobenius
+
+        png, table = plot_frobenius(
+            folder,
+            out,
+            method=str(spec.get("method", "map")),
+            layer=int(spec.get("layer", 0)),
+            curvature=str(spec.get("curvature", "ggn")),
+            n_samples=int(spec.get("n_samples", 16)),
+        )
+        return Drawn(png, spec, table, markdown_table(table))
     from bdl_bench.report.ood_plots import plot_uncertainty
     from bdl_bench.results import find_run_dirs
 
     run_dirs = [d for d in find_run_dirs(folder) if (d / "uncertainty.npz").exists()]
     if not run_dirs:
         raise ResultsError(f"no run below {folder} has uncertainty.npz (runs with an OOD set)")
-    return plot_uncertainty(run_dirs, out)
+    return Drawn(plot_uncertainty(run_dirs, out), spec)
 
 
-def draw_figures(specs: Sequence[Mapping[str, Any]], folder: Path) -> tuple[list[Path], list[str]]:
-    """Every figure of ``specs`` into ``folder``: the PNGs drawn, and one line per figure skipped (why)."""
+def draw_figures(specs: Sequence[Mapping[str, Any]], folder: Path) -> tuple[list[Drawn], list[str]]:
+    """Every figure of ``specs`` into ``folder``: the figures drawn, and one line per figure skipped (why)."""
     drawn, skipped = [], []
     for spec in specs:
         try:

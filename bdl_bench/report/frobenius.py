@@ -1,0 +1,173 @@
+"""DEF Fig. 5 (Lee et al. 2020, Sec. 4.1) from finished MAP runs: the normalised Frobenius errors of one layer's
+Diag, KFAC, EFB and DEF(K) information matrices against its exact block, and the block's eigenvalue histogram.
+
+``bdl-bench reproduce def_frobenius`` draws it through the figure kind ``frobenius``
+(:mod:`bdl_bench.report.figures`): :func:`errors_from_runs` rebuilds each finished run's network, training set
+and likelihood from its ``config.yaml`` and takes its parameters from ``params.pt``, then computes
+:func:`bdl_bench.curvature.frobenius.layer_approximations`; :func:`plot` draws the figure. Over several runs
+(seeds) the table and the curves are the mean, with the standard error in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from bdl_bench.checkpoint import load_params  # noqa: E402
+from bdl_bench.curvature.frobenius import ERRORS, layer_approximations  # noqa: E402
+from bdl_bench.errors import ResultsError  # noqa: E402
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, find_run_dirs  # noqa: E402
+
+FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
+
+
+def run_errors(
+    run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16
+) -> tuple[pd.DataFrame, Tensor, dict]:
+    """:func:`~bdl_bench.curvature.frobenius.layer_approximations` at one finished run's parameters, on its
+    training set; returns (table, eigenvalues of the exact block, the run's config).
+
+    Raises:
+        ResultsError: when the run has no ``params.pt``, or ``layer`` is not one of its weight layers.
+    """
+    from bdl_bench.data import build_dataset
+    from bdl_bench.likelihoods import build_likelihood
+    from bdl_bench.models import build_model
+
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    if not (run_dir / PARAMS_FILE).is_file():
+        raise ResultsError(f"{run_dir} has no {PARAMS_FILE} (a finished run of a method with a point estimate)")
+    data = build_dataset(config["data"])
+    torch.manual_seed(0)  # the initial weights are replaced by the run's parameters below
+    model = build_model(config["model"], in_features=data.n_features, out_features=data.n_outputs).double()
+    n_layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    if not 0 <= layer < n_layers:
+        raise ResultsError(f"layer {layer}: the model of {run_dir} has weight layers 0 … {n_layers - 1}")
+    theta = load_params(run_dir / PARAMS_FILE)["theta"].double()
+    likelihood = build_likelihood(data, config.get("noise_precision"))
+    seed = int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET
+    table, eigenvalues = layer_approximations(
+        model,
+        theta,
+        data.x_train,
+        data.y_train,
+        likelihood,
+        layer=layer,
+        kind=curvature,
+        n_samples=n_samples,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return table, eigenvalues, config
+
+
+def errors_from_runs(
+    folder: Path, *, method: str = "map", layer: int = 0, curvature: str = "ggn", n_samples: int = 16
+) -> tuple[pd.DataFrame, Tensor, dict]:
+    """:func:`run_errors` of every finished ``method`` run below ``folder``, averaged: one row per approximation
+    (``method``, ``rank`` K, ``kept`` L, ``n_runs``, each error and its standard error ``<error>_se``, NaN for a
+    single run); returns (table, the exact blocks' eigenvalues of all runs, the first run's config).
+
+    Raises:
+        ResultsError: when no finished ``method`` run with ``params.pt`` is below ``folder``.
+    """
+    tables, eigenvalues, configs = [], [], []
+    for run_dir in find_run_dirs(folder):
+        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+        if (config.get("method") or {}).get("name") != method or not (run_dir / METRICS_FILE).exists():
+            continue
+        table, eigs, config = run_errors(run_dir, layer=layer, curvature=curvature, n_samples=n_samples)
+        tables.append(table.assign(run=run_dir.name))
+        eigenvalues.append(eigs)
+        configs.append(config)
+    if not tables:
+        raise ResultsError(f"no finished {method} run below {folder} (the figure is computed at its parameters)")
+    frame = pd.concat(tables, ignore_index=True)
+    frame["rank"] = frame["rank"].astype("Int64")
+    frame["kept"] = frame["kept"].astype("Int64")
+    keys = ["method", "rank", "kept"]
+    grouped = frame.groupby(keys, dropna=False, sort=False)
+    table = grouped[list(ERRORS)].mean()
+    table.insert(0, "n_runs", grouped.size())
+    for error in ERRORS:
+        table[f"{error}_se"] = grouped[error].sem() if len(tables) > 1 else float("nan")
+    return table.reset_index(), torch.cat(eigenvalues), configs[0]
+
+
+def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Path:
+    """Fig. 5's layout: the diagonal, off-diagonal and overall error against K (DEF, one point per K) with
+    Diag, KFAC and EFB as horizontal lines, and the histogram of the exact block's eigenvalues (counting those
+    that are zero to rounding, at most 1e-10 of the largest, and those below 1% of it)."""
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    def_rows = table[table["method"] == "DEF"]
+    colors = {"Diag": "tab:green", "KFAC": "tab:orange", "EFB": "tab:purple"}
+    names = ("(a) diagonal", "(b) off-diagonal", "(c) overall")
+    for ax, key, name in zip(axes, ERRORS, names):
+        ax.plot(def_rows["rank"], def_rows[key], marker="o", color="tab:blue", label="DEF (top K kept)")
+        for method, color in colors.items():
+            ax.axhline(float(table.loc[table["method"] == method, key].iloc[0]), color=color, ls="--", label=method)
+        ax.set_xlabel("K (top eigenvalues kept)")
+        ax.set_title(f"{name} error, normalised")
+        ax.set_ylim(-0.03, max(1.05, float(table[key].max()) * 1.05))
+    axes[0].legend(fontsize=8)
+    values = eigenvalues.clamp_min(0).cpu()
+    axes[3].hist(values.numpy(), bins=30, color="tab:gray")
+    zero, small = (int((values <= f * values.max()).sum()) for f in (1e-10, 1e-2))
+    axes[3].set_title(
+        f"(d) eigenvalues of I\n{zero} ≈ 0, {small} of {values.numel()} below 1% of the largest", fontsize=10
+    )
+    axes[3].set_xlabel("eigenvalue")
+    axes[3].set_ylabel("count")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_runs(
+    folder: Path,
+    out: Path,
+    *,
+    method: str = "map",
+    layer: int = 0,
+    curvature: str = "ggn",
+    n_samples: int = 16,
+) -> tuple[Path, pd.DataFrame]:
+    """Fig. 5 from the finished ``method`` runs below ``folder`` into ``out``; returns (png, the figure's table
+    of :func:`errors_from_runs`)."""
+    table, eigenvalues, config = errors_from_runs(
+        folder, method=method, layer=layer, curvature=curvature, n_samples=n_samples
+    )
+    n_runs = int(table["n_runs"].max())
+    model = config.get("model") or {}
+    title = (
+        f"Layer {layer} of the MLP {list(model.get('hidden', []))} ({curvature}, N={config['data'].get('n_train')}, "
+        f"{n_runs} {method} run{'s' if n_runs > 1 else ''}): normalised Frobenius error against the exact block "
+        "(cf. Lee et al. 2020, Fig. 5)"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return plot(table, eigenvalues, out, title), table
+
+
+def markdown_table(table: pd.DataFrame, columns: Sequence[str] = ERRORS) -> str:
+    """The figure's table as Markdown: one row per approximation, K and L where they apply, mean ± SE."""
+    headers = ["approximation", "K", "L", "n", *columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for _, row in table.iterrows():
+        cells = [str(row["method"])]
+        cells += ["–" if pd.isna(row[k]) else str(int(row[k])) for k in ("rank", "kept")]
+        cells.append(str(int(row["n_runs"])))
+        for c in columns:
+            se = row.get(f"{c}_se")
+            cells.append(f"{row[c]:.4f}" + ("" if se is None or pd.isna(se) else f" ± {se:.4f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
