@@ -46,8 +46,8 @@ import pandas as pd
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from bdl_bench.cli import CONF_DIR, group_choices, run_hydra
 from bdl_bench.errors import ConfigError
+from bdl_bench.hydra_app import CONF_DIR, group_choices, run_hydra
 from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
