@@ -142,7 +142,7 @@ def measure(bench: Benchmark, progress: Callable[[str], None] = print) -> pd.Dat
     Raises:
         ConfigError: for an unknown method spec or an unusable device.
     """
-    from bdl_bench.runner import resolve_device
+    from bdl_bench.devices import resolve_device
 
     module = bench_step()
     device = resolve_device(bench.device)

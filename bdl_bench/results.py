@@ -374,7 +374,7 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
         row["finished"] = finished
         record = read_run_record(run_dir)
         row["code_version"] = record.get("code_version")
-        row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.runner.device_record
+        row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.devices.device_record
         rows.append(row)
     frame = pd.DataFrame(rows)
     frame.attrs["config_columns"] = sorted(config_columns)

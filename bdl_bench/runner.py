@@ -21,48 +21,53 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import json
 import math
-import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bdl_bench.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, save_params
+from bdl_bench.checkpoint import load_checkpoint, save_checkpoint, save_params
 from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, Terminated, UserError
+from bdl_bench.devices import device_record, resolve_device, resolve_dtype, to_device, use_deterministic
+from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, Terminated
+from bdl_bench.evaluation import (
+    SharedPredictions,
+    elbo_per_example,
+    elbo_without_bias_logdet,
+    epoch_row,
+    evaluate,
+    evaluate_ood,
+    save_predictive,
+    swap_generator,
+    sym_kl_to_reference,
+)
 from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood, build_likelihood
+from bdl_bench.likelihoods import Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
-from bdl_bench.metrics import gaussian_predictive_metrics, ood_metrics, predictive_metrics, uncertainty_arrays
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.reference import reference_posterior
 from bdl_bench.results import (
     CHECKPOINT_FILE,
     HISTORY_FILE,
     PARAMS_FILE,
     HistoryWriter,
-    atomic_write_bytes,
     config_hash,
-    read_history,
     update_run_record,
     write_config,
     write_metrics,
 )
+from bdl_bench.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
 from bdl_bench.sigterm import stop_at_epoch_end
 from bdl_bench.threads import set_threads
 
@@ -133,234 +138,14 @@ def announce_resume(run_dir: Path, epoch: int) -> None:
     print(f"{run_dir}: resuming from epoch {epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
 
 
-class CheckpointDeviceError(UserError, ValueError):
-    """A checkpoint written on one device type (``cpu``, ``cuda``) found by a run on another."""
-
-
 @dataclass(frozen=True)
 class RunResult:
     run_dir: Path
     metrics: dict[str, float]
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU; anything else is passed to ``torch.device``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name!r} but no CUDA device is available; use trainer.device=auto or cpu")
-    return device
-
-
-def device_record(device: torch.device) -> dict[str, Any]:
-    """What ``run.json`` records of the device a run used: its type (``cpu``, ``cuda``), the GPU's name,
-    the torch and CUDA versions (results of different devices differ in the last digits), and the installed
-    versions of the main packages (``packages``: Python, numpy, pandas, Hydra, Optuna, …)."""
-    from bdl_bench.catalogue import package_versions
-
-    record: dict[str, Any] = {
-        "device": device.type,
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "packages": package_versions(),
-    }
-    if device.type == "cuda":
-        record["device_name"] = torch.cuda.get_device_name(device)
-    return record
-
-
-def use_deterministic(on: bool) -> None:
-    """``trainer.deterministic``: with ``on``, PyTorch's deterministic algorithms only (an op without one
-    raises), TF32 off for matrix products and convolutions, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (what
-    cuBLAS needs to repeat itself). A CPU run with one thread repeats bit for bit either way; this makes a GPU
-    run repeat too, at some cost in speed. Process-wide; ``on=False`` does nothing."""
-    if not on:
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"trainer.dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def _to_device(dataset: Dataset, device: torch.device, dtype: torch.dtype) -> Dataset:
-    """Move every tensor to ``device``; floating tensors also to ``dtype`` (labels keep theirs)."""
-    moved = {}
-    for field in dataclasses.fields(dataset):
-        value = getattr(dataset, field.name)
-        if isinstance(value, torch.Tensor):
-            value = value.to(device, dtype=dtype if value.is_floating_point() else value.dtype)
-        moved[field.name] = value
-    return Dataset(**moved)
-
-
-@torch.no_grad()
-def evaluate(
-    method: Method,
-    likelihood: Likelihood,
-    dataset: Dataset,
-    n_samples: int,
-    part: str = "test",
-    f_samples: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Predictive metrics of ``method`` on ``part`` (``test`` or ``val``) with ``n_samples`` MC samples
-    (or the given output samples ``f_samples`` of that part).
-
-    A regression method whose predictive is Gaussian in closed form (``predictive_moments``: the linearised
-    Laplace) is scored on it: ``rmse``, ``test_ll`` and ``nll`` are exact, the MC mixture's LL is kept as
-    ``test_ll_mc`` and ``test_ll_joint`` stays the MC estimate (it needs joint samples)."""
-    x, y = getattr(dataset, f"x_{part}"), getattr(dataset, f"y_{part}")
-    if f_samples is None:
-        f_samples = method.predict(x, n_samples)
-    metrics = predictive_metrics(likelihood, f_samples, y, y_mean=dataset.y_mean, y_std=dataset.y_std)
-    moments = getattr(method, "predictive_moments", None)
-    closed_form = moments(x) if isinstance(likelihood, Gaussian) and callable(moments) else None
-    if closed_form is not None:
-        metrics["test_ll_mc"] = metrics["test_ll"]
-        metrics.update(gaussian_predictive_metrics(likelihood, *closed_form, y, y_std=dataset.y_std))
-    return metrics
-
-
-@torch.no_grad()
-def evaluate_ood(
-    method: Method,
-    likelihood: Likelihood,
-    dataset: Dataset,
-    n_samples: int,
-    run_dir: Path,
-    f_test: torch.Tensor | None = None,
-    f_ood: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Predictive entropy on the out-of-distribution set against the test set (DEF Table 1) and the
-    AUROC of telling them apart by entropy; saves ``uncertainty.npz`` for ``bdl-bench plot kind=ood``.
-    ``f_test`` and ``f_ood`` are output samples already drawn on those sets (else predicted here)."""
-    if not isinstance(likelihood, Bernoulli | Categorical):
-        raise ValueError(f"OOD metrics need a classification likelihood, got {type(likelihood).__name__}")
-    probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples) if f_test is None else f_test)
-    probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples) if f_ood is None else f_ood)
-    arrays = uncertainty_arrays(probs_test, dataset.y_test, probs_ood)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    atomic_write_bytes(run_dir / "uncertainty.npz", buffer.getbuffer())
-    return ood_metrics(probs_test, probs_ood)
-
-
-def save_predictive(run_dir: Path, likelihood: Likelihood, dataset: Dataset, f_test: torch.Tensor) -> Path:
-    """Write ``predictive.npz``: a regression run's predictive on the test inputs, in original units.
-
-    ``f_mean`` and ``f_std`` are the mean and (population) standard deviation of the network output over the
-    ``(S, N, 1)`` samples ``f_test`` (the epistemic part), ``noise_std`` the likelihood's noise standard
-    deviation, and ``y_test`` the test targets; the toy figures (``bdl_bench.studies.def_toy``) draw from it.
-    Set ``trainer.save_predictive: true`` in an experiment to get it (off by default, so absent from the
-    other runs' configs).
-    """
-    if not isinstance(likelihood, Gaussian):
-        raise ConfigError("trainer.save_predictive needs a regression run (Gaussian likelihood)")
-    f = f_test.detach().reshape(f_test.shape[0], f_test.shape[1]).double().cpu()
-    y_std = float(dataset.y_std)
-    path = run_dir / "predictive.npz"
-    np.savez(
-        path,
-        f_mean=(dataset.y_mean + y_std * f.mean(0)).numpy(),
-        f_std=(y_std * f.std(0, unbiased=False)).numpy(),
-        noise_std=np.float64(y_std / math.sqrt(float(likelihood.noise_precision))),
-        y_test=(dataset.y_mean + y_std * dataset.y_test.double().cpu()).numpy(),
-    )
-    return path
-
-
-@torch.no_grad()
-def elbo_per_example(method: Method, likelihood: Likelihood, dataset: Dataset, n_samples: int) -> float | None:
-    """``E_q[log p(D | θ)] / N − KL(q ‖ prior) / N`` on the training set, or ``None`` without a KL.
-
-    The expectation is a Monte Carlo average over ``n_samples`` posterior samples, unless the
-    method's posterior offers an exact value for this likelihood (logistic regression: quadrature).
-    Regression log-likelihoods are those of the standardised targets the method was fitted on.
-    """
-    kl = method.kl_to_prior()
-    if kl is None:
-        return None
-    exact = _exact_expected_loglik(method, likelihood, dataset)
-    if exact is not None:
-        expected_loglik = exact
-    else:
-        expected_loglik = _chunked_expected_loglik(method, likelihood, dataset.x_train, dataset.y_train, n_samples)
-    return (expected_loglik - float(kl)) / dataset.n_train
-
-
-ELBO_CHUNK_ELEMENTS = 2**26
 """Rows of the training set per forward pass of the ELBO: at most this many (samples × rows × widest layer)
 activations (256 MB in float32), instead of the whole set at once (≈ 1.6 GB per activation on MNIST)."""
-
-
-def _chunked_expected_loglik(method: Method, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor, n: int) -> float:
-    """``(1/S) Σ_s Σ_i log p(y_i | x_i, θ_s)`` over memory-bounded chunks of rows. Every chunk replays the
-    method generator's state, so the S posterior samples are the same for every chunk (a method that draws
-    whole parameter vectors gives the one-pass value)."""
-    widest = max((p.shape[0] for p in method.problem.model.parameters()), default=1)
-    rows = max(1, ELBO_CHUNK_ELEMENTS // (n * widest))
-    generator = method.problem.generator
-    start_state = generator.get_state()
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for start in range(0, x.shape[0], rows):
-        generator.set_state(start_state)
-        f_samples = method.predict(x[start : start + rows], n)  # (S, rows, out)
-        total += torch.stack([-likelihood.nll(f, y[start : start + rows]).sum() for f in f_samples]).double().sum()
-    return float(total) / n
-
-
-def elbo_without_bias_logdet(elbo: float, model: torch.nn.Module, prior: torch.Tensor, n_train: int) -> float | None:
-    r"""The SLANG authors' ELBO for logistic regression: ours minus :math:`\tfrac12\log\lambda_{bias}/N`.
-
-    Their reported ELBO (``chol_log_reg.m`` in aaronpmishkin/SLANG, used for every Table 1 column) sums
-    the prior's log-precisions over ``lambda(2:end)`` only: the bias's :math:`\tfrac12\log\lambda_0`
-    term of :math:`-\mathrm{KL}` is left out (their comment: "?why 2:end?"). With the bias prior
-    precision 1e-5 that raises the ELBO by :math:`5.76/N` per example. ``None`` unless the model is one
-    ``nn.Linear`` with a bias (our bias is the last coordinate of the flat parameter vector).
-    """
-    linear = _only_linear_layer(model)
-    if linear is None or linear.bias is None:
-        return None
-    return elbo - 0.5 * math.log(float(prior[-1])) / n_train
-
-
-def _only_linear_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's one ``nn.Linear`` if it holds every parameter (logistic regression), else ``None``."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if len(linears) != 1 or len(list(model.parameters())) != len(list(linears[0].parameters())):
-        return None
-    return linears[0]
-
-
-def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Dataset) -> float | None:
-    """Quadrature value of ``Σ_i E_q[log p(y_i | x_i, θ)]`` for Bayesian logistic regression, else ``None``."""
-    try:
-        from bdl_bench.quadrature import expected_log_sigmoid
-    except ImportError:
-        return None
-    from bdl_bench.likelihoods import Bernoulli
-
-    posterior = method.posterior()
-    model = method.problem.model
-    linear = _only_linear_layer(model)  # not, e.g., the IMDB LSTM with its one linear head
-    if not isinstance(likelihood, Bernoulli) or posterior is None or linear is None:
-        return None
-    x = dataset.x_train
-    if linear.bias is not None:
-        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-    mean, var = posterior.linear_moments(x.to(posterior.mean.dtype))
-    sign = 2.0 * dataset.y_train.to(mean.dtype) - 1.0  # log p(y | f) = log σ(sign · f)
-    return float(expected_log_sigmoid(sign * mean, var).sum())
 
 
 def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -479,14 +264,14 @@ def _fit_job(
     job_hash = hashes[keys[0]] if single else config_hash({"members": [hashes[k] for k in keys]})
     job_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = job_dir / CHECKPOINT_FILE
-    checkpoint = _job_checkpoint(checkpoint_path, job_hash, single, keys)
+    checkpoint = job_checkpoint(checkpoint_path, job_hash, single, keys)
     record = device_record(device)
     for k in keys:
         dirs[k].mkdir(parents=True, exist_ok=True)
         write_config(dirs[k], configs[k])  # type: ignore[arg-type]
         update_run_record(dirs[k], **record)
 
-    datasets = {k: _to_device(load_dataset(configs[k]["data"]), device, dtype) for k in keys}  # type: ignore[index]
+    datasets = {k: to_device(load_dataset(configs[k]["data"]), device, dtype) for k in keys}  # type: ignore[index]
     if not one:
         _check_stackable(datasets, cfg)
     first = datasets[keys[0]]
@@ -536,7 +321,7 @@ def _fit_job(
     if checkpoint is not None:
         restore_checkpoint(checkpoint, method, generators, device)
         start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
-        histories = _checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
+        histories = checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
         progress.done = start_epoch
         announce_resume(job_dir, start_epoch)
     writers = [HistoryWriter(dirs[k] / HISTORY_FILE, rows) for k, rows in zip(keys, histories)]
@@ -636,87 +421,6 @@ def _fit_job(
     return results
 
 
-def _job_checkpoint(path: Path, job_hash: str, single: bool, keys: Sequence[Hashable]) -> Checkpoint | None:
-    """The job's checkpoint to resume from, if any. One of another config is refused for a single run; for a
-    stack it is one of another set of unfinished members (e.g. left by a stack killed while writing its
-    splits' results), discarded with a warning: the members start afresh."""
-    checkpoint = load_checkpoint(path)
-    if checkpoint is None or checkpoint.config_hash == job_hash:
-        return checkpoint
-    if single:
-        raise ConfigError(
-            f"{path} belongs to another config (hash {checkpoint.config_hash}, this run {job_hash}); "
-            "delete it or re-run with force=true"
-        )
-    warnings.warn(
-        f"{path} belongs to another stack of splits (hash {checkpoint.config_hash}, this job {job_hash}); "
-        f"starting the splits {list(keys)} from scratch",
-        stacklevel=4,
-    )
-    return None
-
-
-def _checkpoint_histories(checkpoint: Checkpoint, paths: Sequence[Path], single: bool) -> list[list[dict[str, Any]]]:
-    """Each member's history rows at the checkpoint: read back from ``paths`` (their ``history.csv``), or
-    the rows stored in a checkpoint written before checkpoints kept only the row counts."""
-    if single:
-        return [checkpoint_history(checkpoint, paths[0])]
-    if checkpoint.history_rows is None:
-        return list(checkpoint.history)
-    return [read_history(p, int(n)) for p, n in zip(paths, checkpoint.history_rows)]  # type: ignore[arg-type]
-
-
-class SharedPredictions:
-    """The final test and validation predictions of a stack's copies, made together where the method can
-    (``predict_replicas``: MC dropout draws each mask once for all copies) and every copy would make them
-    alike: several copies, all evaluation generators in one state and every split's parts of one shape. Copies
-    are predicted in groups of at most ``PREDICTION_ELEMENTS`` outputs per part; each group replays the shared
-    generator state, and each copy's generator is then left where its own ``predict`` calls would leave it,
-    so the metrics equal those of the copies predicted one by one (``finish_run`` without ``predictions``)."""
-
-    PREDICTION_ELEMENTS = 2**26  # outputs (copies x samples x rows x out) held at once: 256 MB in float32
-
-    def __init__(self, method: Any, datasets: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
-        self.method, self.datasets, self.generators = method, list(datasets), list(generators)
-        self._group: list[int] = []
-        self._outputs: dict[str, torch.Tensor] = {}
-        self._end: torch.Tensor | None = None  # the generators' state after the present group's predictions
-        states = [g.get_state() for g in self.generators]
-        self.enabled = (
-            len(self.datasets) > 1
-            and callable(getattr(method, "predict_replicas", None))
-            and all(torch.equal(s, states[0]) for s in states)
-            and all(self._shapes(d) == self._shapes(self.datasets[0]) for d in self.datasets)
-        )
-
-    @staticmethod
-    def _shapes(dataset: Any) -> tuple:
-        return tuple(tuple(getattr(dataset, f"x_{part}").shape) for part in ("test", "val"))
-
-    def _parts(self) -> list[str]:
-        return ["test"] + (["val"] if self.datasets[0].x_val.shape[0] > 0 else [])
-
-    def of_copy(self, r: int, n_samples: int) -> dict[str, torch.Tensor] | None:
-        """Copy ``r``'s ``{part: (S, N, out)}`` (``None`` where the copies are predicted one by one)."""
-        if not self.enabled:
-            return None
-        if r not in self._group:
-            rows = sum(getattr(self.datasets[0], f"x_{p}").shape[0] for p in self._parts())
-            size = max(1, self.PREDICTION_ELEMENTS // (n_samples * rows))
-            self._group = list(range(r, min(r + size, len(self.datasets))))  # copy r's generator is still at the start
-            with _swap_generator(self.method, self.generators[r]):
-                self._outputs = {
-                    p: self.method.predict_replicas(
-                        torch.stack([getattr(self.datasets[c], f"x_{p}") for c in self._group]), n_samples, self._group
-                    )
-                    for p in self._parts()
-                }
-            self._end = self.generators[r].get_state()
-        self.generators[r].set_state(self._end)
-        index = self._group.index(r)
-        return {p: f[index] for p, f in self._outputs.items()}
-
-
 def _check_stackable(datasets: Mapping[Hashable, Dataset], cfg: DictConfig) -> None:
     """Refuse splits that cannot share one stacked fit, naming what differs."""
     sizes = {k: (d.n_train, tuple(d.x_train.shape[1:]), d.task) for k, d in datasets.items()}
@@ -742,86 +446,6 @@ def peak_rss_mib(model: torch.nn.Module) -> float:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-def make_checkpoint(
-    epoch: int,
-    chash: str,
-    method: Method,
-    generators: Mapping[str, torch.Generator],
-    device: torch.device,
-    history_rows: int | list[int],
-    elapsed_s: float,
-) -> Checkpoint:
-    """What a killed run needs to continue after ``epoch``: the method's state, every generator's and
-    torch's global (and CUDA) RNG state, the number of history rows so far (per split for a stack) and the
-    time spent."""
-    return Checkpoint(
-        epoch=epoch,
-        config_hash=chash,
-        device=device.type,
-        method=method.state_dict(),
-        generators={name: gen.get_state() for name, gen in generators.items()},
-        torch_rng=torch.get_rng_state(),
-        cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        history_rows=history_rows,
-        elapsed_s=elapsed_s,
-    )
-
-
-def checkpoint_history(checkpoint: Checkpoint, path: Path) -> list[dict[str, Any]]:
-    """The history rows of a single run's checkpoint: read back from ``path`` (``history.csv``), or the
-    rows stored in a checkpoint written before checkpoints kept only the row count."""
-    if checkpoint.history_rows is None:
-        return list(checkpoint.history)
-    return read_history(path, int(checkpoint.history_rows))  # type: ignore[arg-type]
-
-
-def restore_checkpoint(
-    checkpoint: Checkpoint, method: Method, generators: Mapping[str, torch.Generator], device: torch.device
-) -> None:
-    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's).
-
-    Raises:
-        CheckpointDeviceError: when the checkpoint was written on another device type (its generators'
-            states do not fit this device's; the run is not resumed but refused, naming the fix).
-    """
-    if checkpoint.device is not None and checkpoint.device != device.type:
-        raise CheckpointDeviceError(
-            f"the run's {CHECKPOINT_FILE} was written on {checkpoint.device} and this run is on {device.type}: "
-            f"a checkpoint resumes only on its own device type; re-run with trainer.device={checkpoint.device}, "
-            "or with force=true to start over"
-        )
-    method.load_state_dict(checkpoint.method)
-    for name, gen in generators.items():
-        gen.set_state(checkpoint.generators[name])
-    torch.set_rng_state(checkpoint.torch_rng)
-    if checkpoint.cuda_rng is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(checkpoint.cuda_rng, device)
-
-
-def epoch_row(
-    method: Method,
-    likelihood: Likelihood,
-    dataset: Dataset,
-    epoch: int,
-    train_stats: Mapping[str, float],
-    *,
-    elapsed: float,
-    evaluate_now: bool,
-    n_eval_samples: int,
-    eval_generator: torch.Generator,
-) -> dict[str, Any]:
-    """One ``history.csv`` row: the epoch's training statistics, the training ELBO where the method
-    has a KL, and (when ``evaluate_now``) test metrics from ``n_eval_samples`` posterior samples."""
-    row: dict[str, Any] = {"epoch": epoch, **train_stats, "time_s": elapsed}
-    kl = method.kl_to_prior()
-    if kl is not None and "train/nll" in train_stats:
-        row["train/elbo"] = -train_stats["train/nll"] - float(kl) / dataset.n_train
-    if evaluate_now:
-        with _swap_generator(method, eval_generator):
-            row.update({f"test/{k}": v for k, v in evaluate(method, likelihood, dataset, n_eval_samples).items()})
-    return row
 
 
 def finish_run(
@@ -864,7 +488,7 @@ def finish_run(
         sets["val"] = dataset.x_val
     if dataset.x_ood is not None:
         sets["ood"] = dataset.x_ood
-    with _swap_generator(method, eval_generator):
+    with swap_generator(method, eval_generator):
         # A method with ``predict_sets`` (Laplace) evaluates each posterior sample on every set at once;
         # the others predict set by set: test, val, (the ELBO's samples), OOD. The OOD metrics reuse the
         # test predictions.
@@ -903,7 +527,7 @@ def finish_run(
     reference_cfg = _cfg_get(cfg, "reference")
     if reference_cfg is not None and method.posterior() is not None:
         cache_dir = Path(str(cfg.results_root)) / ".cache" / "references" if _cfg_get(cfg, "results_root") else None
-        metrics["sym_kl"] = _sym_kl_to_reference(
+        metrics["sym_kl"] = sym_kl_to_reference(
             method, reference_cfg, model, likelihood, prior, dataset, seed, cache_dir
         )
     posterior = method.posterior()
@@ -918,31 +542,3 @@ def finish_run(
     write_metrics(run_dir, metrics)
     (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     return RunResult(run_dir=run_dir, metrics=metrics)
-
-
-def _sym_kl_to_reference(
-    method: Method,
-    reference_cfg: Any,
-    model: torch.nn.Module,
-    likelihood: Likelihood,
-    prior: torch.Tensor,
-    dataset: Dataset,
-    seed: int,
-    cache_dir: Path | None,
-) -> float:
-    """Symmetric KL between this method's posterior and the reference's on the same split
-    (:mod:`bdl_bench.reference`: fitted once per split, cached in ``cache_dir``)."""
-    config = OmegaConf.to_container(reference_cfg, resolve=True)
-    reference = reference_posterior(config, model, likelihood, prior, dataset, seed, cache_dir)  # type: ignore[arg-type]
-    return float(method.posterior().sym_kl(reference))
-
-
-@contextmanager
-def _swap_generator(method: Method, generator: torch.Generator) -> Iterator[None]:
-    """Evaluate with a dedicated generator so that evaluation never shifts the training stream."""
-    saved = method.problem
-    method.problem = dataclasses.replace(saved, generator=generator)
-    try:
-        yield
-    finally:
-        method.problem = saved

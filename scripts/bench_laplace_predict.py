@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from bdl_bench.devices import resolve_device
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
@@ -41,7 +42,6 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.runner import resolve_device
 from bdl_bench.threads import set_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

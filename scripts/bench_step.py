@@ -57,13 +57,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bdl_bench.devices import resolve_device
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
-from bdl_bench.runner import resolve_device
 from bdl_bench.threads import set_threads
 
 SGD_PER_ROUND = 3

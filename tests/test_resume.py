@@ -19,7 +19,8 @@ import torch
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import UserError
 from bdl_bench.results import read_run_record, without_cost
-from bdl_bench.runner import CheckpointDeviceError, checkpoint_history, run
+from bdl_bench.resume import CheckpointDeviceError, checkpoint_history
+from bdl_bench.runner import run
 from bdl_bench.sweep import run_job
 
 

@@ -60,7 +60,7 @@ def test_bad_values_give_one_line_errors(tmp_path: Path, compose_cfg, override: 
 def test_authors_elbo_leaves_out_only_the_bias_log_prior_precision() -> None:
     import torch
 
-    from bdl_bench.runner import elbo_without_bias_logdet
+    from bdl_bench.evaluation import elbo_without_bias_logdet
 
     logreg = torch.nn.Sequential(torch.nn.Linear(3, 1))
     prior = torch.tensor([1.0, 1.0, 1.0, 1e-5])  # weights, then the bias (flat parameter order)
@@ -80,11 +80,11 @@ def test_logistic_regression_run_reports_the_authors_elbo(tmp_path: Path, compos
 
 def test_the_elbo_in_chunks_equals_the_one_pass_value(tmp_path: Path, compose_cfg, monkeypatch) -> None:
     """Chunks of rows replay the generator, so every chunk sees the same posterior samples."""
-    import bdl_bench.runner as runner_module
+    import bdl_bench.evaluation as evaluation_module
 
     cfg = compose_cfg(["method=bbb", "data=uci/boston", "model=mlp", "trainer.checkpoint_every=0"])
     one_pass = run(cfg, tmp_path / "one").metrics["elbo"]
-    monkeypatch.setattr(runner_module, "ELBO_CHUNK_ELEMENTS", 2 * 50 * 7)  # 7 rows of 2 samples x 50 units
+    monkeypatch.setattr(evaluation_module, "ELBO_CHUNK_ELEMENTS", 2 * 50 * 7)  # 7 rows of 2 samples x 50 units
     chunked = run(cfg, tmp_path / "chunked").metrics["elbo"]
     assert chunked == pytest.approx(one_pass, rel=1e-6)
 

@@ -155,7 +155,7 @@ def _slang_table1() -> PaperTable:
     return PaperTable(
         name="slang_table1",
         metrics={
-            # the authors' ELBO leaves out the bias's log prior precision (runner.elbo_without_bias_logdet)
+            # the authors' ELBO leaves out the bias's log prior precision (evaluation.elbo_without_bias_logdet)
             "elbo_no_bias_logdet": ("neg_elbo_per_example", -1.0),
             "nll": ("test_nll", 1.0),
             # our sym_kl is KL(p||q) + KL(q||p); the authors' table averages the two
