@@ -2,7 +2,8 @@
 
 ``bdl-bench run method=slang data=uci/boston 'data.split=[0,1,2]'`` (a list instead of one split;
 ``data.split=all`` for every split of the dataset's protocol) trains the R = 3 copies of the method side by side, with every tensor carrying a leading copy
-dimension (``Method.setup_replicas``). The networks of SLANG's UCI study are so small (D ≈ 750) that a
+dimension (``Method.setup_replicas``; a :class:`~bdl_bench.methods.base.StackedMethod` writes its step once
+for R copies). The networks of SLANG's UCI study are so small (D ≈ 750) that a
 single run's time is Python overhead per step; a stacked step costs about as much as one single step,
 so R splits cost about as much as one (``experiment=slang_table2`` stacks the 20 splits of a dataset).
 
@@ -14,9 +15,9 @@ re-run. Copy k draws the noise a single run with the same seed draws (one draw s
 so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; each copy is
 evaluated as an ordinary method (``Method.replica``) with its own evaluation generator. All of them start
 from one seed, so a method that can (MC dropout's ``predict_replicas``) makes the final test and validation
-predictions of all copies at once, drawing each random number once for all (:class:`~bdl_bench.runner.SharedPredictions`):
-the same outputs, bit for bit, for the products alone (a tuned MC-dropout search predicts 1000 samples of
-every trial: drawn one copy at a time, their masks took as long as the training).
+predictions of all copies at once, drawing each random number once for all
+(:class:`~bdl_bench.evaluation.SharedPredictions`): the same outputs, bit for bit (a tuned MC-dropout search
+predicts 1000 samples of every trial).
 ``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
 
 This module says which members a job stacks and checks that they may share one fit; the fit itself is the
@@ -31,8 +32,8 @@ discarded with a warning: the splits it still lacks start afresh).
 
 Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
 examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
-``supports_replicas`` (``bbb`` with local reparameterisation, ``dropout``, ``slang`` and ``vogn`` on networks of
-``nn.Linear`` layers). For other methods ``setup_replicas`` of several copies raises
+``supports_replicas``: the methods derived from :class:`~bdl_bench.methods.base.StackedMethod` (``bbb``, ``dropout``, ``ivon``,
+``vogn``; dropout and vogn on networks of ``nn.Linear`` layers) and ``slang`` (networks of ``nn.Linear`` layers). For other methods ``setup_replicas`` of several copies raises
 :class:`~bdl_bench.methods.base.CannotStack` and the job runs the splits one after another instead
 (:func:`bdl_bench.sweep.run_job`), each exactly as its single run.
 """
