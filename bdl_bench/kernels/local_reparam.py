@@ -29,9 +29,9 @@ class _LocalLinear(torch.autograd.Function):
         \partial_{\mu_W} L = g^\top a, \quad \partial_{\sigma_W^2} L = \tfrac12 g'^\top a^2, \quad
         \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
 
-    (biases: the column sums). The weight gradients are written into ``into`` (parts of
-    :class:`~bdl_bench.kernels.mean_field._MeanFieldTerms`' gradient buffers), so they allocate nothing and need no gathering. With
-    ``unclamped`` the caller vouches that no variance is below ``tiny`` (a bias variance at least that
+    (biases: the column sums). The weight gradients are written into ``into`` (parts of the gradient buffers
+    of :func:`~bdl_bench.kernels.mean_field.mean_field_terms`), so they allocate nothing and need no gathering.
+    With ``unclamped`` the caller vouches that no variance is below ``tiny`` (a bias variance at least that
     large: the clamp would do nothing), and the clamp and its mask are skipped.
     """
 
@@ -133,12 +133,12 @@ class StackedLocalLinear(torch.autograd.Function):
         \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
 
     (biases: the sums over P), a few passes over the ``(R, P, out)`` activations where autograd's graph of
-    the same expression takes a dozen (the backward was two thirds of a stacked BBB step before).
+    the same expression takes a dozen.
 
     An input ``a`` ``(R, M, in)`` with ``eps`` ``(S·M, out)`` is shared by the S samples (a first layer's data):
     its two products are taken once per example and g, g' summed over the samples before theirs (twice fewer
     GEMMs at S = 2). Where the bias variance is at least ``tiny``, so is every output variance, and the clamp
-    and its mask are skipped (the comparison alone cost 5 % of a stacked step)."""
+    and its mask are skipped."""
 
     @staticmethod
     def forward(

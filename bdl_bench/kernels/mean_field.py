@@ -56,15 +56,15 @@ def softplus_and_ratio(rho: Tensor, std: Tensor, ratio: Tensor, work: Tensor) ->
     (:math:`\operatorname{softplus}` of the range of :math:`\rho`: it is increasing).
 
     Where every :math:`\rho` lies in :math:`[-80, 1]` (the usual case: :math:`\sigma \le 1.31`), from one
-    ``torch.sigmoid`` :math:`s` (half the time of ``torch.exp``): :math:`\sigma = -\operatorname{log1p}(-s)`
+    ``torch.sigmoid`` :math:`s` (cheaper than ``torch.exp``): :math:`\sigma = -\operatorname{log1p}(-s)`
     (:math:`= \log(1 + e^\rho)`, within 3 ulp of ``F.softplus`` there; below :math:`-80` :math:`s` nears
     the subnormals, above 1 the rounding of :math:`1 - s` grows) and :math:`r = s/\sigma`. Else, where
     :math:`\rho \le 20` (``F.softplus``'s threshold: below it, its formula is this one), from one
     exponential :math:`e = \exp\rho`: :math:`\sigma = \operatorname{log1p}(e)` and
     :math:`r = e / (\sigma (1 + e))` (``torch.sigmoid`` underflows to 0 for :math:`\rho < -88` in float32;
     this keeps the subnormal :math:`e`). Else ``F.softplus`` and ``torch.sigmoid`` (above the threshold
-    softplus is :math:`\rho` itself, and :math:`e` may overflow). ``F.softplus`` and ``torch.sigmoid``
-    alone take three times as long as either fast path. Off the host (:func:`on_host`), ``F.softplus`` and
+    softplus is :math:`\rho` itself, and :math:`e` may overflow); they cost more than either fast path.
+    Off the host (:func:`on_host`), ``F.softplus`` and
     ``torch.sigmoid`` with no bounds (NaN), so that nothing waits for the device.
     """
     if not on_host(rho):  # no bounds: reading them would wait for the device; its passes are cheap

@@ -111,7 +111,7 @@ def sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
     r""":math:`\sum_d \log_2 x_d` of a positive flat ``x`` whose entries lie in ``[low, high]``, with ``out``
     (``x``'s size) as scratch.
 
-    A logarithm costs some ten times a multiplication, so the entries are multiplied in groups of k (one
+    A logarithm costs many times a multiplication, so the entries are multiplied in groups of k (one
     ``prod`` over a ``(k, D/k)`` view; the last ``D mod k`` entries join the first groups) and the
     logarithms taken of the D/k products: k = 16, 8, 4 or 2, the largest for which every partial product
     of up to k + 1 entries stays in the normal range by the bounds (with a factor 2 to spare for

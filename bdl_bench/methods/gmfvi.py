@@ -19,28 +19,26 @@ reparameterisation does not apply through the recurrence; ``_layerwise_vi``). Th
 :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is the closed form of
 :func:`bdl_bench.methods._diag_vi.kl_diag_to_prior`.
 
-**Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, the
-noise of the local reparameterisation (one normal per output element and example), Adam, and a few
-microseconds of Python and autograd bookkeeping per operation. Fresh ``(D,)`` tensors cost more than
-passes over them (each is mapped anew by the allocator, so every page is faulted in). Hence:
-:func:`mean_field_terms` evaluates :math:`\sigma^2` and the KL together and writes their gradient by
-hand, in four reused buffers (:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``):
-:math:`\sigma` and :math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``torch.sigmoid`` and one
-``log1p`` where :math:`\rho \in [-80, 1]`, else one ``exp`` and one ``log1p`` (:func:`softplus_and_ratio`;
-``F.softplus`` alone costs more than both), :math:`\partial/\partial\rho` is then three passes
-(:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`sum_log2`, safe by
-the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training step
-the layers' hand-written backward (:func:`local_linear`) writes the gradients of their parameters
-straight into those buffers (``mm(out=...)``), and the parts they run on are plain views kept from step
-to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping per part; where every
-:math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer with a bias skips
-the clamp of its output variance and its mask. A prior precision shared by all parameters is one number.
-What remains beyond the 2× products is one ``sigmoid`` and one ``log1p`` over D, about a dozen cheap passes
-over D, the noise and (fused) Adam: on the MNIST MLP (784-400-400-10, batch 200, one thread) some
-2.6× an SGD step (``scripts/bench_step.py``, a loaded machine; the noise, ``sigmoid``/``log1p`` and Adam
-alone take about half of the 0.6× above the products' 2×). On a device (:func:`on_host` false) the
-forward and backward read nothing back to the host: no bounds (plain ``F.softplus``, the clamp kept),
-the KL's weight kept as a tensor.
+**Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, the noise
+of the local reparameterisation (one normal per output element and example), Adam, and Python and autograd
+bookkeeping per operation. Fresh ``(D,)`` tensors cost more than passes over them (each is mapped anew by the
+allocator, so every page is faulted in). Hence: :func:`~bdl_bench.kernels.mean_field.mean_field_terms`
+evaluates :math:`\sigma^2` and the KL together and writes their gradient by hand, in four reused buffers
+(:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``): :math:`\sigma` and
+:math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``torch.sigmoid`` and one ``log1p`` where
+:math:`\rho \in [-80, 1]`, else one ``exp`` and one ``log1p`` (:func:`softplus_and_ratio`; ``F.softplus``
+alone costs more than both), :math:`\partial/\partial\rho` is then three passes (:class:`_MeanFieldTerms`),
+and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`sum_log2`,
+safe by the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training
+step the layers' hand-written backward (:func:`~bdl_bench.kernels.local_reparam.local_linear`) writes the
+gradients of their parameters straight into those buffers (``mm(out=...)``), and the parts they run on are
+plain views kept from step to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping
+per part; where every :math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer
+with a bias skips the clamp of its output variance and its mask. A prior precision shared by all parameters is
+one number. What remains beyond the twice SGD's products is one ``sigmoid`` and one ``log1p`` over D, about a
+dozen cheap passes over D, the noise and (fused) Adam. On a device (:func:`on_host` false) the forward and
+backward read nothing back to the host: no bounds (plain ``F.softplus``, the clamp kept), the KL's weight kept
+as a tensor.
 """
 
 from __future__ import annotations
