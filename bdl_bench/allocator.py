@@ -4,9 +4,8 @@ PyTorch's CPU tensors come from ``malloc``. By default glibc serves a large requ
 threshold that rises only as far as the largest block freed so far) with a fresh ``mmap`` and unmaps it when
 the tensor is freed, and it returns free memory at the top of the heap to the system beyond 128 KiB. A
 training step that makes megabyte-sized temporaries then pays a page fault for every 4 KiB of them at every
-step: the stacked UCI jobs of SLANG Table 2 (100 copies of a 1x50 network, batch 100) spent about 40 % of a
-BBB or MC-dropout step and 20 % of a SLANG step in the kernel that way (``bdl-bench`` jobs with and without
-this, one thread: BBB 24.6 -> 14.3 ms, dropout 21.4 -> 9.2 ms, SLANG 63.7 -> 52.2 ms per step).
+step, a large share of a small network's step (e.g. the stacked UCI jobs of SLANG Table 2: 100 copies of a
+1x50 network, batch 100).
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``: blocks up to 32 MiB come from the heap, and up
 to 1 GiB of free heap is kept), so a step's temporaries reuse the pages of the last step's. A process's

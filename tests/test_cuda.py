@@ -33,7 +33,7 @@ def _both(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch
 
 def test_mean_field_terms_on_the_device_equal_the_host_path() -> None:
     """The device path (``F.softplus``, no bounds read, the clamp kept) against the host's bounded fast path."""
-    from bdl_bench.methods.gmfvi import MeanFieldScratch, mean_field_terms
+    from bdl_bench.kernels.mean_field import MeanFieldScratch, mean_field_terms
 
     g = torch.Generator().manual_seed(0)
     mean, rho = torch.randn(10, generator=g, dtype=F64), torch.randn(10, generator=g, dtype=F64) - 3.0

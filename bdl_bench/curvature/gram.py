@@ -55,7 +55,7 @@ def workspace_buffer(workspace: dict[str, Tensor] | None, name: str, shape: tupl
 
     A training loop that passes the same dict at every step reuses the buffers (grown when too small)
     instead of allocating fresh ones: on CPU every new large tensor is fresh memory from the OS, whose
-    first touch costs a page fault per 4 KB (several microseconds each), comparable to the arithmetic
+    first touch costs a page fault per 4 KB, comparable to the arithmetic
     of a D-sized pass. With ``workspace=None`` a new tensor is returned.
     """
     if workspace is None:
@@ -304,8 +304,7 @@ def top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
     unit eigenvectors as columns ``(n, k)``; ``matrix`` may be overwritten (it is scratch to the caller).
 
     On the host, LAPACK's ``?syevr`` (SciPy's) computes only these k pairs (MRRR after the tridiagonal
-    reduction): for SLANG's (L + P) x (L + P) matrix at L = 8, P = 200 it takes about half the time of
-    ``torch.linalg.eigh``, which computes all n. Elsewhere (CUDA), ``torch.linalg.eigh``.
+    reduction), cheaper than ``torch.linalg.eigh``, which computes all n. Elsewhere (CUDA), ``torch.linalg.eigh``.
     """
     n = matrix.shape[-1]
     if matrix.device.type != "cpu" or matrix.dtype not in (torch.float32, torch.float64) or not 0 < k <= n:

@@ -347,7 +347,7 @@ class _EfbSums:
 
     Both are kept as ``(m, w)`` grids, w = n rounded up to a multiple of ``_WIDTH_MULTIPLE``: the
     pseudo-gradients are formed with w - n zero columns and :math:`U_A` is padded with zeros to w x w, so
-    the rotation GEMMs run on aligned widths (1.5x faster for n = 801, 3137) and the extra columns stay 0.
+    the rotation GEMMs run on aligned widths (faster for n = 801, 3137) and the extra columns stay 0.
     """
 
     def __init__(self, slot: KronSlot, basis: KronEigenbasis, like: Tensor) -> None:

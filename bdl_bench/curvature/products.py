@@ -2,15 +2,14 @@
 matrices (:mod:`bdl_bench.stacked`), each the same value as the plain product up to rounding.
 
 A batched GEMM runs one product per matrix; for thin shapes (a dimension of 1, or a transposed left factor
-against a few columns) its kernel is several times slower than an equivalent form, measured for 100
-copies of the UCI networks' shapes (one thread, float32):
+against a few columns) its kernel is slower than an equivalent form, at the UCI networks' shapes:
 
-- ``(R, P, 1) @ (R, 1, n)`` (outer products): 275 us as a GEMM, 110 us as a broadcast product;
-- ``(R, D, 1) @ (R, 1, 1)``: 300 us against 9 us; ``(R, 4, D) @ (R, D, 1)`` 380 us against 62 us;
+- ``(R, P, 1) @ (R, 1, n)`` (outer products), ``(R, D, 1) @ (R, 1, 1)`` and ``(R, 4, D) @ (R, D, 1)``: as
+  broadcast products;
 - ``x^T y`` for ``x`` ``(R, 200, 50)``, ``y`` ``(R, 200, 8)`` (a layer's output gradients against its
-  inputs): 1270 us as ``x.mT @ y``, 315 us as ``(y.mT @ x).mT``;
+  inputs): as ``(y.mT @ x).mT`` rather than ``x.mT @ y``;
 - a one-output layer ``(R, 32, 50) -> (R, 32, 1)`` (:func:`stacked_linear`) and the two products of its
-  backward: 140, 44 and 144 us as batched GEMMs (forward, input and weight gradient), 53, 21 and 38 us broadcast.
+  backward: broadcast.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ class LayerPseudoGrads:
         """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``.
 
         With ``width`` (>= n) the matrices are ``(K, M, m, width)``, zero after column n: GEMMs with a
-        width that is a multiple of the SIMD width run up to 1.5x faster than with n = 801 or 3137.
+        width that is a multiple of the SIMD width run faster than with n = 801 or 3137.
         A stride-1 convolution with at least ``_MIN_TAP_CHANNELS`` input channels forms them from the
         input map (:func:`_conv_per_example`); one with fewer (thin tap GEMMs) by one batched GEMM with
         the unfolded patches, as does any other convolution.

@@ -7,8 +7,8 @@ the low-rank study share the last three helpers):
 
 * :func:`softplus_inverse`: the :math:`\rho` of a given :math:`\sigma`, for initialisation.
 * :func:`standard_normal`: the noise of the reparameterisation, from the problem's generator.
-* :func:`kl_diag_to_prior` and :func:`diag_kl` (the same value with a fused backward; :func:`prior_quadratic` is
-  its term in the mean) give the closed form
+* :func:`kl_diag_to_prior` gives the closed form (``bdl_bench.kernels.diag_vi.diag_kl`` is the same value with
+  a fused backward)
 
   .. math::
 
@@ -21,13 +21,12 @@ the low-rank study share the last three helpers):
   and how (a shared prior precision as one number; :math:`\sum\log\sigma` through products of entries).
 
 Kept out of ``bdl_bench.gaussians``, whose classes are posteriors handed to evaluation: these are the
-training steps' kernels (noise, hand-written backwards, host/device reads).
+training steps' helpers (noise, host/device reads); the hand-written backwards are in ``bdl_bench.kernels``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +111,7 @@ def sum_log2(x: Tensor, out: Tensor, low: float, high: float) -> Tensor:
     r""":math:`\sum_d \log_2 x_d` of a positive flat ``x`` whose entries lie in ``[low, high]``, with ``out``
     (``x``'s size) as scratch.
 
-    A logarithm costs some ten times a multiplication, so the entries are multiplied in groups of k (one
+    A logarithm costs many times a multiplication, so the entries are multiplied in groups of k (one
     ``prod`` over a ``(k, D/k)`` view; the last ``D mod k`` entries join the first groups) and the
     logarithms taken of the D/k products: k = 16, 8, 4 or 2, the largest for which every partial product
     of up to k + 1 entries stays in the normal range by the bounds (with a factor 2 to spare for
@@ -146,99 +145,3 @@ def sum_log(x: Tensor, out: Tensor | None = None) -> Tensor:
     if out is None:  # room for the products and their logarithms (x.numel() // 2 >= 2 x.numel() // k)
         out = x.new_empty(x.numel() // 2)
     return sum_log2(x, out, float(low), float(high)) * math.log(2.0)
-
-
-class _DiagKL(torch.autograd.Function):
-    """KL(N(mean, diag std²) || N(0, diag 1/lam)) with a hand-written backward (``lam`` a tensor of the
-    same shape, or one number: then no λ-scaled copies are formed); without ``mean`` (``None``) the KL
-    less its term ½ Σ λ μ² (:func:`prior_quadratic`)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, mean: Tensor | None, std: Tensor, lam: Tensor | float, log_lam_sum: float, scratch: Tensor | None
-    ) -> Tensor:
-        s = std.reshape(-1)
-        if isinstance(lam, Tensor):
-            lam_std = lam * std
-            lam_mean = None if mean is None else lam * mean
-            quad = torch.dot(lam_std.flatten(), s)
-            if mean is not None and lam_mean is not None:
-                quad = quad + torch.dot(lam_mean.flatten(), mean.flatten())
-            ctx.save_for_backward(std, lam_std, lam_mean)
-        else:
-            quad = torch.dot(s, s)
-            if mean is not None:
-                m = mean.reshape(-1)
-                quad.add_(torch.dot(m, m))
-            quad.mul_(lam)
-            ctx.save_for_backward(std, mean)
-        ctx.lam = lam
-        # (quad - D - sum log lam) / 2 - sum log sigma
-        return quad.mul_(0.5).sub_(sum_log(s, scratch)).sub_(0.5 * (std.numel() + log_lam_sum))
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        need_mean, need_std = ctx.needs_input_grad[:2]
-        # (lam mu, lam sigma - 1/sigma) g; one fresh tensor per gradient (fresh memory costs more than a pass)
-        if isinstance(ctx.lam, Tensor):
-            std, lam_std, lam_mean = ctx.saved_tensors
-            g_mean = lam_mean * g if need_mean else None
-            g_std = torch.addcdiv(lam_std, std.new_ones(()), std, value=-1.0).mul_(g) if need_std else None
-            return g_mean, g_std, None, None, None
-        std, mean = ctx.saved_tensors
-        scale = ctx.lam * g
-        g_mean = mean * scale if need_mean else None
-        g_std = torch.mul(std, scale).addcdiv_(g, std, value=-1.0) if need_std else None
-        return g_mean, g_std, None, None, None
-
-
-def diag_kl(
-    mean: Tensor | None,
-    std: Tensor,
-    prior_precision: Tensor | float,
-    log_prior_precision_sum: float | None = None,
-    scratch: Tensor | None = None,
-) -> Tensor:
-    r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` of same-shaped tensors, with a fused backward
-    (:math:`\lambda\mu` and :math:`\lambda\sigma - 1/\sigma`); the value of :func:`kl_diag_to_prior`.
-
-    Args:
-        mean, std: tensors of one shape (any), ``std > 0``; ``mean=None``: the KL without its term
-            :math:`\tfrac12\sum\lambda\mu^2` (which :func:`prior_quadratic` gives, e.g. of a whole flat mean).
-        prior_precision: :math:`\lambda > 0`, broadcastable to it, or one number.
-        log_prior_precision_sum: :math:`\sum\log\lambda` (over all of ``std``'s entries) if already known.
-        scratch: a buffer of at least half ``std``'s size for :math:`\sum\log\sigma` (:func:`sum_log`),
-            kept from step to step (else a fresh one).
-    """
-    if isinstance(prior_precision, Tensor):
-        lam = prior_precision.expand_as(std)
-        log_sum = float(torch.log(lam).sum()) if log_prior_precision_sum is None else log_prior_precision_sum
-    else:
-        lam = float(prior_precision)
-        log_sum = std.numel() * math.log(lam) if log_prior_precision_sum is None else log_prior_precision_sum
-    return _DiagKL.apply(mean, std, lam, log_sum, scratch)
-
-
-class _PriorQuadratic(torch.autograd.Function):
-    """½ Σ λ μ² with the backward λ μ g in one fresh tensor (autograd of ``dot(mu, mu)`` forms two and adds)."""
-
-    @staticmethod
-    def forward(ctx: Any, mean: Tensor, lam: Tensor | float) -> Tensor:
-        ctx.save_for_backward(mean)
-        ctx.lam = lam
-        if isinstance(lam, Tensor):
-            return torch.dot(torch.mul(lam, mean).flatten(), mean.flatten()).mul_(0.5)
-        return torch.dot(mean.flatten(), mean.flatten()).mul_(0.5 * lam)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
-        (mean,) = ctx.saved_tensors
-        lam = ctx.lam
-        return (torch.mul(lam, mean).mul_(g) if isinstance(lam, Tensor) else mean * (lam * g)), None
-
-
-def prior_quadratic(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
-    r""":math:`\tfrac12\sum_d \lambda_d \mu_d^2` (``prior_precision``: ``mean``'s shape or one number), the
-    KL's term in the mean, with a hand-written backward (:class:`_PriorQuadratic`)."""
-    return _PriorQuadratic.apply(mean, prior_precision)

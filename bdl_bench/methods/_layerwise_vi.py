@@ -59,7 +59,6 @@ and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1), the paper's mean 
 from __future__ import annotations
 
 import copy
-import math
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.kernels.buffers import flat_parts
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import EpochCallback, Method, Problem
@@ -282,62 +282,6 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is None:
         return torch.bmm(h, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
-
-
-def mm_into(x: Tensor, y: Tensor, out: Tensor | None, alpha: float = 1.0) -> Tensor:
-    """``alpha * x @ y``, written into ``out`` if given (a reused gradient buffer)."""
-    if out is None:
-        return torch.mm(x, y).mul_(alpha) if alpha != 1.0 else torch.mm(x, y)
-    return torch.addmm(out, x, y, beta=0.0, alpha=alpha, out=out)
-
-
-def reusable_grad_buffer(leaf: Tensor, buffer: Tensor) -> Tensor:
-    """``buffer``, to receive ``leaf``'s gradient, unless ``leaf.grad`` already shares its memory (a second
-    backward without zeroing, which accumulates into ``leaf.grad``): then a fresh tensor."""
-    grad = leaf.grad
-    if grad is not None and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-        return torch.empty_like(buffer)
-    return buffer
-
-
-def gather_part_grads(grads: tuple[Tensor | None, ...], sizes: list[int], out: Tensor) -> Tensor:
-    """Write the parameter-shaped ``grads`` (sizes ``sizes``) into the flat ``out`` in order; a part without
-    gradient (``None``) gets zeros, one already written in its place (a layer's backward with
-    ``mm(out=...)``) is left as it is.
-
-    The backward of splitting a flat vector into parts, into a reused buffer, where ``torch.split``'s
-    backward concatenates into a fresh ``(D,)`` tensor every step: fresh pages are what such a pass mostly
-    costs (a ``(D,)`` allocation is above glibc's mmap threshold, so each one is mapped anew).
-    """
-    for segment, size, grad in zip(torch.split(out, sizes), sizes, grads):
-        if grad is None:
-            segment.zero_()
-        elif not (grad.data_ptr() == segment.data_ptr() and grad.is_contiguous() and grad.numel() == size):
-            segment.view(grad.shape).copy_(grad)
-    return out
-
-
-class _FlatParts(torch.autograd.Function):
-    """The parameter-shaped parts of a flat leaf (views); the backward gathers their gradients into a
-    reused ``(D,)`` buffer (:func:`gather_part_grads`), which becomes the leaf's ``.grad`` as it stands."""
-
-    @staticmethod
-    def forward(ctx: Any, flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.flat, ctx.grad_buffer = flat, grad_buffer
-        ctx.sizes = [math.prod(s) for s in shapes]
-        return tuple(part.view(s) for part, s in zip(torch.split(flat, ctx.sizes), shapes))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        out = gather_part_grads(grads, ctx.sizes, reusable_grad_buffer(ctx.flat, ctx.grad_buffer))
-        return out.view_as(out), None, None
-
-
-def flat_parts(flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    """``flat`` split into tensors of ``shapes`` (views), differentiable: their gradients are written into
-    ``grad_buffer`` (overwritten by every backward) and handed to ``flat`` without concatenating."""
-    return list(_FlatParts.apply(flat, grad_buffer, shapes))
 
 
 class LayerwiseVI(Method):

@@ -58,8 +58,8 @@ def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tenso
     of ``theta`` (``(D,)`` or ``(M, D)``), whose gradient :math:`\lambda \theta / N` this adds to ``theta.grad``;
     ``prior_precision`` is ``(D,)`` or ``(1, D)`` (one for all rows), or ``(M, D)`` (a row's own: stacked copies).
 
-    Two passes over θ; autograd through the same expression makes about ten, which on DEF's LeNet (3.3 M
-    parameters) cost 8 of a 74 ms MAP step. Same value and gradient to float rounding (test).
+    Two passes over θ, where autograd through the same expression makes about ten. Same value and gradient to
+    float rounding (test).
     """
     theta.grad.addcmul_(theta, prior_precision, value=1.0 / n_data)
     squares = theta * theta

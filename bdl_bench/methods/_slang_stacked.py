@@ -171,7 +171,7 @@ class _LowerStored:
             return data @ vectors
         # as (V^T A)^T, every block read row by row: V^T A's first s columns from the stored blocks left of the
         # split, the rest as (A_2 V)^T from the whole rows A_2 below it; b x K products of a column-major V (QR's)
-        # run faster than K x b ones (1.2 -> 1.0 ms at 100 copies, K = 201, b = 5)
+        # run faster than K x b ones
         rows = vectors.mT  # (R, b, K)
         left = torch.bmm(rows[:, :, :s], data[:, :s, :s]).add_(torch.bmm(rows[:, :, s:], data[:, s:, :s]))
         return torch.cat([left, torch.bmm(rows, data[:, s:].mT)], dim=2).mT
@@ -315,8 +315,8 @@ def _factor_cross(deltas: Tensor, weights: Tensor, inputs: Tensor) -> Tensor:
     a layer's weight rows ``weights`` ``(R, out, in, L)`` and ``inputs`` ``(R, P, in)``, or ``(R, M, in)`` shared by
     the S samples (P = S·M, sample-major): one batched GEMM on the smaller of in and out (with a shared input,
     on the inputs: once per example), then a row-wise product with the other (an einsum of the three chose
-    an outer product of ``deltas`` and ``inputs`` first: 10x slower for USPS's 257 inputs). A one-output
-    layer's product is a broadcast one (:func:`thin_matmul`: 1.45 -> 0.2 ms at kin8nm's search shape)."""
+    an outer product of ``deltas`` and ``inputs`` first, an ``(R, P, out, in)`` temporary). A one-output
+    layer's product is a broadcast one (:func:`thin_matmul`)."""
     n_copies, n_cols, n_out = deltas.shape
     n_rows, n_in, rank = inputs.shape[1], weights.shape[2], weights.shape[3]
     if n_rows < n_cols or n_out <= n_in:  # A U_l^T, (R, rows, out, L), then the sum over out with Delta
@@ -398,7 +398,7 @@ def top_eigenpairs(
     eigenvalue (default: 100 machine epsilons, the accuracy of ``torch.linalg.eigh`` itself).
     Copies not converged after 60 iterations (nearly equal eigenvalues at the L-th place) are
     decomposed by ``torch.linalg.eigh``. For K = L + P in the hundreds (UCI batches of 100 with 2 MC
-    samples) this is ~10-30x cheaper than a full ``eigh`` of every copy.
+    samples) this is much cheaper than a full ``eigh`` of every copy.
     """
     if not isinstance(matrix, _LowerStored):
         matrix = _LowerStored(matrix, matrix.shape[-1])

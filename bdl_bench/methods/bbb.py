@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.kernels.local_reparam import StackedLocalLinear
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, standard_normal
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
@@ -72,78 +72,6 @@ class Estimator(str, Enum):
     """Sample whole weight vectors (Blundell et al. 2015)."""
     LOCAL_REPARAM = "local_reparam"
     """Sample each linear layer's pre-activations per example (Kingma et al. 2015)."""
-
-
-class _StackedLocalLinear(torch.autograd.Function):
-    r""":func:`local_reparam_linear` of R stacked copies with a hand-written backward: inputs ``a`` ``(R, P, in)``,
-    each copy's :math:`\mu_W, \sigma_W^2` ``(R, out, in)`` and :math:`\mu_b, \sigma_b^2` ``(R, out)`` (or
-    ``None``), noise ``eps`` ``(P, out)`` shared by the copies. Output
-    :math:`a\mu_W^\top + \mu_b + s \odot \epsilon` with :math:`s = \sqrt{\max(a^2 (\sigma_W^2)^\top +
-    \sigma_b^2, \text{tiny})}`. With :math:`g = \partial L/\partial h` and :math:`g' = g \odot \epsilon / s`
-    (zero where the variance was clamped), twice :math:`\partial L/\partial s^2`:
-
-    .. math::
-
-        \partial_{\mu_W} L = g^\top a, \quad \partial_{\sigma_W^2} L = \tfrac12 g'^\top a^2, \quad
-        \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
-
-    (biases: the sums over P), a few passes over the ``(R, P, out)`` activations where autograd's graph of
-    the same expression takes a dozen (the backward was two thirds of a stacked BBB step before).
-
-    An input ``a`` ``(R, M, in)`` with ``eps`` ``(S·M, out)`` is shared by the S samples (a first layer's data):
-    its two products are taken once per example and g, g' summed over the samples before theirs (twice fewer
-    GEMMs at S = 2). Where the bias variance is at least ``tiny``, so is every output variance, and the clamp
-    and its mask are skipped (the comparison alone cost 5 % of a stacked step)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, a: Tensor, w_mean: Tensor, b_mean: Tensor | None, w_var: Tensor, b_var: Tensor | None, eps: Tensor
-    ) -> Tensor:
-        a2 = a * a
-        var = torch.bmm(a2, w_var.mT) if b_var is None else torch.baddbmm(b_var.unsqueeze(1), a2, w_var.mT)
-        tiny = torch.finfo(var.dtype).tiny
-        # var >= b_var >= tiny: the clamp changes nothing (read on the host only: on a device it would wait)
-        if b_var is not None and b_var.device.type == "cpu" and bool((b_var >= tiny).all()):
-            clamped, std = None, var.sqrt_()
-        else:
-            clamped = var < tiny  # where the clamp stops the gradient (clamp_min's rule)
-            std = var.clamp_min_(tiny).sqrt_()
-        mean = torch.bmm(a, w_mean.mT) if b_mean is None else torch.baddbmm(b_mean.unsqueeze(1), a, w_mean.mT)
-        ctx.save_for_backward(a, a2, w_mean, w_var, std, eps, clamped)
-        ctx.has_bias = (b_mean is not None, b_var is not None)
-        n_samples = eps.shape[0] // a.shape[1]
-        if n_samples == 1:
-            return mean.addcmul_(std, eps)
-        out = torch.addcmul(mean.unsqueeze(1), std.unsqueeze(1), eps.view(n_samples, *mean.shape[1:]))
-        return out.view(a.shape[0], eps.shape[0], -1)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        a, a2, w_mean, w_var, std, eps, clamped = ctx.saved_tensors
-        need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
-        n_samples = eps.shape[0] // a.shape[1]
-        if n_samples == 1:
-            g_var = torch.mul(g, eps).div_(std)  # g' = 2 dL/d(s^2)
-            if clamped is not None:
-                g_var.masked_fill_(clamped, 0.0)
-        else:  # the S samples' rows share a: sum g and g' over them first
-            g = g.view(a.shape[0], n_samples, *std.shape[1:])
-            g_var = torch.mul(g, eps.view(n_samples, *std.shape[1:])).div_(std.unsqueeze(1))
-            if clamped is not None:
-                g_var.masked_fill_(clamped.unsqueeze(1), 0.0)
-            g, g_var = g.sum(1), g_var.sum(1)
-        grad_a = None
-        if need_a:  # a o (g' sigma_W^2) + g mu_W: the mean path's product added into the variance path's output
-            grad_a = thin_matmul(g_var, w_var).mul_(a)
-            if w_mean.shape[1] == 1:  # one output: g mu_W is an outer product
-                grad_a.addcmul_(g, w_mean)
-            else:
-                grad_a.baddbmm_(g, w_mean)
-        grad_wm = t_matmul(g, a) if need_wm else None  # g^T a
-        grad_bm = g.sum(1) if need_bm and ctx.has_bias[0] else None
-        grad_wv = t_matmul(g_var, a2).mul(0.5) if need_wv else None
-        grad_bv = g_var.sum(1).mul_(0.5) if need_bv and ctx.has_bias[1] else None
-        return grad_a, grad_wm, grad_bm, grad_wv, grad_bv, None
 
 
 @register_method("bbb")
@@ -229,7 +157,7 @@ class BayesByBackprop(StackedMethod):
             bias_var = variances.get(f"{name}.bias")
             weight_mean, weight_var = means[f"{name}.weight"], variances[f"{name}.weight"]
             eps = standard_normal((n_samples, n_examples, weight_mean.shape[1]), self.problem.generator, weight_mean)
-            h = _StackedLocalLinear.apply(h, weight_mean, bias_mean, weight_var, bias_var, eps.flatten(0, 1))
+            h = StackedLocalLinear.apply(h, weight_mean, bias_mean, weight_var, bias_var, eps.flatten(0, 1))
         return h.view(n_copies, n_samples, n_examples, -1)
 
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:

@@ -81,8 +81,8 @@ class DeepEnsemble(Method):
         self.optimizer = adam([self.thetas], self.lr)
 
     def _outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
-        """``(M, N, out)``: the members' outputs, one forward pass each. (``torch.func.vmap`` over the members
-        took twice as long on DEF's LeNet: 5.2 s per step of 15 members against 15 x 0.175 s, 1 thread.)"""
+        """``(M, N, out)``: the members' outputs, one forward pass each (``torch.func.vmap`` over the members is
+        slower on DEF's LeNet)."""
         model = self.problem.model
         return torch.stack([forward_with(model, theta, x) for theta in thetas])
 

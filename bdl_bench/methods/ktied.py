@@ -71,10 +71,9 @@ from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
+from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
 from bdl_bench.methods._diag_vi import (
-    diag_kl,
     on_host,
-    prior_quadratic,
     softplus_inverse,
     standard_normal,
     uniform_value,

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,9 +10,9 @@ from _vi_helpers import make_method, make_problem
 from torch.testing import assert_close
 
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, kl
+from bdl_bench.kernels.elrg_kl import elrg_kl
+from bdl_bench.kernels.elrg_terms import low_rank_local_linear_reference
 from bdl_bench.likelihoods import Gaussian
-from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
-from bdl_bench.methods.elrg import _LowRankLocalLinear, elrg_kl
 
 DT = torch.float64
 
@@ -108,63 +106,6 @@ def test_rank_above_a_layer_size_raises_at_setup() -> None:
     make_method("elrg", rank=4).setup(problem)
 
 
-def _plain_lemma_1(a, w_mean, b_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, alpha):  # noqa: ANN001, ANN202
-    """Lemma 1's sample of a dense layer as the plain expression (autograd differentiates it)."""
-    rank, n_out, _ = v_weight.shape
-    low = F.linear(a, v_weight.reshape(rank * n_out, -1), None if v_bias is None else v_bias.reshape(-1))
-    h = F.linear(a, w_mean, b_mean) + math.sqrt(alpha) * (eps_k @ low.unflatten(-1, (rank, n_out))).squeeze(-2)
-    if const_var is None:
-        var = F.linear(a * a, w_var, b_var)
-    else:
-        var = const_var * ((a * a).sum(-1, keepdim=True) + (0.0 if b_mean is None else 1.0))
-    return h + sqrt_or_tiny(var) * eps
-
-
-@pytest.mark.parametrize("learn_diag", [False, True])
-@pytest.mark.parametrize("bias", [True, False])
-def test_low_rank_local_linear_matches_autograd_and_writes_into_the_buffers(learn_diag: bool, bias: bool) -> None:
-    """The hand-written backward of Lemma 1's dense layer against autograd of the plain expression, with a
-    leading sample dimension and (without a bias) a clamped, zero variance."""
-    g = torch.Generator().manual_seed(3)
-    rank, n_in, n_out, alpha = 3, 4, 5, 1 / 3
-    a = torch.randn(2, 6, n_in, generator=g, dtype=DT)
-    a[0, 1] = 0.0  # without a bias this output's variance is 0: clamped, no gradient through it
-    params = {
-        "w_mean": torch.randn(n_out, n_in, generator=g, dtype=DT),
-        "b_mean": torch.randn(n_out, generator=g, dtype=DT) if bias else None,
-        "v_weight": torch.randn(rank, n_out, n_in, generator=g, dtype=DT),
-        "v_bias": torch.randn(rank, n_out, generator=g, dtype=DT) if bias else None,
-        "w_var": torch.rand(n_out, n_in, generator=g, dtype=DT) + 0.1 if learn_diag else None,
-        "b_var": torch.rand(n_out, generator=g, dtype=DT) + 0.1 if learn_diag and bias else None,
-    }
-    const_var = None if learn_diag else 0.3
-    eps_k = torch.randn(2, 6, 1, rank, generator=g, dtype=DT)
-    eps, upstream = torch.randn(2, 6, n_out, generator=g, dtype=DT), torch.randn(2, 6, n_out, generator=g, dtype=DT)
-
-    def grads(fused: bool, into: tuple | None = None) -> list[torch.Tensor | None]:
-        leaves = {k: None if t is None else t.clone().requires_grad_(True) for k, t in params.items()}
-        x = a.clone().requires_grad_(True)
-        if fused:
-            temps = (torch.empty(12, rank * n_out, dtype=DT), torch.empty(12, rank * n_out, dtype=DT))
-            coef = math.sqrt(alpha) * eps_k
-            out = _LowRankLocalLinear.apply(x, *leaves.values(), coef, eps, const_var, into or (None,) * 6, temps)
-        else:
-            out = _plain_lemma_1(x, *leaves.values(), const_var, eps_k, eps, alpha)
-        (out * upstream).sum().backward()
-        return [out.detach(), x.grad, *(None if t is None else t.grad for t in leaves.values())]
-
-    plain = grads(False)
-    for fused_grad, plain_grad in zip(grads(True), plain, strict=True):
-        assert_close(fused_grad, plain_grad)
-    into = tuple(None if t is None else torch.full_like(t, float("nan")) for t in params.values())
-    fused = grads(True, into)
-    for buffer, grad in zip(into, fused[2:], strict=True):  # the weight gradients were written into the buffers
-        if buffer is not None:
-            assert_close(buffer, grad)
-    for fused_grad, plain_grad in zip(fused, plain, strict=True):
-        assert_close(fused_grad, plain_grad)
-
-
 def _plain_elrg_loss(method, x, y, leaves, seed):  # noqa: ANN001, ANN202
     """The annealed negative ELBO of a training step from scratch: Lemma 1 as the plain expression, the KL of
     every layer as the dense Gaussian KL, the noise drawn in the method's order from its generator reseeded."""
@@ -187,7 +128,9 @@ def _plain_elrg_loss(method, x, y, leaves, seed):  # noqa: ANN001, ANN202
         w_var, b_var = (None, None) if var is None else (var[w], None if b is None else var[b])
         const_var = None if var is not None else method.init_std**2
         b_mean = None if b is None else mean[b]
-        h = _plain_lemma_1(h, mean[w], b_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, method.alpha)
+        h = low_rank_local_linear_reference(
+            h, mean[w], b_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, method.alpha
+        )
         start = method.layer_offsets[i - 1]
         flat_mean = leaves["mean"].narrow(0, start, layer.n_params)
         factor = torch.cat([v_weight.flatten(1)] + ([] if v_bias is None else [v_bias]), dim=1)

@@ -11,16 +11,17 @@ from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
-from bdl_bench.likelihoods import Gaussian
-from bdl_bench.methods._diag_vi import diag_kl, kl_diag_to_prior, softplus_inverse, sum_log, sum_log2, uniform_value
-from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
-from bdl_bench.methods.gmfvi import (
+from bdl_bench.kernels.diag_vi import diag_kl
+from bdl_bench.kernels.local_reparam import local_linear
+from bdl_bench.kernels.mean_field import (
     MeanFieldScratch,
-    local_linear,
     mean_field_terms,
     mean_field_variance_and_kl,
     softplus_and_ratio,
 )
+from bdl_bench.likelihoods import Gaussian
+from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, sum_log, sum_log2, uniform_value
+from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
 
 
 def _random(seed: int, n: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

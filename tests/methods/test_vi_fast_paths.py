@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
+from bdl_bench.kernels.mean_field import softplus_and_ratio
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods import _diag_vi, gmfvi, import_all, ktied
 from bdl_bench.methods._diag_vi import kl_diag_to_prior
 from bdl_bench.methods.base import Problem
-from bdl_bench.methods.gmfvi import softplus_and_ratio
 from bdl_bench.testing.device_check import DEVICE, fake_device
 
 F64 = torch.float64

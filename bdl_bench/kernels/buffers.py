@@ -1,0 +1,71 @@
+"""Reused gradient buffers of the layer-wise VI steps, and the parameter-shaped parts of a flat leaf whose
+backward gathers into one (:func:`flat_parts`; reference :func:`flat_parts_reference`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def mm_into(x: Tensor, y: Tensor, out: Tensor | None, alpha: float = 1.0) -> Tensor:
+    """``alpha * x @ y``, written into ``out`` if given (a reused gradient buffer)."""
+    if out is None:
+        return torch.mm(x, y).mul_(alpha) if alpha != 1.0 else torch.mm(x, y)
+    return torch.addmm(out, x, y, beta=0.0, alpha=alpha, out=out)
+
+
+def reusable_grad_buffer(leaf: Tensor, buffer: Tensor) -> Tensor:
+    """``buffer``, to receive ``leaf``'s gradient, unless ``leaf.grad`` already shares its memory (a second
+    backward without zeroing, which accumulates into ``leaf.grad``): then a fresh tensor."""
+    grad = leaf.grad
+    if grad is not None and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+        return torch.empty_like(buffer)
+    return buffer
+
+
+def gather_part_grads(grads: tuple[Tensor | None, ...], sizes: list[int], out: Tensor) -> Tensor:
+    """Write the parameter-shaped ``grads`` (sizes ``sizes``) into the flat ``out`` in order; a part without
+    gradient (``None``) gets zeros, one already written in its place (a layer's backward with
+    ``mm(out=...)``) is left as it is.
+
+    The backward of splitting a flat vector into parts, into a reused buffer, where ``torch.split``'s
+    backward concatenates into a fresh ``(D,)`` tensor every step: fresh pages are what such a pass mostly
+    costs (a ``(D,)`` allocation is above glibc's mmap threshold, so each one is mapped anew).
+    """
+    for segment, size, grad in zip(torch.split(out, sizes), sizes, grads):
+        if grad is None:
+            segment.zero_()
+        elif not (grad.data_ptr() == segment.data_ptr() and grad.is_contiguous() and grad.numel() == size):
+            segment.view(grad.shape).copy_(grad)
+    return out
+
+
+class _FlatParts(torch.autograd.Function):
+    """The parameter-shaped parts of a flat leaf (views); the backward gathers their gradients into a
+    reused ``(D,)`` buffer (:func:`gather_part_grads`), which becomes the leaf's ``.grad`` as it stands."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.flat, ctx.grad_buffer = flat, grad_buffer
+        ctx.sizes = [math.prod(s) for s in shapes]
+        return tuple(part.view(s) for part, s in zip(torch.split(flat, ctx.sizes), shapes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        out = gather_part_grads(grads, ctx.sizes, reusable_grad_buffer(ctx.flat, ctx.grad_buffer))
+        return out.view_as(out), None, None
+
+
+def flat_parts(flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
+    """``flat`` split into tensors of ``shapes`` (views), differentiable: their gradients are written into
+    ``grad_buffer`` (overwritten by every backward) and handed to ``flat`` without concatenating."""
+    return list(_FlatParts.apply(flat, grad_buffer, shapes))
+
+
+def flat_parts_reference(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
+    """The plain-autograd twin of :func:`flat_parts`: ``torch.split`` and views."""
+    return [part.view(s) for part, s in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
