@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from bdl_bench import optim
 from bdl_bench.checkpoint import load_checkpoint
-from bdl_bench.curvature import kron
+from bdl_bench.curvature import conv_gram
 from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads
 from bdl_bench.likelihoods import Categorical
@@ -153,7 +153,7 @@ def test_kron_factors_of_lenets_second_conv_run_on_the_device() -> None:
         return iter_pseudo_grads(model, theta, x, y, Categorical(), batch_size=4)
 
     first = next(batches(model, theta, x, y))
-    assert kron._uses_shifted_gram(first.layers[1].slot, first.layers[1].layer_input.shape)
+    assert conv_gram.uses_shifted_gram(first.layers[1].slot, first.layers[1].layer_input.shape)
     factors = kron_factors(batches(model, theta, x, y))
     eigs, diag = efb_eigenvalues(batches(model, theta, x, y), eigenbasis(factors))
     with fake_device():

@@ -22,7 +22,7 @@ Per weight layer, in the augmented row-major order of :mod:`bdl_bench.curvature.
   order (all layers at once); one GEMM per linear layer, the per-example matrices for a convolution.
 
 Cost: KFAC's factors are GEMMs over the minibatch, never per-example gradients; a stride-1 convolution's
-A comes from shifted products of its input map (:func:`add_shifted_products_`), 8.4x fewer multiply-adds
+A comes from shifted products of its input map (:func:`~bdl_bench.curvature.conv_gram.add_shifted_products_`), 8.4x fewer multiply-adds
 than the patch GEMM for DEF's LeNet. EFB (and DEF) need a second pass in the fixed eigenbasis; a
 :class:`ChunkCache` keeps pass 1's layer inputs and output gradients for it, so that it does not recompute
 the network's forward and backward passes. The per-minibatch work runs in the pseudo-gradients' dtype
@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bdl_bench.curvature.pseudo_grads import ConvSpec, KronLayout, KronSlot, LayerPseudoGrads, PseudoGrads, conv_taps
+from bdl_bench.curvature.conv_gram import add_shifted_products_, shifted_gram, uses_shifted_gram
+from bdl_bench.curvature.pseudo_grads import KronLayout, KronSlot, LayerPseudoGrads, PseudoGrads, conv_taps
 from bdl_bench.progress import delayed_bar
 
 
@@ -84,7 +85,6 @@ class KronEigenbasis:
         return self.eigvals_out[:, None] * self.eigvals_in[None, :]
 
 
-_MIN_SHIFTED_CHANNELS = 8  # input channels from which the shifted-product conv Gram is used
 _FOLD_EVERY = 16  # minibatches summed in place in the compute dtype before folding into the float64 total
 
 
@@ -121,105 +121,6 @@ def _add_gram_(out: Tensor, rows: Tensor, bias: bool) -> None:
         out[n_in, n_in] += rows.shape[0]
 
 
-def _uses_shifted_gram(slot: KronSlot, input_shape: torch.Size) -> bool:
-    """Whether :func:`add_shifted_products_` is cheaper than the patch GEMM (stride-1, undilated convs only;
-    with fewer than ``_MIN_SHIFTED_CHANNELS`` input channels its GEMMs are too thin to pay off)."""
-    spec = slot.conv
-    if spec is None or spec.stride != (1, 1) or spec.dilation != (1, 1):
-        return False
-    channels, height, width = input_shape[1:]
-    if channels < _MIN_SHIFTED_CHANNELS:
-        return False
-    (kh, kw), (ph, pw) = spec.kernel_size, spec.padding
-    padded = (height + 2 * ph) * (width + 2 * pw)
-    positions = (height + 2 * ph - kh + 1) * (width + 2 * pw - kw + 1)
-    return padded * kh * (2 * kw - 1) * channels**2 < positions * slot.in_features**2
-
-
-def add_shifted_products_(products: Tensor, sums: Tensor, x: Tensor, spec: ConvSpec) -> None:
-    """Accumulate :math:`Q_{d,u,c,c'} = \\sum_i x^p_{icu}x^p_{ic',u+d}` and :math:`S_{uc} = \\sum_i x^p_{icu}`.
-
-    :math:`x^p` is the zero-padded input map ``x`` ``(M, C, H, W)``, u runs over its ``H_p x W_p`` positions and
-    d over the offsets between two kernel taps with a row offset :math:`d_r \\in [0, k_h)` and a column offset
-    :math:`d_c \\in (-k_w, k_w)`: the offsets with :math:`d_r < 0` follow from
-    :math:`Q_{d,u} = Q_{-d,u+d}^\\top`, i.e. from the symmetry of the Gram (:func:`shifted_gram`). A stride-1
-    convolution's patch Gram :math:`\\sum_{i,t}\\tilde a_{it}\\tilde a_{it}^\\top` has the entry
-    :math:`\\sum_{u\\in W_k}Q_{k'-k,u,c,c'}` at taps (c, k), (c', k') (k' not above k), with :math:`W_k` the
-    window of positions that tap k reads: :math:`C^2k_h(2k_w-1)H_pW_p` multiply-adds per example instead of
-    the patch GEMM's :math:`T(Ck_hk_w)^2` (15 M instead of 126 M for DEF's second LeNet conv). One GEMM
-    (C x M x (2k_w-1)C) per position row and row offset, on strided views of one copy of the map.
-
-    Args:
-        products: Q, ``(k_h, H_p, W_p, C, (2k_w-1)·C)`` (row offset; position; c; column offset, c'),
-            added to in place.
-        sums: S, ``(H_p, W_p, C)``, added to in place.
-        x: the layer's input map.
-        spec: the convolution's geometry (stride 1, no dilation).
-    """
-    (kh, kw), (ph, pw) = spec.kernel_size, spec.padding
-    n_rows, channels = x.shape[:2]
-    height, width = products.shape[1:3]
-    # (H_p + k_h - 1, M, W_p + 2k_w - 2, C): x^p with k-1 more zeros below and on each side, so that u + d is in range
-    grid = F.pad(x, (pw + kw - 1, pw + kw - 1, ph, ph + kh - 1)).permute(2, 0, 3, 1).contiguous()
-    inner = grid[:height, :, kw - 1 : kw - 1 + width]  # x^p: (H_p, M, W_p, C)
-    sums += inner.sum(1)
-    col_stride, row_stride = grid.stride(2), grid.stride(1)
-    for r in range(height):
-        left = inner[r].permute(1, 2, 0)  # (W_p, C, M)
-        for e in range(kh):
-            # right[s, i, f·C + c'] = x^p[i, c', r + e, s + f - k_w + 1]: overlapping windows, no copy
-            right = grid[r + e].as_strided((width, n_rows, (2 * kw - 1) * channels), (col_stride, row_stride, 1))
-            products[e, r].baddbmm_(left, right)
-
-
-def _window_sums(values: Tensor, dim: int, n_windows: int, length: int) -> Tensor:
-    """Sums of ``values`` over ``[a, a + length)`` along ``dim`` for a = 0 .. n_windows-1 (one GEMM with the
-    0/1 window matrix)."""
-    index = torch.arange(values.shape[dim], device=values.device)
-    starts = torch.arange(n_windows, device=values.device)[:, None]
-    windows = ((index >= starts) & (index < starts + length)).to(values.dtype)  # (n_windows, size)
-    return torch.tensordot(windows, values, dims=([1], [dim])).movedim(0, dim)
-
-
-def shifted_gram(products: Tensor, sums: Tensor, n_rows: int, input_hw: tuple[int, int], slot: KronSlot) -> Tensor:
-    """The patch Gram ``(n, n)`` from :func:`add_shifted_products_`'s Q and S, by window sums.
-
-    The block of taps k = (a, b), k' = (a', b') is :math:`\\sum_{u\\in W_k}Q_{k'-k,u}` for a' >= a and the
-    transpose of the block (k', k) for a' < a.
-
-    Args:
-        products: Q summed over the data, ``(k_h, H_p, W_p, C, (2k_w-1)·C)``.
-        sums: S summed over the data, ``(H_p, W_p, C)``.
-        n_rows: the number of examples M summed (the bias entry is M·T).
-        input_hw: the input map's (H, W).
-        slot: the layer.
-    """
-    spec = slot.conv
-    assert spec is not None
-    (kh, kw), (ph, pw) = spec.kernel_size, spec.padding
-    out_h, out_w = input_hw[0] + 2 * ph - kh + 1, input_hw[1] + 2 * pw - kw + 1
-    channels = sums.shape[-1]
-    box = _window_sums(_window_sums(products, 1, kh, out_h), 2, kw, out_w)  # (k_h, k_h, k_w, C, (2k_w-1)·C)
-    box = box.view(kh, kh, kw, channels, 2 * kw - 1, channels)
-    taps_h, taps_w = torch.arange(kh, device=box.device), torch.arange(kw, device=box.device)
-    ia, ib = taps_h.view(kh, 1, 1, 1), taps_w.view(1, kw, 1, 1)
-    ja, jb = taps_h.view(1, 1, kh, 1), taps_w.view(1, 1, 1, kw)
-    below = ja < ia  # the blocks (k, k') with k' above k: transposes of (k', k)
-    row, col = torch.where(below, ja, ia), torch.where(below, jb, ib)
-    shift = torch.where(below, ib - jb, jb - ib) + kw - 1
-    blocks = box[(ja - ia).abs(), row, col, :, shift]  # (k_h, k_w, k_h, k_w, C, C): taps k, k'
-    blocks = torch.where(below[..., None, None], blocks.mT, blocks)
-    n_in = slot.in_features
-    gram = products.new_empty(slot.shape[1], slot.shape[1])
-    gram[:n_in, :n_in] = blocks.permute(4, 0, 1, 5, 2, 3).reshape(n_in, n_in)  # unfold order (c, k_h, k_w)
-    if slot.bias_slice is not None:
-        column = _window_sums(_window_sums(sums, 0, kh, out_h), 1, kw, out_w).permute(2, 0, 1).reshape(n_in)
-        gram[:n_in, n_in] = column
-        gram[n_in, :n_in] = column
-        gram[n_in, n_in] = n_rows * out_h * out_w
-    return gram
-
-
 class _FactorSums:
     """Running sums of one layer's :math:`\\sum_{i,t}\\tilde a\\tilde a^\\top` and
     :math:`\\frac1T\\sum_{i,k,t}\\delta\\delta^\\top` (the shifted-product form Q, S for a stride-1 conv)."""
@@ -230,7 +131,7 @@ class _FactorSums:
         m, n = layer.shape
         self.g = RunningSum((m, m), like)
         self.input_shape = layer.layer_input.shape
-        self.shifted = _uses_shifted_gram(self.slot, self.input_shape)
+        self.shifted = uses_shifted_gram(self.slot, self.input_shape)
         if self.shifted:
             spec = self.slot.conv
             assert spec is not None
@@ -271,7 +172,7 @@ def kron_factors(batches: Iterable[PseudoGrads]) -> tuple[KronFactors, ...]:
     """KFAC factors A and G of every layer, averaged over all examples of ``batches``.
 
     Formed from the layer inputs and output gradients by GEMMs over the minibatch (no per-example
-    gradients); a stride-1 convolution's A from shifted products of its input map (:func:`add_shifted_products_`).
+    gradients); a stride-1 convolution's A from shifted products of its input map (:func:`~bdl_bench.curvature.conv_gram.add_shifted_products_`).
     Sums are in the pseudo-gradients' dtype within a few minibatches and in float64 across them; the factors
     are float64.
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import bdl_bench.curvature.pseudo_grads as pseudo_grads_module
-from bdl_bench.curvature import kron
+from bdl_bench.curvature import conv_gram, kron
 from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import LayerPseudoGrads, iter_pseudo_grads, kron_layout
 from bdl_bench.likelihoods import Categorical
@@ -33,11 +33,11 @@ def test_shifted_products_give_the_patch_gram(
     products = torch.zeros(kh, *padded, channels, (2 * kw - 1) * channels, dtype=torch.float64)
     sums = torch.zeros(*padded, channels, dtype=torch.float64)
     for part in x.split(2):  # accumulated over minibatches
-        kron.add_shifted_products_(products, sums, part, slot.conv)
+        conv_gram.add_shifted_products_(products, sums, part, slot.conv)
     patches = F.unfold(x, kernel, padding=padding).mT.reshape(-1, slot.in_features)
     if bias:
         patches = torch.cat([patches, torch.ones_like(patches[:, :1])], 1)
-    assert_close(kron.shifted_gram(products, sums, 5, (6, 7), slot), patches.mT @ patches)
+    assert_close(conv_gram.shifted_gram(products, sums, 5, (6, 7), slot), patches.mT @ patches)
 
 
 def _tiny_lenet(channels: list[int], generator: torch.Generator) -> tuple[nn.Module, Tensor]:
@@ -70,14 +70,14 @@ def test_shifted_path_is_taken_for_lenets_second_conv_only() -> None:
     )
     slots = kron_layout(lenet).slots
     shapes = [torch.Size([64, 1, 28, 28]), torch.Size([64, 32, 14, 14]), torch.Size([64, 64, 14, 14])]
-    assert [kron._uses_shifted_gram(slot, shape) for slot, shape in zip(slots, shapes)] == [False, True, False]
+    assert [conv_gram.uses_shifted_gram(slot, shape) for slot, shape in zip(slots, shapes)] == [False, True, False]
 
 
 def test_lenet_conv_factors_are_patch_grams(generator: torch.Generator, monkeypatch) -> None:
-    monkeypatch.setattr(kron, "_MIN_SHIFTED_CHANNELS", 1)  # the shifted path for both of the tiny LeNet's convs
+    monkeypatch.setattr(conv_gram, "MIN_SHIFTED_CHANNELS", 1)  # the shifted path for both of the tiny LeNet's convs
     batches = _lenet_batches(torch.float64, generator)
     first = next(batches())
-    assert all(kron._uses_shifted_gram(layer.slot, layer.layer_input.shape) for layer in first.layers[:2])
+    assert all(conv_gram.uses_shifted_gram(layer.slot, layer.layer_input.shape) for layer in first.layers[:2])
     for f, layer in zip(kron_factors(batches()), first.layers):
         if layer.slot.conv is None:
             continue
@@ -110,7 +110,7 @@ def test_float32_curvature_agrees_with_float64(generator: torch.Generator) -> No
 
 def test_kfac_factors_form_no_per_example_gradients(generator: torch.Generator, monkeypatch) -> None:
     """KFAC needs only GEMMs over the minibatch: per-example gradients and (stride-1) patches are never formed."""
-    monkeypatch.setattr(kron, "_MIN_SHIFTED_CHANNELS", 1)
+    monkeypatch.setattr(conv_gram, "MIN_SHIFTED_CHANNELS", 1)
     batches = _lenet_batches(torch.float32, generator, kind="fisher")
 
     def refuse(*args: object) -> torch.Tensor:
