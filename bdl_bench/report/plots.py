@@ -107,9 +107,10 @@ def plot_covariance(
     runs = runs[runs["data.split"] == split]
     dataset = dataset or sorted(runs["dataset"].unique())[0]
     runs = runs[runs["dataset"] == dataset]
-    runs = runs[[(Path(d) / "posterior.pt").exists() for d in runs["run_dir"]]]
-    if methods:
-        runs = runs[runs["label"].isin(methods)].set_index("label").loc[methods].reset_index()
+    runs = runs[runs["run_dir"].map(lambda d: (Path(d) / "posterior.pt").exists()).astype(bool)]
+    if methods:  # in the order given; a method without runs is left out
+        runs = runs[runs["label"].isin(methods)].set_index("label")
+        runs = runs.loc[[m for m in methods if m in runs.index]].reset_index()
     if runs.empty:
         raise ResultsError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
     n = len(runs)

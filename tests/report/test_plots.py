@@ -73,3 +73,11 @@ def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n
     assert lines["slang rank=5"].get_ydata()[0] == pytest.approx(1.5 + 5.0)
     with pytest.raises(ValueError, match="none of the methods .*found: slang rank=1, slang rank=5"):
         convergence_figure(tmp_path, methods=["bbb"])
+
+
+def test_covariance_figure_of_a_dataset_without_runs_says_so(tmp_path: Path) -> None:
+    """A figure spec naming a dataset the folder has no runs of (``reproduce slang_table1`` on a subset of
+    the sets, Fig. 1 being USPS's) raises the one ResultsError that reproduce reports as a skipped figure."""
+    _run(tmp_path, "diag", {"name": "exact_vi", "covariance": "diag"}, DiagGaussian(torch.zeros(3), torch.ones(3)))
+    with pytest.raises(ValueError, match="no runs with posterior.pt for dataset 'australian'"):
+        plot_covariance(tmp_path, tmp_path / "fig.png", dataset="australian", methods=["exact_vi covariance=diag"])
