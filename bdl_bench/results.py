@@ -79,6 +79,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _new_file_mode())  # mkstemp's 0600 would hide results from the user's group
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -88,6 +89,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         _name_the_file(error, path)
         raise
+
+
+def _new_file_mode() -> int:
+    """The mode ``open`` gives a new file: 0666 less the process's umask (read without changing it for good)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _name_the_file(error: BaseException, path: Path) -> None:
@@ -203,16 +211,11 @@ class HistoryWriter:
         append_whole(self.path, line.getvalue())  # Ctrl-C or a full disk leaves the whole row or none of it
 
     def _rewrite(self) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=self.columns)
-                writer.writeheader()
-                writer.writerows(self.rows)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic_write_text(self.path, text.getvalue())
         self._file_matches_rows = True
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,16 @@ def test_what_reproduce_draws_or_compares_is_not_part_of_a_runs_config_hash() ->
     extra = {"figures": [{"name": "fig1", "kind": "covariance"}], "tolerance": {"nll": "2%"}}
     assert config_hash(base) == config_hash({**base, **extra})
     assert config_hash(base) != config_hash({**base, "method": {"name": "slang", "rank": 2}})
+
+
+def test_results_written_atomically_get_the_mode_of_an_ordinary_new_file(tmp_path: Path) -> None:
+    """A temporary file is created 0600; the result written through it must not stay hidden from the user's group
+    (a shared results folder on a cluster): it gets 0666 less the umask, as ``open`` would give it."""
+    from bdl_bench.results import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "metrics.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == 0o644
