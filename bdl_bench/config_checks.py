@@ -51,7 +51,7 @@ _ABSENT = object()
 def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Refuse the first numeric key of ``cfg`` (a composed root config) outside its range, a run
     that would train nothing (:func:`check_epochs`), and an experiment that is a benchmark
-    (:mod:`bdl_bench.benchmark`), which ``reproduce`` runs.
+    (:mod:`bdl_bench.orchestration.benchmark`), which ``reproduce`` runs.
 
     Raises:
         ConfigError: ``<key>=<value> is out of range: it must be <range>``.

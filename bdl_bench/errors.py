@@ -50,4 +50,4 @@ class Interrupted(KeyboardInterrupt):
 
 class Terminated(Interrupted):
     """SIGTERM during a run (a scheduler's time limit or preemption, ``scancel``, ``kill``): the run stopped at
-    an epoch's end with a checkpoint there (:mod:`bdl_bench.sigterm`); the CLI exits with 143."""
+    an epoch's end with a checkpoint there (:mod:`bdl_bench.orchestration.sigterm`); the CLI exits with 143."""

@@ -60,7 +60,7 @@ HASH_EXCLUDED_KEYS = (
     "data.protocol.device",  # where it runs, like trainer.device
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
     "figures",  # what `reproduce` draws from the runs
-    # how a tuned run's values were searched (bdl_bench.search); the values it chose are in its config
+    # how a tuned run's values were searched (bdl_bench.orchestration.search); the values it chose are in its config
     "search",
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
@@ -377,7 +377,7 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
         row["finished"] = finished
         record = read_run_record(run_dir)
         row["code_version"] = record.get("code_version")
-        row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.devices.device_record
+        row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.orchestration.devices.device_record
         rows.append(row)
     frame = pd.DataFrame(rows)
     frame.attrs["config_columns"] = sorted(config_columns)

@@ -55,7 +55,6 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bdl_bench.devices import resolve_device
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
@@ -63,7 +62,8 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.threads import set_threads
+from bdl_bench.orchestration.devices import resolve_device
+from bdl_bench.orchestration.threads import set_threads
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PRIOR_PRECISION = 0.001  # experiment=def_table1: TensorFlow's L2 coefficient 1e-8 as lambda = 2cN

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from bdl_bench.devices import resolve_device
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
@@ -42,7 +41,8 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.threads import set_threads
+from bdl_bench.orchestration.devices import resolve_device
+from bdl_bench.orchestration.threads import set_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_laplace_fit import multiply_adds, step_macs_per_example, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)

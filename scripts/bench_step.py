@@ -36,7 +36,7 @@ a sampled weight vector), the rest of its step being passes over the ``(D,)`` st
 
 ``--hidden`` sets the MLP's hidden widths (default 400,400). :func:`entries` and :func:`bench` are the
 measurement without the command line; ``bdl-bench reproduce ktied_table4`` / ``elrg_table1``
-(:mod:`bdl_bench.benchmark`) call them in-process.
+(:mod:`bdl_bench.orchestration.benchmark`) call them in-process.
 
 ``--clock thread`` times with ``time.thread_time`` (this thread's CPU time) instead of the wall clock,
 for machines shared with other jobs, where a long step is preempted more often than a short one; the
@@ -57,14 +57,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bdl_bench.devices import resolve_device
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
-from bdl_bench.threads import set_threads
+from bdl_bench.orchestration.devices import resolve_device
+from bdl_bench.orchestration.threads import set_threads
 
 SGD_PER_ROUND = 3
 N_DATA = 50_000  # SLANG's N (Table 3: 50k training images); it only scales the curvature
@@ -355,7 +355,10 @@ ROUNDING = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch and BLAS threads (bdl_bench.threads.set_threads; default 1)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch and BLAS threads (bdl_bench.orchestration.threads.set_threads; default 1)",
     )
     parser.add_argument("--ranks", default="8,32", help="comma-separated SLANG ranks L (default 8,32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -1,4 +1,4 @@
-"""bdl_bench.allocator: freed tensors stay in the process's heap (glibc), so the next step reuses their pages."""
+"""bdl_bench.orchestration.allocator: freed tensors stay in the process's heap (glibc), so the next step reuses their pages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bdl_bench import allocator
+from bdl_bench.orchestration import allocator
 
 
 class _MallInfo2(ctypes.Structure):

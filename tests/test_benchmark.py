@@ -10,16 +10,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bdl_bench.benchmark import (
+from bdl_bench.errors import ConfigError
+from bdl_bench.orchestration.benchmark import (
     Benchmark,
     elrg_predicted_memory_ratio,
     elrg_predicted_time_ratio,
     ktied_paper_ratios,
     measure,
 )
-from bdl_bench.errors import ConfigError
-from bdl_bench.reproduce import benchmark_experiment
-from bdl_bench.reproduce import main as reproduce
+from bdl_bench.orchestration.reproduce import benchmark_experiment
+from bdl_bench.orchestration.reproduce import main as reproduce
 
 
 def _read(folder: Path) -> tuple[str, pd.DataFrame]:
@@ -118,7 +118,7 @@ def test_an_unknown_method_is_a_config_error_before_any_timing() -> None:
 
 def test_run_refuses_a_benchmark_experiment() -> None:
     from bdl_bench.config_checks import check_config
-    from bdl_bench.reproduce import _load
+    from bdl_bench.orchestration.reproduce import _load
 
     with pytest.raises(ConfigError, match="use `bdl-bench reproduce elrg_table1`"):
         check_config(_load(["experiment=elrg_table1"], multirun=False))

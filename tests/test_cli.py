@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bdl_bench.hydra_app import check_group_overrides, group_choices
+from bdl_bench.orchestration.hydra_app import check_group_overrides, group_choices
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bdl_bench.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "bdl_bench.orchestration.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -73,8 +77,8 @@ def test_version_names_the_package_and_its_main_dependencies(tmp_path: Path) -> 
 
 
 def test_list_shows_every_option_with_its_description(tmp_path: Path) -> None:
-    from bdl_bench.catalogue import LISTED_GROUPS, describe, listing
-    from bdl_bench.hydra_app import CONF_DIR
+    from bdl_bench.orchestration.catalogue import LISTED_GROUPS, describe, listing
+    from bdl_bench.orchestration.hydra_app import CONF_DIR
 
     out = _cli("list", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

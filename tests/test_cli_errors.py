@@ -24,7 +24,7 @@ def bdl(*args: str, cwd: Path, debug: bool = False) -> subprocess.CompletedProce
     """``bdl-bench <args>`` in a subprocess running this checkout's code, offline."""
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "BDL_BENCH_DEBUG")}
     env.update(PYTHONPATH=str(REPO), BDL_BENCH_OFFLINE="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "bdl_bench.cli", *(["--debug"] if debug else []), *args]
+    command = [sys.executable, "-m", "bdl_bench.orchestration.cli", *(["--debug"] if debug else []), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -149,7 +149,7 @@ def test_user_errors_keep_the_builtin_classes_their_callers_catch() -> None:
     from bdl_bench.data.download import ChecksumError, DownloadError
     from bdl_bench.errors import UserError
     from bdl_bench.methods.base import NonFiniteLossError
-    from bdl_bench.sweep import ConfigVersionError
+    from bdl_bench.orchestration.sweep import ConfigVersionError
 
     for cls, builtin in [
         (UnsafeArchiveError, ValueError),
@@ -163,13 +163,13 @@ def test_user_errors_keep_the_builtin_classes_their_callers_catch() -> None:
 
 def test_a_bug_still_shows_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Only user errors are shortened: any other exception inside a run keeps Hydra's traceback."""
-    import bdl_bench.sweep
-    from bdl_bench.cli import main
+    import bdl_bench.orchestration.sweep
+    from bdl_bench.orchestration.cli import main
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("an internal invariant")
 
-    monkeypatch.setattr(bdl_bench.sweep, "run_job", broken)
+    monkeypatch.setattr(bdl_bench.orchestration.sweep, "run_job", broken)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as info:
         main(["run", *SMOKE, f"results_root={tmp_path}"])
@@ -265,7 +265,7 @@ def test_ctrl_c_says_where_and_the_same_command_resumes(
     command = [
         sys.executable,
         "-m",
-        "bdl_bench.cli",
+        "bdl_bench.orchestration.cli",
         *overrides,
         "trainer=smoke",
         "trainer.n_epochs=3000",

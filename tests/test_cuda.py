@@ -112,7 +112,7 @@ def test_fused_adam_on_the_device_follows_the_host() -> None:
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "BDL_BENCH_OFFLINE": "1"}
-    command = [sys.executable, "-m", "bdl_bench.cli", *args]
+    command = [sys.executable, "-m", "bdl_bench.orchestration.cli", *args]
     out = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -140,7 +140,7 @@ SINGLE = [name for name in _registered_methods() if name != "exact_vi"]
 def test_device_auto_picks_the_gpu_and_small_sets_keep_the_cpu(tmp_path: Path) -> None:
     """``trainer.device=auto`` is CUDA here; the UCI sets' protocol asks for the CPU (their 1x50 networks run
     faster there), so a plain run on boston stays on the CPU."""
-    from bdl_bench.devices import resolve_device
+    from bdl_bench.orchestration.devices import resolve_device
 
     assert resolve_device("auto").type == "cuda"
     _cli("run", "method=map", "data=uci/boston", "trainer.n_epochs=1", f"results_root={tmp_path}", cwd=tmp_path)

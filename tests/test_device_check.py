@@ -19,9 +19,9 @@ from bdl_bench.methods.base import Method, NonFiniteLossError, Problem
 from bdl_bench.metrics import expected_calibration_error, predictive_metrics
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.orchestration.resume import CheckpointDeviceError
+from bdl_bench.orchestration.runner import run
 from bdl_bench.results import read_run_record, without_cost
-from bdl_bench.resume import CheckpointDeviceError
-from bdl_bench.runner import run
 from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
 
 # --- the check itself ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Faults a cluster user meets: two processes on one run folder (bdl_bench/locking.py), a full, read-only or
-vanished results folder (bdl_bench/write_errors.py), SIGTERM at a time limit (bdl_bench/sigterm.py), and
-``bdl-bench status`` over a folder of runs in every state (bdl_bench/status.py)."""
+"""Faults a cluster user meets: two processes on one run folder (bdl_bench/orchestration/locking.py), a full, read-only or
+vanished results folder (bdl_bench/orchestration/write_errors.py), SIGTERM at a time limit (bdl_bench/orchestration/sigterm.py), and
+``bdl-bench status`` over a folder of runs in every state (bdl_bench/orchestration/status.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from bdl_bench import locking
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import Terminated
+from bdl_bench.orchestration import locking
+from bdl_bench.orchestration.runner import run
+from bdl_bench.orchestration.sigterm import stop_at_epoch_end
+from bdl_bench.orchestration.status import folder_status
+from bdl_bench.orchestration.sweep import run_job
+from bdl_bench.orchestration.write_errors import WriteError
 from bdl_bench.results import append_whole, read_run_record, without_cost
-from bdl_bench.runner import run
-from bdl_bench.sigterm import stop_at_epoch_end
-from bdl_bench.status import folder_status
-from bdl_bench.sweep import run_job
-from bdl_bench.write_errors import WriteError
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "BDL_BENCH_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -34,7 +34,7 @@ FAST = ["method=map", "trainer=smoke", "trainer.eval_every=0", "trainer.threads=
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "bdl_bench.cli", *args]
+    return [sys.executable, "-m", "bdl_bench.orchestration.cli", *args]
 
 
 def _same_metrics(a: dict, b: dict) -> None:
@@ -60,7 +60,7 @@ def test_a_held_folder_is_refused_naming_its_holder_and_freed_on_release(tmp_pat
     folder = tmp_path / "run"
     locking.acquire(folder)
     try:
-        probe = "from bdl_bench import locking; import sys; locking.acquire(sys.argv[1])"
+        probe = "from bdl_bench.orchestration import locking; import sys; locking.acquire(sys.argv[1])"
         out = subprocess.run([sys.executable, "-c", probe, str(folder)], env=ENV, capture_output=True, text=True)
         assert out.returncode == 1
         holder = f"FolderInUse: {folder} is in use by another process (host {socket.gethostname()}, pid {os.getpid()}, "
@@ -115,7 +115,7 @@ def test_a_stacked_job_locks_its_folder_and_every_split_folder(tmp_path: Path, c
     locking.acquire(held)  # this process holds it; a job of another process would be refused as below
     try:
         probe = (
-            "import sys; from hydra import compose, initialize_config_dir; from bdl_bench.sweep import run_job\n"
+            "import sys; from hydra import compose, initialize_config_dir; from bdl_bench.orchestration.sweep import run_job\n"
             f"with initialize_config_dir({str(REPO / 'conf')!r}, version_base='1.3'):\n"
             "    cfg = compose('config', overrides=sys.argv[2:])\n"
             "run_job(cfg, sys.argv[1])"
@@ -412,7 +412,7 @@ def test_sigterm_outside_the_epochs_stops_at_once() -> None:
 
 
 def test_status_lists_finished_failed_running_and_stale_runs(tmp_path: Path, capsys) -> None:
-    from bdl_bench.cli import main
+    from bdl_bench.orchestration.cli import main
 
     def make(name: str, status: str, *, metrics: bool = False, failure: str | None = None) -> Path:
         folder = tmp_path / "sweep" / name

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from bdl_bench.reproduce import _expand, agreement, main, make_plan, markdown
+from bdl_bench.orchestration.reproduce import _expand, agreement, main, make_plan, markdown
 from bdl_bench.results import code_version, read_csv_exact
 
 
@@ -28,7 +28,7 @@ def test_plan_expands_the_sweep_and_drops_splits_a_dataset_lacks() -> None:
     assert plan.keys == ["method", "data", "data.split"]
     assert len(plan.jobs) == 6 + 5  # protein has 5 splits
     assert ["method=bbb", "data=uci/protein", "data.split=4"] in plan.jobs
-    # slang_table2's tuning is a stacked search inside each job (bdl_bench/search.py)
+    # slang_table2's tuning is a stacked search inside each job (bdl_bench/orchestration/search.py)
     assert plan.tuned and "tune=slang_table2" in plan.fixed
     # a job's folder is Hydra's name for its overrides, less the bookkeeping keys (experiment, tune)
     assert (
@@ -126,7 +126,7 @@ def test_quick_reproduce_of_a_figure_draws_it_beside_the_table(tmp_path: Path, m
     """slang_fig4_bnn's ``figures`` entry: reproduce writes fig4_right.png and shows it in reproduce.md."""
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
     # the basic launcher: joblib's, even with one job, runs in this process and leaves its Hydra job config set,
-    # which a later stacked job in this process would take for its own (bdl_bench.sweep.member_dirs)
+    # which a later stacked job in this process would take for its own (bdl_bench.orchestration.sweep.member_dirs)
     args = ["slang_fig4_bnn", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
     args += ["data=libsvm/breast_cancer"]
     main([*args, "variant=slang_fig4_bnn/slang_L8,slang_fig4_bnn/bbb"])

@@ -18,10 +18,10 @@ import torch
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import UserError
+from bdl_bench.orchestration.resume import CheckpointDeviceError, checkpoint_history
+from bdl_bench.orchestration.runner import run
+from bdl_bench.orchestration.sweep import run_job
 from bdl_bench.results import read_run_record, without_cost
-from bdl_bench.resume import CheckpointDeviceError, checkpoint_history
-from bdl_bench.runner import run
-from bdl_bench.sweep import run_job
 
 
 class Crash(Exception):
@@ -106,7 +106,7 @@ def test_sigkilled_cli_run_resumes_to_the_unbroken_metrics(tmp_path: Path, compo
     ]
     overrides += ["trainer.checkpoint_every=1"]
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "bdl_bench.cli", "run", *overrides, f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", "bdl_bench.orchestration.cli", "run", *overrides, f"hydra.run.dir={run_dir}"]
     process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (run_dir / "checkpoint.pt").exists() and process.poll() is None and time.monotonic() < deadline:

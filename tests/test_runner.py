@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bdl_bench.methods.base import NonFiniteLossError
+from bdl_bench.orchestration.runner import run
 from bdl_bench.results import without_cost
-from bdl_bench.runner import run
 
 
 def test_run_writes_config_history_and_metrics(tmp_path: Path, compose_cfg) -> None:
@@ -60,7 +60,7 @@ def test_bad_values_give_one_line_errors(tmp_path: Path, compose_cfg, override: 
 def test_authors_elbo_leaves_out_only_the_bias_log_prior_precision() -> None:
     import torch
 
-    from bdl_bench.evaluation import elbo_without_bias_logdet
+    from bdl_bench.orchestration.evaluation import elbo_without_bias_logdet
 
     logreg = torch.nn.Sequential(torch.nn.Linear(3, 1))
     prior = torch.tensor([1.0, 1.0, 1.0, 1e-5])  # weights, then the bias (flat parameter order)
@@ -80,7 +80,7 @@ def test_logistic_regression_run_reports_the_authors_elbo(tmp_path: Path, compos
 
 def test_the_elbo_in_chunks_equals_the_one_pass_value(tmp_path: Path, compose_cfg, monkeypatch) -> None:
     """Chunks of rows replay the generator, so every chunk sees the same posterior samples."""
-    import bdl_bench.evaluation as evaluation_module
+    import bdl_bench.orchestration.evaluation as evaluation_module
 
     cfg = compose_cfg(["method=bbb", "data=uci/boston", "model=mlp", "trainer.checkpoint_every=0"])
     one_pass = run(cfg, tmp_path / "one").metrics["elbo"]

@@ -1,4 +1,4 @@
-"""Hyperparameter search as stacked replicas (bdl_bench/search.py): batched BO, Gal's dropout protocol and
+"""Hyperparameter search as stacked replicas (bdl_bench/orchestration/search.py): batched BO, Gal's dropout protocol and
 grid on tiny problems (yacht, 2 splits, 2 epochs), resuming after a kill, failed trials, bad input."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import yaml
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.dropout import MCDropout
+from bdl_bench.orchestration.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec, with_method_settings
+from bdl_bench.orchestration.sweep import run_job
 from bdl_bench.results import read_csv_exact
-from bdl_bench.search import JOURNAL_FILE, SEARCH_DIR, TRIALS_FILE, read_spec, with_method_settings
-from bdl_bench.sweep import run_job
 
 BO = ["search.n_random=2", "search.n_guided=2", "search.round_size=2"]
 # the dropout grid of Gal's later experiment.py
@@ -152,7 +152,7 @@ def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
     loss times τ s_y² / 2), Adam 0.001 and batch 32; the other methods' runs are untouched."""
     from bdl_bench.data import build_dataset
     from bdl_bench.models import build_model
-    from bdl_bench.runner import run_prior
+    from bdl_bench.orchestration.runner import run_prior
 
     cfg = with_method_settings(_cfg(compose_cfg, "dropout", "bias_prior_precision=1e-6"))
     gal = (cfg.gal_lengthscale, cfg.method.dropout_rate, cfg.method.lr, cfg.trainer.batch_size)
@@ -170,7 +170,7 @@ def test_gal_protocol_settings_and_weight_prior(compose_cfg) -> None:
 
 
 def test_table_lists_what_each_split_search_chose(tmp_path: Path, compose_cfg, capsys) -> None:
-    from bdl_bench.cli import table_command
+    from bdl_bench.orchestration.cli import table_command
 
     run_job(_cfg(compose_cfg, "slang", "search.n_random=2", "search.n_guided=0"), tmp_path / "job")
     table_command([str(tmp_path), "--search"])

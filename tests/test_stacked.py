@@ -1,4 +1,4 @@
-"""Stacked splits (bdl_bench/stacked.py): R splits fitted at once equal R single runs.
+"""Stacked splits (bdl_bench/orchestration/stacked.py): R splits fitted at once equal R single runs.
 
 The slow, obviously-correct twin of a stacked fit is the single run of each split (same seed, so the same
 noise); they must agree up to float rounding, at the method level (states after two epochs) and at the
@@ -22,11 +22,11 @@ from bdl_bench.likelihoods import Gaussian, build_likelihood, stacked_nll
 from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.reproduce import make_plan
+from bdl_bench.orchestration.reproduce import make_plan
+from bdl_bench.orchestration.runner import _check_stackable, run
+from bdl_bench.orchestration.stacked import stacked_splits
+from bdl_bench.orchestration.sweep import ConfigVersionError, run_job
 from bdl_bench.results import config_hash, read_run_record, without_cost
-from bdl_bench.runner import _check_stackable, run
-from bdl_bench.stacked import stacked_splits
-from bdl_bench.sweep import ConfigVersionError, run_job
 
 METHODS = {
     "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},
@@ -266,8 +266,8 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
     """MC dropout's final test and validation predictions are made for all copies at once (shared masks,
     ``SharedPredictions``; with ``group_elements=1`` one copy per group, each replaying the shared
     generator state), and every split's metrics equal its single run's."""
-    from bdl_bench import runner
     from bdl_bench.methods.dropout import MCDropout
+    from bdl_bench.orchestration import runner
 
     if group_elements is not None:
         monkeypatch.setattr(runner.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
@@ -361,7 +361,9 @@ def test_reproduce_plans_stacked_jobs_for_data_split_all() -> None:
 
 def test_cli_names_split_folders_like_single_runs(tmp_path: Path) -> None:
     args = ["run", "method=dropout", "data=uci/yacht", "trainer=smoke", "data.split=[0,1]", f"results_root={tmp_path}"]
-    out = subprocess.run([sys.executable, "-m", "bdl_bench.cli", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "bdl_bench.orchestration.cli", *args], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     names = sorted(str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("metrics.json"))
     assert names == [f"runs/data.split={k},data=uci/yacht,method=dropout,trainer=smoke" for k in (0, 1)], names

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from bdl_bench.methods.base import NonFiniteLossError
+from bdl_bench.orchestration.sweep import EXIT_MESSAGE, ConfigVersionError, run_job, summarise, version_warnings
 from bdl_bench.results import read_run_record
-from bdl_bench.sweep import EXIT_MESSAGE, ConfigVersionError, run_job, summarise, version_warnings
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bdl_bench.cli", *args],
+        [sys.executable, "-m", "bdl_bench.orchestration.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -71,7 +71,7 @@ def test_failure_under_submitit_ends_the_process_with_status_one(tmp_path: Path)
     would be COMPLETED (hydra#1928)."""
     script = (
         "import sys; from hydra import compose, initialize_config_dir\n"
-        "from bdl_bench.sweep import run_job\n"
+        "from bdl_bench.orchestration.sweep import run_job\n"
         f"with initialize_config_dir({str(REPO / 'conf')!r}, version_base='1.3'):\n"
         "    cfg = compose('config', overrides=['trainer=smoke', 'method=slang', 'data.split=99'])\n"
         "try:\n"

@@ -6,7 +6,7 @@ import torch
 from threadpoolctl import threadpool_info, threadpool_limits
 
 import bdl_bench.curvature.gram  # noqa: F401  (loads SciPy's LAPACK, as every run does)
-from bdl_bench.threads import set_threads
+from bdl_bench.orchestration.threads import set_threads
 
 
 def test_set_threads_limits_torch_and_the_loaded_blas() -> None:

@@ -114,7 +114,7 @@ def sample_noise(
     passes over U for all n samples (as Alg. 3). The normals are drawn on the generator's device.
 
     For R stacked precisions (U ``(R, D, L)``, d ``(R, D)``, cache entries with a leading R; the stacked
-    splits of :mod:`bdl_bench.stacked`) the draws are ``(R, n, D)``: one ``(n, D + L)`` draw of normals,
+    splits of :mod:`bdl_bench.orchestration.stacked`) the draws are ``(R, n, D)``: one ``(n, D + L)`` draw of normals,
     shared by the copies, as a single run draws it.
 
     With ``workspace`` (:func:`bdl_bench.curvature.gram.workspace_buffer`) the draws and temporaries

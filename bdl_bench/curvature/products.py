@@ -1,5 +1,5 @@
 """Batched matrix products in the form the CPU's batched GEMM runs fastest, for R stacked copies of small
-matrices (:mod:`bdl_bench.stacked`), each the same value as the plain product up to rounding.
+matrices (:mod:`bdl_bench.orchestration.stacked`), each the same value as the plain product up to rounding.
 
 A batched GEMM runs one product per matrix; for thin shapes (a dimension of 1, or a transposed left factor
 against a few columns) its kernel is slower than an equivalent form, at the UCI networks' shapes:

@@ -1,5 +1,5 @@
 r"""Per-example gradient factors of R stacked copies of a network of ``nn.Linear`` layers, one per data split
-(:mod:`bdl_bench.stacked`), and the curvature sums built from them.
+(:mod:`bdl_bench.orchestration.stacked`), and the curvature sums built from them.
 
 :func:`stacked_factors` is :func:`bdl_bench.curvature.per_example.linear_factors` with a leading copy dimension
 R on the parameters ``(R, S, D)`` and data ``(R, M, ...)``: one forward/backward gives every layer's inputs A

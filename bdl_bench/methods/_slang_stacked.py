@@ -1,4 +1,4 @@
-r"""SLANG's update for R stacked copies at once (one per data split; :mod:`bdl_bench.stacked`).
+r"""SLANG's update for R stacked copies at once (one per data split; :mod:`bdl_bench.orchestration.stacked`).
 
 The same maths as :func:`bdl_bench.methods.slang.slang_update` and
 :func:`bdl_bench.curvature.gram.low_rank_update` (Mishkin et al. 2018, Alg. 1 with the exact top-L

@@ -8,10 +8,10 @@ overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of 
 ``point_estimate`` the single parameter vector the runner saves (``params.pt``).
 
 **Stacked splits.** A method with ``supports_replicas = True`` can also fit R independent copies of
-itself at once, one per data split (:mod:`bdl_bench.stacked`). Such a method derives from
+itself at once, one per data split (:mod:`bdl_bench.orchestration.stacked`). Such a method derives from
 :class:`StackedMethod`: its step is written once, for R copies, and its single run is the stack of one
 copy. ``setup_replicas`` receives one problem per split (same model and N; their own likelihood and prior
-precision, so that the copies can also be trials of a hyperparameter search, :mod:`bdl_bench.search`),
+precision, so that the copies can also be trials of a hyperparameter search, :mod:`bdl_bench.orchestration.search`),
 ``train_step_replicas`` takes minibatches ``(R, M, ...)`` and ``replica(r)`` returns a set-up method
 holding copy r's state alone (for evaluation). Copy r draws exactly the noise a single run of the same
 seed draws (one draw broadcast over the copies), so a stacked fit equals R single runs up to
@@ -68,7 +68,7 @@ class NonFiniteLossError(DivergenceError):
 
 class CannotStack(NotImplementedError):
     """:meth:`Method.setup_replicas` of a method (or of this config of it) that cannot fit several splits at
-    once; a job given several splits then fits them one after another (:func:`bdl_bench.sweep.run_job`)."""
+    once; a job given several splits then fits them one after another (:func:`bdl_bench.orchestration.sweep.run_job`)."""
 
 
 EpochCallback = Callable[[int, Mapping[str, float]], None]

@@ -35,7 +35,7 @@ mean is the model's current parameters; the initial precision is
 :math:`S_0 = I`, which is ``init_prec: 1`` up to λ). Like the authors' code, this is the update
 with the exact :math:`\hat g_t, \hat H_t`; nothing is clipped or damped.
 
-Computation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.stacked`):
+Computation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.orchestration.stacked`):
 the mean is ``(R, D)``, the precision ``(R, D, D)`` or ``(R, D)``, and a single run is the stack of one copy.
 Copy r draws exactly the standard normals a single run of the same seed draws (one ``(K, D)`` draw shared by
 the copies). For ``nn.Sequential`` networks of ``nn.Linear`` layers (``logreg``, ``mlp``) all K·M

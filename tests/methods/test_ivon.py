@@ -21,9 +21,9 @@ from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, prior_precision_vector
+from bdl_bench.orchestration.runner import run
+from bdl_bench.orchestration.sweep import run_job
 from bdl_bench.results import without_cost
-from bdl_bench.runner import run
-from bdl_bench.sweep import run_job
 
 OPTIONS = {
     "name": "ivon",
@@ -218,7 +218,15 @@ def test_bad_options_give_one_line_errors(option: str, value: object, message: s
 
 def test_a_bad_option_on_the_command_line_is_one_line(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "bdl_bench.cli", "run", "method=ivon", "method.beta2=1.0", f"results_root={tmp_path}"],
+        [
+            sys.executable,
+            "-m",
+            "bdl_bench.orchestration.cli",
+            "run",
+            "method=ivon",
+            "method.beta2=1.0",
+            f"results_root={tmp_path}",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -26,8 +26,8 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace, load_map_parameters
 from bdl_bench.models import build_model
 from bdl_bench.models.params import forward_with, prior_precision_vector
+from bdl_bench.orchestration.runner import run
 from bdl_bench.results import without_cost
-from bdl_bench.runner import run
 
 F64 = torch.float64
 STRUCTURES = ("diag", "kfac", "efb", "def", "block", "full")
@@ -517,7 +517,7 @@ def test_a_run_draws_each_laplace_sample_once_for_test_val_and_ood(
 ) -> None:
     """The final evaluation draws the posterior samples once for all sets; the OOD metrics reuse the test set's."""
     from bdl_bench.data.base import Dataset, Task
-    from bdl_bench.runner import finish_run
+    from bdl_bench.orchestration.runner import finish_run
 
     problem, x, y = _tiny_lenet_problem()
     method = make_laplace(structure="kfac")

@@ -20,7 +20,7 @@ from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace, LaplaceEvidence
 from bdl_bench.models import build_model
 from bdl_bench.models.params import forward_with, prior_precision_vector
-from bdl_bench.runner import run
+from bdl_bench.orchestration.runner import run
 
 F64 = torch.float64
 CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "laplace.yaml"

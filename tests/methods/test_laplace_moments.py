@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.metrics import gaussian_predictive_metrics, predictive_metrics
 from bdl_bench.models.params import forward_with
-from bdl_bench.runner import run
+from bdl_bench.orchestration.runner import run
 from tests.methods.test_laplace_marglik import F64, fitted
 
 

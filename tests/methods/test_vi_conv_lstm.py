@@ -30,7 +30,7 @@ from bdl_bench.methods.base import Method, Problem
 from bdl_bench.methods.ktied import ktied_param_count
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector, unflatten
-from bdl_bench.runner import run
+from bdl_bench.orchestration.runner import run
 
 # (kind, overrides): mean-field, k-tied with mean-field convolutions (the paper's CNN), k-tied convolutions
 VARIANTS = {

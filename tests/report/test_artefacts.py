@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bdl_bench.cli import STATUS_PAGE
-from bdl_bench.hydra_app import CONF_DIR, check_group_overrides, group_choices
+from bdl_bench.orchestration.cli import STATUS_PAGE
+from bdl_bench.orchestration.hydra_app import CONF_DIR, check_group_overrides, group_choices
 from bdl_bench.report.artefacts import listing, load_catalogue, render_page
 
 ROOT = CONF_DIR.parent

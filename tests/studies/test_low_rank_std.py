@@ -116,7 +116,7 @@ def test_study_rows_share_noise_and_count_std_parameters() -> None:
 
 
 def test_from_a_run_folder(tmp_path: Path, compose_cfg) -> None:  # noqa: ANN001
-    from bdl_bench.runner import run
+    from bdl_bench.orchestration.runner import run
 
     cfg = compose_cfg(["method=gmfvi", "data=uci/boston", "model.hidden=[8]", "trainer.n_epochs=1"])
     run(cfg, tmp_path)

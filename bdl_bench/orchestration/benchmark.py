@@ -50,7 +50,7 @@ from threadpoolctl import threadpool_limits
 from bdl_bench.errors import ConfigError
 from bdl_bench.results import atomic_write_text
 
-BENCH_STEP = Path(__file__).resolve().parents[1] / "scripts" / "bench_step.py"
+BENCH_STEP = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
 IN_FEATURES, OUT_FEATURES = 784, 10  # bench_step's MLP: 784-<hidden>-10
 
 
@@ -118,7 +118,7 @@ class Benchmark:
 
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
-    """Compute with ``n`` torch and BLAS threads inside the block (as ``bdl_bench.threads.set_threads``)."""
+    """Compute with ``n`` torch and BLAS threads inside the block (as ``bdl_bench.orchestration.threads.set_threads``)."""
     before = torch.get_num_threads()
     with threadpool_limits(limits=n, user_api="blas"):
         torch.set_num_threads(n)
@@ -142,7 +142,7 @@ def measure(bench: Benchmark, progress: Callable[[str], None] = print) -> pd.Dat
     Raises:
         ConfigError: for an unknown method spec or an unusable device.
     """
-    from bdl_bench.devices import resolve_device
+    from bdl_bench.orchestration.devices import resolve_device
 
     module = bench_step()
     device = resolve_device(bench.device)
@@ -373,7 +373,7 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
     ``# `` lines) into ``<results_root>/<experiment_name>``; returns that folder."""
     from omegaconf import OmegaConf
 
-    from bdl_bench.reproduce import provenance
+    from bdl_bench.orchestration.reproduce import provenance
 
     started_wall, started_cpu = time.perf_counter(), time.process_time()
     node = OmegaConf.to_container(config.benchmark, resolve=True)

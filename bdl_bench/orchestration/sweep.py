@@ -6,7 +6,7 @@
   of the job (:func:`bdl_bench.results.config_hash`); when the hash differs the job **refuses**
   (:class:`ConfigVersionError`): the folder holds a run of another config version (an experiment or
   method default changed since), which must not be mixed into a table. ``force=true`` re-runs either;
-- an unfinished run **resumes** from its checkpoint (:mod:`bdl_bench.runner`);
+- an unfinished run **resumes** from its checkpoint (:mod:`bdl_bench.orchestration.runner`);
 - a run that raises leaves ``failure.json``/``failure.txt`` (traceback, overrides, resolved config)
   and re-raises, so Hydra marks the job failed while the other members go on. Under submitit
   (``hydra/launcher=submitit_slurm`` or ``submitit_local``) the job process then also exits with
@@ -34,9 +34,13 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from bdl_bench import locking
 from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
+from bdl_bench.orchestration import locking
+from bdl_bench.orchestration.runner import EpochHook, run
+from bdl_bench.orchestration.search import has_search, tuned_members, with_method_settings, write_split_trials
+from bdl_bench.orchestration.stacked import member_config, run_stack, stacked_splits
+from bdl_bench.orchestration.write_errors import WriteError, write_error
 from bdl_bench.results import (
     METRICS_FILE,
     RUN_RECORD_FILE,
@@ -50,10 +54,6 @@ from bdl_bench.results import (
     update_run_record,
     write_failure,
 )
-from bdl_bench.runner import EpochHook, run
-from bdl_bench.search import has_search, tuned_members, with_method_settings, write_split_trials
-from bdl_bench.stacked import member_config, run_stack, stacked_splits
-from bdl_bench.write_errors import WriteError, write_error
 
 EXIT_MESSAGE = "bdl-bench: the run failed; exiting with status 1 so that the scheduler records a failed job"
 
@@ -106,13 +106,13 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     overrides = _task_overrides()
     if stacked_splits(cfg) is not None or has_search(cfg):  # a search stacks its trials, even of one split
         return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
-    with _holding([run_dir]):  # one writer per run folder (bdl_bench.locking)
+    with _holding([run_dir]):  # one writer per run folder (bdl_bench.orchestration.locking)
         return _run_single_job(cfg, run_dir, overrides, epoch_hook)
 
 
 @contextlib.contextmanager
 def _holding(folders: list[Path]) -> Iterator[None]:
-    """:func:`bdl_bench.locking.holding`, a lock that cannot be written (a full disk) being a one-line error."""
+    """:func:`bdl_bench.orchestration.locking.holding`, a lock that cannot be written (a full disk) being a one-line error."""
     try:
         with locking.holding(folders):
             yield
@@ -163,7 +163,7 @@ def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any],
 
     Returns:
         The error to raise: ``error``, or for a failed write (a full disk, a read-only or vanished folder)
-        its one-line :class:`~bdl_bench.write_errors.WriteError`, which says so when the record could not be
+        its one-line :class:`~bdl_bench.orchestration.write_errors.WriteError`, which says so when the record could not be
         written either."""
     failure = write_error(error, run_dir) or error
     try:
@@ -263,7 +263,7 @@ def _with_split(overrides: list[str], split: int) -> list[str]:
 def run_stacked_job(
     cfg: DictConfig, run_dir: Path, *, overrides: list[str], epoch_hook: EpochHook | None = None
 ) -> JobResult:
-    """:func:`run_job` for a stacked job (``data.split`` a list; :mod:`bdl_bench.stacked`): splits whose
+    """:func:`run_job` for a stacked job (``data.split`` a list; :mod:`bdl_bench.orchestration.stacked`): splits whose
     folder holds a finished run of the same config are skipped, the others are fitted together (or, when the
     method cannot stack them, :class:`~bdl_bench.methods.base.CannotStack`, one after another as single
     runs); each split's folder gets its own ``run.json`` and, if the stack fails, its failure record.
@@ -291,7 +291,7 @@ def _run_stacked_members(
     """:func:`run_stacked_job` once its folders are locked."""
     splits = list(dirs)
     members = {k: member_config(cfg, k) for k in splits}
-    if has_search(cfg):  # each split's test run with its own best values (bdl_bench.search)
+    if has_search(cfg):  # each split's test run with its own best values (bdl_bench.orchestration.search)
         try:
             members = tuned_members(cfg, run_dir, splits)
         except Exception as error:  # a bad search spec, a failed search: every split's folder says so
@@ -416,7 +416,7 @@ def _error_line(run_dir: Path) -> str:
 def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | None = None) -> SweepSummary:
     """Classify the run folders below ``root`` seen by a sweep that started at ``since`` (or exactly
     ``run_dirs``) by the status of their latest attempt; a folder that another live process holds
-    (:mod:`bdl_bench.locking`) is *running elsewhere*, whenever that process started."""
+    (:mod:`bdl_bench.orchestration.locking`) is *running elsewhere*, whenever that process started."""
     if run_dirs is None:
         root = Path(root)
         records = sorted({p.parent for name in (RUN_RECORD_FILE, locking.LOCK_FILE) for p in root.rglob(name)})

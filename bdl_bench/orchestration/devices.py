@@ -27,7 +27,7 @@ def device_record(device: torch.device) -> dict[str, Any]:
     """What ``run.json`` records of the device a run used: its type (``cpu``, ``cuda``), the GPU's name,
     the torch and CUDA versions (results of different devices differ in the last digits), and the installed
     versions of the main packages (``packages``: Python, numpy, pandas, Hydra, Optuna, …)."""
-    from bdl_bench.catalogue import package_versions
+    from bdl_bench.orchestration.catalogue import package_versions
 
     record: dict[str, Any] = {
         "device": device.type,

@@ -1,7 +1,7 @@
 """``bdl-bench status <folder>``: what the runs below a sweep or results folder are doing now.
 
 Every run folder (one holding ``config.yaml`` or ``run.json``, outside hidden folders such as a search's
-``.search/``) is put in one class, from its lock (:mod:`bdl_bench.locking`), its ``run.json`` and its files:
+``.search/``) is put in one class, from its lock (:mod:`bdl_bench.orchestration.locking`), its ``run.json`` and its files:
 
 - **running**: a live process holds its lock (where, since when, its last heartbeat, epochs written);
 - **stale**: its holder is gone (a lock left by a killed process, or ``run.json`` still saying ``running``
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdl_bench.locking import lock_state
+from bdl_bench.orchestration.locking import lock_state
 from bdl_bench.results import CONFIG_FILE, HISTORY_FILE, METRICS_FILE, RUN_RECORD_FILE, read_failure
 
 CLASSES = ("finished", "failed", "running", "stale", "interrupted", "not started")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from bdl_bench.errors import Terminated, UserError
-from bdl_bench.hydra_app import (
+from bdl_bench.orchestration.hydra_app import (
     CONF_DIR,
     DEBUG_ENV,
     INTERRUPT_STATUS,
@@ -18,7 +18,7 @@ from bdl_bench.hydra_app import (
     error_line,
     run_hydra,
 )
-from bdl_bench.sigterm import TERMINATED_STATUS
+from bdl_bench.orchestration.sigterm import TERMINATED_STATUS
 
 USAGE = """usage: bdl-bench <command> [args]
 
@@ -50,7 +50,7 @@ errors: a mistake in the input (a config value, a data file, a diverging run, an
 
 def run_command(args: list[str]) -> None:
     """``bdl-bench run``; a sweep (-m) ends with a summary of its members and fails if any failed."""
-    from bdl_bench.sweep import check_output_folder, multirun_folder, run_folder, summarise
+    from bdl_bench.orchestration.sweep import check_output_folder, multirun_folder, run_folder, summarise
 
     check_group_overrides([a for a in args if not a.startswith("-")])
     sweep_dir = multirun_folder(CONF_DIR, args)
@@ -77,8 +77,8 @@ def run_command(args: list[str]) -> None:
 
 
 def refuse_if_held(folder: Path) -> None:
-    """Raise :class:`~bdl_bench.locking.FolderInUse` when a live process holds ``folder``."""
-    from bdl_bench import locking
+    """Raise :class:`~bdl_bench.orchestration.locking.FolderInUse` when a live process holds ``folder``."""
+    from bdl_bench.orchestration import locking
 
     state, holder = locking.lock_state(folder)
     if state == "held" and holder is not None:
@@ -86,7 +86,7 @@ def refuse_if_held(folder: Path) -> None:
 
 
 def status_command(args: list[str]) -> None:
-    from bdl_bench.status import main as status_main
+    from bdl_bench.orchestration.status import main as status_main
 
     status_main(args)
 
@@ -115,7 +115,7 @@ def table_command(args: list[str]) -> None:
     if not ns.folder.is_dir():
         raise SystemExit(f"bdl-bench table: {ns.folder} is not a folder")
     if ns.search:
-        from bdl_bench.search import search_summary
+        from bdl_bench.orchestration.search import search_summary
 
         summary = search_summary(ns.folder)
         if summary.empty:
@@ -124,7 +124,7 @@ def table_command(args: list[str]) -> None:
         print(summary.to_string(index=False))
         return
     metrics = ns.metrics.split(",") if ns.metrics else None
-    from bdl_bench.sweep import version_warnings
+    from bdl_bench.orchestration.sweep import version_warnings
 
     for warning in version_warnings(ns.folder):
         print(f"warning: {warning}", file=sys.stderr)
@@ -159,13 +159,13 @@ def reproduce_command(args: list[str]) -> None:
             STATUS_PAGE.write_text(render_page(artefacts, STATUS_PAGE.parent) + "\n")
             print(f"wrote {STATUS_PAGE}")
         return
-    from bdl_bench.reproduce import main as reproduce_main
+    from bdl_bench.orchestration.reproduce import main as reproduce_main
 
     reproduce_main(args)
 
 
 def list_command(args: list[str]) -> None:
-    from bdl_bench.catalogue import LISTED_GROUPS, listing
+    from bdl_bench.orchestration.catalogue import LISTED_GROUPS, listing
 
     unknown = [group for group in args if group not in LISTED_GROUPS]
     if unknown:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         dispatch(argv)
     except (UserError, OSError) as error:
-        from bdl_bench.write_errors import write_error
+        from bdl_bench.orchestration.write_errors import write_error
 
         user_error = error if isinstance(error, UserError) else write_error(error)  # a full disk, a read-only folder
         if debugging() or user_error is None:
@@ -208,7 +208,7 @@ def dispatch(argv: list[str]) -> None:
         print(USAGE)
         return
     if argv[0] == "--version":
-        from bdl_bench.catalogue import version_text
+        from bdl_bench.orchestration.catalogue import version_text
 
         print(version_text())
         return

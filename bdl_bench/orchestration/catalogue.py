@@ -76,7 +76,7 @@ def version_text() -> str:
     """What ``bdl-bench --version`` prints: the package version, the git checkout, and the main packages."""
     from bdl_bench import __version__
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     described = git_describe(repo)
     head = f"bdl-bench {__version__}" + (f" (git {described})" if described else "")
     versions = package_versions()

@@ -1,7 +1,7 @@
 """One run: config → data, model, likelihood, method → fit → evaluate → results folder.
 
 ``run(cfg, run_dir)`` is a plain function (the CLI's Hydra app calls it through
-:func:`bdl_bench.sweep.run_job`; tests call it with a composed config). It is the one place that seeds
+:func:`bdl_bench.orchestration.sweep.run_job`; tests call it with a composed config). It is the one place that seeds
 torch's global RNG (for ``nn.init``); every other source of randomness is a ``torch.Generator`` made
 here and passed down.
 
@@ -13,7 +13,7 @@ once ``metrics.json`` is written; a method with a point estimate or a posterior 
 of ``method=laplace`` reads).
 
 :func:`fit_job` is the one training loop: a single run is a job of one member, and a stacked job
-(:mod:`bdl_bench.stacked`: several splits, or the trials of a search) goes through the same loop with R
+(:mod:`bdl_bench.orchestration.stacked`: several splits, or the trials of a search) goes through the same loop with R
 members.
 """
 
@@ -39,9 +39,14 @@ from bdl_bench.checkpoint import load_checkpoint, save_checkpoint, save_params
 from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.devices import device_record, resolve_device, resolve_dtype, to_device, use_deterministic
 from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, Terminated
-from bdl_bench.evaluation import (
+from bdl_bench.gaussians.io import save_gaussian
+from bdl_bench.likelihoods import Likelihood, build_likelihood
+from bdl_bench.methods import Method, Problem, build_method
+from bdl_bench.models import build_model
+from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.orchestration.devices import device_record, resolve_device, resolve_dtype, to_device, use_deterministic
+from bdl_bench.orchestration.evaluation import (
     SharedPredictions,
     elbo_per_example,
     elbo_without_bias_logdet,
@@ -52,11 +57,9 @@ from bdl_bench.evaluation import (
     swap_generator,
     sym_kl_to_reference,
 )
-from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.likelihoods import Likelihood, build_likelihood
-from bdl_bench.methods import Method, Problem, build_method
-from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.orchestration.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
+from bdl_bench.orchestration.sigterm import stop_at_epoch_end
+from bdl_bench.orchestration.threads import set_threads
 from bdl_bench.results import (
     CHECKPOINT_FILE,
     HISTORY_FILE,
@@ -67,9 +70,6 @@ from bdl_bench.results import (
     write_config,
     write_metrics,
 )
-from bdl_bench.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
-from bdl_bench.sigterm import stop_at_epoch_end
-from bdl_bench.threads import set_threads
 
 
 @dataclass
@@ -81,7 +81,7 @@ class EpochProgress:
     checkpoint_every: int
     checkpoint_path: Path
     in_epochs: bool = False  # the fit's epochs are running (a SIGTERM waits for the present one's end)
-    stop_requested: bool = False  # a SIGTERM arrived while they ran (bdl_bench.sigterm)
+    stop_requested: bool = False  # a SIGTERM arrived while they ran (bdl_bench.orchestration.sigterm)
 
     def interrupted(self, terminated: bool = False) -> Interrupted:
         """The interrupt's line (for SIGTERM with ``terminated``); the checkpoint's epoch is read from the
@@ -217,7 +217,7 @@ def fit_job(
     """The one training loop: fit ``cfg``'s method on R members at once and write each member's run folder.
 
     A member is a config that differs from ``cfg`` only where copies of a method may differ (the split, the
-    likelihood's and prior's precisions, the method's ``replica_options``: :mod:`bdl_bench.stacked` checks
+    likelihood's and prior's precisions, the method's ``replica_options``: :mod:`bdl_bench.orchestration.stacked` checks
     that). One member is fitted through the method's single-run API (``setup``, ``use_validation``, ``fit``,
     its ``fitted_likelihood`` and ``extra_metrics``), so a stack of one equals that member's single run bit
     for bit; several through the stacked one (``setup_replicas``, ``fit_replicas``, ``replica(r)``:
@@ -472,7 +472,7 @@ def finish_run(
     so far: in a sweep worker that ran earlier jobs, the largest of them).
 
     ``predictions``: the test and validation outputs ``(S, N, out)`` ``method.predict`` would give from
-    ``eval_generator``'s state, already made (a stacked job's shared predictions, :mod:`bdl_bench.stacked`),
+    ``eval_generator``'s state, already made (a stacked job's shared predictions, :mod:`bdl_bench.orchestration.stacked`),
     with the generator left where those calls would leave it.
 
     Raises:

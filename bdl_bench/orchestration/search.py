@@ -3,7 +3,7 @@
 A stacked job (``data.split=all`` or a list) whose config has a ``search`` node (``tune=uci``,
 ``tune=slang_table2``) first searches, per split, the keys of ``search.params`` on a validation part of
 the split's training rows (``search.val_fraction``), then trains its test runs on the whole training
-part with each split's best values (:func:`tuned_members`, used by :func:`bdl_bench.sweep.run_stacked_job`).
+part with each split's best values (:func:`tuned_members`, used by :func:`bdl_bench.orchestration.sweep.run_stacked_job`).
 
 **Bayesian optimisation** (SLANG Table 2, Mishkin et al. 2018, App. F.3: per split 5 random and 25 guided
 evaluations of log noise precision and log prior precision, objective the validation log-likelihood):
@@ -12,7 +12,7 @@ one Optuna study per split (ask/tell, multivariate TPE on a log scale between th
 improvement models them jointly). The evaluations run in rounds: first ``n_random`` random trials per
 split, then ``round_size`` guided trials per split per round (TPE with the constant liar, so the trials of
 a round differ) until ``n_random + n_guided``. All trials of a round, over all splits,
-train as one stack (:func:`bdl_bench.stacked.run_stack` with per-member precisions). Each round's sampler
+train as one stack (:func:`bdl_bench.orchestration.stacked.run_stack` with per-member precisions). Each round's sampler
 is seeded from ``search.seed``, the split and the number of trials before the round, so a search is
 deterministic, and a resumed one continues as the uninterrupted one would.
 
@@ -52,8 +52,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.base import CannotStack, NonFiniteLossError
+from bdl_bench.orchestration.stacked import member_config, run_stack
 from bdl_bench.results import METRICS_FILE, append_whole, atomic_write_text, read_csv_exact
-from bdl_bench.stacked import member_config, run_stack
 
 SEARCH_DIR = ".search"
 JOURNAL_FILE = "journal.jsonl"
@@ -387,7 +387,7 @@ class Search:
             return
 
     def _train_one_by_one(self, configs: Mapping[tuple[int, int], DictConfig], dirs: Mapping, reason: str) -> None:
-        from bdl_bench.runner import run
+        from bdl_bench.orchestration.runner import run
 
         print(f"{reason}: the {len(configs)} trials run one after another", flush=True)
         for key, member in configs.items():

@@ -17,9 +17,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from bdl_bench.errors import Terminated, UserError
-from bdl_bench.sigterm import TERMINATED_STATUS
+from bdl_bench.orchestration.sigterm import TERMINATED_STATUS
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
 
 DEBUG_ENV = "BDL_BENCH_DEBUG"
@@ -64,8 +64,8 @@ def hydra_app(cfg: DictConfig) -> float | None:
     """The Hydra job: one run (skipped when finished, resumed when checkpointed) into Hydra's output
     folder; returns its objective (validation log-likelihood when there is a validation part, else test
     log-likelihood)."""
-    from bdl_bench.allocator import keep_freed_memory
-    from bdl_bench.sweep import run_job
+    from bdl_bench.orchestration.allocator import keep_freed_memory
+    from bdl_bench.orchestration.sweep import run_job
 
     keep_freed_memory()  # in every process that runs jobs (a joblib or submitit worker too)
     try:
@@ -106,7 +106,7 @@ def _hydra_raises_user_errors() -> Iterator[None]:
     import hydra._internal.utils as hydra_utils
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
-    from bdl_bench.write_errors import write_error
+    from bdl_bench.orchestration.write_errors import write_error
 
     user_errors = (UserError, ReportedError, ConfigCompositionException, MissingConfigException, OverrideParseException)
     report = hydra_utils.run_and_report

@@ -16,12 +16,12 @@ so its metrics equal those of ``data.split=k`` run alone up to floating-point ro
 evaluated as an ordinary method (``Method.replica``) with its own evaluation generator. All of them start
 from one seed, so a method that can (MC dropout's ``predict_replicas``) makes the final test and validation
 predictions of all copies at once, drawing each random number once for all
-(:class:`~bdl_bench.evaluation.SharedPredictions`): the same outputs, bit for bit (a tuned MC-dropout search
+(:class:`~bdl_bench.orchestration.evaluation.SharedPredictions`): the same outputs, bit for bit (a tuned MC-dropout search
 predicts 1000 samples of every trial).
 ``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
 
 This module says which members a job stacks and checks that they may share one fit; the fit itself is the
-runner's one training loop (:func:`bdl_bench.runner.fit_job`), the loop of every single run too. A stack
+runner's one training loop (:func:`bdl_bench.orchestration.runner.fit_job`), the loop of every single run too. A stack
 of one split (``data.split=[k]``, a re-run left with one unfinished split, a search round of one trial) is
 fitted as that split's single run, bit for bit, by any method.
 
@@ -35,7 +35,7 @@ examples and inputs (Gal's UCI splits do), no training augmentation, and a metho
 ``supports_replicas``: the methods derived from :class:`~bdl_bench.methods.base.StackedMethod` (``bbb``, ``dropout``, ``ivon``,
 ``vogn``; dropout and vogn on networks of ``nn.Linear`` layers) and ``slang`` (networks of ``nn.Linear`` layers). For other methods ``setup_replicas`` of several copies raises
 :class:`~bdl_bench.methods.base.CannotStack` and the job runs the splits one after another instead
-(:func:`bdl_bench.sweep.run_job`), each exactly as its single run.
+(:func:`bdl_bench.orchestration.sweep.run_job`), each exactly as its single run.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.config_checks import check_config
 from bdl_bench.errors import ConfigError
-from bdl_bench.runner import EpochHook, RunResult, fit_job
+from bdl_bench.orchestration.runner import EpochHook, RunResult, fit_job
 
 
 def stacked_splits(cfg: DictConfig) -> list[int] | None:
@@ -90,14 +90,14 @@ def run_stack(
     epoch_hook: EpochHook | None = None,
 ) -> dict[Hashable, RunResult]:
     """Fit ``cfg``'s method on the splits ``member_dirs`` names, stacked; write each split's run folder
-    (:func:`bdl_bench.runner.fit_job`, the runner's one training loop).
+    (:func:`bdl_bench.orchestration.runner.fit_job`, the runner's one training loop).
 
     Args:
         cfg: the job's config (its ``data.split`` is ignored: the splits are ``member_dirs``' keys).
         member_dirs: split → its run folder (any key → run folder with ``member_configs``).
         stack_dir: the job's folder (the stack's checkpoint).
         member_configs: the config of each member, where members are not just splits of ``cfg``: the
-            trials of a stacked search (:mod:`bdl_bench.search`), or tuned test runs, whose noise
+            trials of a stacked search (:mod:`bdl_bench.orchestration.search`), or tuned test runs, whose noise
             precision, prior precision and the method's ``replica_options`` may differ (all else must be
             ``cfg``'s).
         epoch_hook: called with the epoch number after each epoch's rows and checkpoint are written.

@@ -1,6 +1,6 @@
 """SIGTERM handled like Ctrl-C, at an epoch's end: what a cluster sends at a time limit or on preemption.
 
-Within :func:`stop_at_epoch_end` (the fit of a run or a stack, :mod:`bdl_bench.runner`) a SIGTERM that arrives
+Within :func:`stop_at_epoch_end` (the fit of a run or a stack, :mod:`bdl_bench.orchestration.runner`) a SIGTERM that arrives
 while epochs run only asks the loop to stop: at the end of the epoch under way the run writes a checkpoint
 (whatever ``trainer.checkpoint_every`` says), records itself as interrupted in ``run.json``, prints one line
 and exits with status 143 (128 + SIGTERM), so that the same command, or the requeued job, resumes exactly

@@ -5,12 +5,12 @@
    dataset's splits beyond its ``protocol.n_splits`` are dropped.
 2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``):
    every job runs with ``tune=<experiment>``, whose ``search`` node makes it search its splits' values
-   itself, the trials of all its splits stacked (:mod:`bdl_bench.search`), before its test runs. A
+   itself, the trials of all its splits stacked (:mod:`bdl_bench.orchestration.search`), before its test runs. A
    finished search is not run again (its journal is replayed), a killed one resumes.
 3. The test runs run as Hydra sweeps (one per group of datasets with the same sweep), with the joblib launcher on ``--jobs`` cores
    unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
    killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
-   of a dataset as one stacked job per method (:mod:`bdl_bench.stacked`; a searched job's test runs
+   of a dataset as one stacked job per method (:mod:`bdl_bench.orchestration.stacked`; a searched job's test runs
    stack too, each split with its own values).
 4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
    agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
@@ -20,7 +20,7 @@
    numbers and how agreement is judged come first in ``reproduce.md`` and are ``reproduce.csv``.
 
 An experiment whose config holds a ``benchmark:`` block (``ktied_table4``, ``elrg_table1``) times training steps
-instead of sweeping runs: :mod:`bdl_bench.benchmark`.
+instead of sweeping runs: :mod:`bdl_bench.orchestration.benchmark`.
 
 The table is refused when the results folder holds runs of another config version (a run folder this
 sweep would reuse whose config hash differs, or a finished run outside this sweep that its config no
@@ -47,7 +47,9 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.hydra_app import CONF_DIR, group_choices, run_hydra
+from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, run_hydra
+from bdl_bench.orchestration.search import apply_searched
+from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.results import (
@@ -60,8 +62,6 @@ from bdl_bench.results import (
     read_failure,
     stored_config_hash,
 )
-from bdl_bench.search import apply_searched
-from bdl_bench.sweep import summarise, version_warnings
 
 QUICK_SPLITS = 2
 QUICK_EPOCHS = 3
@@ -80,7 +80,9 @@ class Plan:
     keys: list[str]  # the swept keys, in order
     jobs: list[list[str]]  # per job: "key=value" for every swept key
     sweep_dir: Path
-    tuned: bool = False  # every job searches its splits' values first (tune=<experiment>, bdl_bench.search)
+    tuned: bool = (
+        False  # every job searches its splits' values first (tune=<experiment>, bdl_bench.orchestration.search)
+    )
     stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
     @property
@@ -189,7 +191,7 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
         raise SystemExit(f"bdl-bench reproduce: the sweep of {experiment} {dict(params)} expands to no run")
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     tuned = tune and (CONF_DIR / "tune" / f"{experiment}.yaml").exists()
-    if tuned:  # every job searches its own splits (bdl_bench.search)
+    if tuned:  # every job searches its own splits (bdl_bench.orchestration.search)
         fixed.append(f"tune={experiment}")
         fixed += [f"search.{k}={v}" for k, v in QUICK_SEARCH.items()] if quick else []
     stack = values.get("data.split") == ["all"]
@@ -226,7 +228,7 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
         values = {
             k: list(dict.fromkeys(o.split("=", 1)[1] for o in (j[i] for j in group))) for i, k in enumerate(plan.keys)
         }
-        if plan.stack_splits:  # one stacked job per method (bdl_bench.stacked)
+        if plan.stack_splits:  # one stacked job per method (bdl_bench.orchestration.stacked)
             values["data.split"] = [f"[{','.join(values['data.split'])}]"]
         others = repr({k: v for k, v in values.items() if k != "data"})
         if others in sweeps and "data" in values:
@@ -402,7 +404,7 @@ def _default_jobs() -> int:
 
 def benchmark_experiment(experiment: str) -> bool:
     """Whether ``conf/experiment/<experiment>.yaml`` has a ``benchmark:`` block: it times training steps
-    (:mod:`bdl_bench.benchmark`) instead of sweeping runs."""
+    (:mod:`bdl_bench.orchestration.benchmark`) instead of sweeping runs."""
     path = CONF_DIR / "experiment" / f"{experiment}.yaml"
     return path.exists() and "benchmark" in (yaml.safe_load(path.read_text()) or {})
 
@@ -433,7 +435,7 @@ def main(args: list[str]) -> None:
     parser.add_argument("--jobs", type=int, default=_default_jobs(), help="parallel jobs (default: the usable cores)")
     ns = parser.parse_intermixed_args(args)
     if benchmark_experiment(ns.experiment):
-        from bdl_bench.benchmark import run_benchmark
+        from bdl_bench.orchestration.benchmark import run_benchmark
 
         quick = [f"experiment_name={ns.experiment}_quick"] if ns.quick else []
         config = _load([f"experiment={ns.experiment}", *quick, *ns.overrides], multirun=False)
