@@ -286,3 +286,20 @@ def test_ctrl_c_says_where_and_the_same_command_resumes(
     status, first, err = _interrupt(command, tmp_path, when=_first_stderr_line)
     assert first == f"{folder}: resuming from epoch {saved} (its checkpoint.pt)\n"
     assert status == 130 and INTERRUPTED.match(err.strip()), err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """``bdl-bench list | head -1``: the closed pipe ends the command quietly, not with a BrokenPipeError."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line: every write meets a closed pipe
+    try:
+        writer = subprocess.run(
+            [sys.executable, "-m", "bdl_bench.orchestration.cli", "list"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in writer.stderr and "BrokenPipeError" not in writer.stderr, writer.stderr

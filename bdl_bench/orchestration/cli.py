@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     try:
         dispatch(argv)
+    except BrokenPipeError:  # `bdl-bench list | head`: the reader has what it wanted; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        raise SystemExit(1) from None
     except (UserError, OSError) as error:
         from bdl_bench.orchestration.write_errors import write_error
 
