@@ -130,7 +130,9 @@ def plot_covariance(
     fig.colorbar(image, ax=list(axes[0, :n]), shrink=0.8, label="correlation")
     axes[0, n].set(title="marginal std", xlabel="parameter")
     axes[0, n].legend(fontsize="x-small")
-    fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal, first {max_dim} parameters)")
+    n_dim = corrs[0].shape[0]
+    shown = f"all {n_dim} parameters" if n_dim == gaussians[0].mean.numel() else f"first {n_dim} parameters"
+    fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal, {shown})")
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
