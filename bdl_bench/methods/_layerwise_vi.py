@@ -73,7 +73,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.kernels.buffers import flat_parts
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
-from bdl_bench.methods.base import EpochCallback, Method, Problem
+from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models.params import flat_params, forward_with, param_layers, sequential_layers
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE
@@ -496,36 +496,11 @@ class LayerwiseVI(Method):
         self.optimizer.step()
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": terms.kl.detach() / p.n_data, "kl_weight": beta}
 
-    def fit(
-        self,
-        x: Tensor,
-        y: Tensor,
-        *,
-        n_epochs: int,
-        batch_size: int,
-        data_generator: torch.Generator,
-        on_epoch_end: EpochCallback | None = None,
-        start_epoch: int = 0,
-    ) -> None:
-        """The default loop; with SNR tracking, each epoch's stats also get the mean SNR of the windows
-        completed in that epoch (``train/grad_snr``, ``train/grad_snr_l<i>``; absent if none completed)."""
-        callback = on_epoch_end
-        if self.snr is not None and on_epoch_end is not None:
-
-            def callback(epoch: int, stats: Mapping[str, float]) -> None:
-                snr = self.snr.pop_means()
-                extra = {("train/grad_snr" if k == "all" else f"train/grad_snr_{k}"): v for k, v in snr.items()}
-                on_epoch_end(epoch, {**stats, **extra})
-
-        super().fit(
-            x,
-            y,
-            n_epochs=n_epochs,
-            batch_size=batch_size,
-            data_generator=data_generator,
-            on_epoch_end=callback,
-            start_epoch=start_epoch,
-        )
+    def epoch_stats(self) -> dict[str, float]:
+        """With SNR tracking, the mean SNR of the windows completed in the epoch (``train/grad_snr``,
+        ``train/grad_snr_l<i>``; absent if none completed)."""
+        snr = {} if self.snr is None else self.snr.pop_means()
+        return {("train/grad_snr" if k == "all" else f"train/grad_snr_{k}"): v for k, v in snr.items()}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

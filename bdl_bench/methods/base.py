@@ -168,36 +168,67 @@ class Method(ABC):
         on_epoch_end: EpochCallback | None = None,
         start_epoch: int = 0,
     ) -> None:
-        """Default loop: ``n_epochs`` passes over shuffled minibatches of ``(x, y)``.
+        """Default loop: ``n_epochs`` passes over shuffled minibatches of ``(x, y)``; each epoch's callback gets the
+        means of the steps' statistics and :meth:`epoch_stats`.
 
         Raises:
             NonFiniteLossError: naming the method, epoch and the first step whose loss is not finite. A
                 loss returned as a tensor is checked at the end of its epoch (or when a later step of the
                 epoch raises), not after every step: reading it would make every step wait for the GPU.
         """
-        n_batches = math.ceil(x.shape[0] / min(batch_size, x.shape[0]))
+        augment = self.problem.augmentation
+
+        def step(idx: Tensor) -> Mapping[str, float | Tensor]:
+            return self.train_step(x[idx] if augment is None else augment(x[idx], data_generator), y[idx])
+
+        def report(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, {**stats[0], **self.epoch_stats()})
+
+        self._epochs(step, x, None, n_epochs, batch_size, data_generator, start_epoch, report)
+
+    def epoch_stats(self) -> Mapping[str, float]:
+        """Entries of a single run's epoch beyond the means of the steps' statistics (the layer-wise VI methods'
+        gradient SNR), read once per epoch by :meth:`fit`; none by default."""
+        return {}
+
+    def _epochs(
+        self,
+        step: Callable[[Tensor], Mapping[str, float | Tensor]],
+        x: Tensor,
+        n_copies: int | None,
+        n_epochs: int,
+        batch_size: int,
+        data_generator: torch.Generator,
+        start_epoch: int,
+        on_epoch_end: ReplicaEpochCallback | None,
+    ) -> None:
+        """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_replicas` (``x`` ``(R, N, ...)``):
+        epochs ``start_epoch + 1 .. n_epochs`` of ``step`` on the minibatch indices of a fresh permutation of the N
+        examples, each epoch's losses checked and the means of the steps' statistics (numbers, 0-dim tensors, or
+        the copies' ``(R,)`` tensors) passed on, one mapping per copy."""
+        n = x.shape[0 if n_copies is None else 1]
+        n_batches = math.ceil(n / min(batch_size, n))
         for epoch in range(start_epoch, n_epochs):
             totals: dict[str, float | Tensor] = {}
             losses: list[float | Tensor] = []
-            batches = _minibatches(x.shape[0], batch_size, data_generator, x.device)
             try:
-                for idx in _step_bar(batches, epoch, self.step_progress):
-                    x_batch = x[idx]
-                    if self.problem.augmentation is not None:
-                        x_batch = self.problem.augmentation(x_batch, data_generator)
-                    out = self.train_step(x_batch, y[idx])
-                    losses.append(out["loss"])
-                    if not isinstance(out["loss"], Tensor):  # a number: checked now, at no cost
-                        _check_losses(self.name, epoch, losses)
+                for idx in _step_bar(_minibatches(n, batch_size, data_generator, x.device), epoch, self.step_progress):
+                    out = step(idx)
+                    loss = out["loss"]
+                    losses.append(loss)
+                    if not isinstance(loss, Tensor) and not math.isfinite(loss):  # a number: checked now, at no cost
+                        _check_losses(self.name, epoch, losses, n_copies)
                     for k, v in out.items():
                         totals[k] = totals[k] + v if k in totals else v
             except Exception as error:  # e.g. a Cholesky of a diverged precision: name the first divergence
-                _check_losses(self.name, epoch, losses, cause=error)
+                _check_losses(self.name, epoch, losses, n_copies, cause=error)
                 raise
-            _check_losses(self.name, epoch, losses)
+            _check_losses(self.name, epoch, losses, n_copies)
             if on_epoch_end is not None:
-                means = dict(zip(totals, _to_floats(list(totals.values()))))
-                on_epoch_end(epoch + 1, {f"train/{k}": v / n_batches for k, v in means.items()})
+                means = dict(zip(totals, _rows(list(totals.values()))))
+                copies = range(n_copies or 1)
+                on_epoch_end(epoch + 1, [{f"train/{k}": v[r] / n_batches for k, v in means.items()} for r in copies])
 
     # ------------------------------------------------------------------ stacked splits (module docstring)
     def configure_replicas(self, options: Sequence[Mapping[str, Any]]) -> None:
@@ -259,25 +290,11 @@ class Method(ABC):
             NonFiniteLossError: naming the copy, epoch and first step whose loss is not finite (checked at
                 the end of each epoch, or when a later step raises: see :meth:`fit`).
         """
-        n_batches = math.ceil(x.shape[1] / min(batch_size, x.shape[1]))
-        for epoch in range(start_epoch, n_epochs):
-            totals: dict[str, Tensor] = {}
-            losses: list[Tensor] = []
-            batches = _minibatches(x.shape[1], batch_size, data_generator, x.device)
-            try:
-                for idx in _step_bar(batches, epoch, self.step_progress):
-                    out = self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
-                    losses.append(out["loss"].detach())
-                    for k, v in out.items():
-                        totals[k] = totals[k] + v if k in totals else v.clone()
-            except Exception as error:
-                _check_replica_losses(self.name, epoch, losses, cause=error)
-                raise
-            _check_replica_losses(self.name, epoch, losses)
-            if on_epoch_end is not None:
-                means = {k: (v / n_batches).tolist() for k, v in totals.items()}
-                n_copies = x.shape[0]
-                on_epoch_end(epoch + 1, [{f"train/{k}": v[r] for k, v in means.items()} for r in range(n_copies)])
+
+        def step(idx: Tensor) -> Mapping[str, Tensor]:
+            return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
+
+        self._epochs(step, x, x.shape[0], n_epochs, batch_size, data_generator, start_epoch, on_epoch_end)
 
 
 class StackedMethod(Method):
@@ -361,37 +378,27 @@ def stacked_prior(problems: Sequence[Problem]) -> Tensor:
     return torch.stack([p.prior_precision for p in problems])
 
 
-def _check_losses(name: str, epoch: int, losses: Sequence[float | Tensor], cause: BaseException | None = None) -> None:
-    """Raise :class:`NonFiniteLossError` naming the first of an epoch's step losses that is not finite (one
-    read of the device for all the tensors among them)."""
-    values = _to_floats(list(losses))
-    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise NonFiniteLossError(
-            f"method {name!r}: non-finite loss {values[bad]} at epoch {epoch + 1}, step {bad + 1}"
-            " — lower the learning rate or check the precisions"
-        ) from cause
+def _check_losses(
+    name: str, epoch: int, losses: Sequence[float | Tensor], n_copies: int | None, cause: BaseException | None = None
+) -> None:
+    """Raise :class:`NonFiniteLossError` naming the first of an epoch's step losses that is not finite and, for
+    stacked copies (``n_copies`` not ``None``: each loss an ``(R,)`` tensor), its copy (one read of the device)."""
+    for step, row in enumerate(_rows(losses)):
+        copy = next((r for r, v in enumerate(row) if not math.isfinite(v)), None)
+        if copy is not None:
+            where = "" if n_copies is None else f" in stacked copy {copy}"
+            raise NonFiniteLossError(
+                f"method {name!r}: non-finite loss {row[copy]}{where} at epoch {epoch + 1}, step {step + 1}"
+                " — lower the learning rate or check the precisions"
+            ) from cause
 
 
-def _check_replica_losses(name: str, epoch: int, losses: Sequence[Tensor], cause: BaseException | None = None) -> None:
-    """:func:`_check_losses` for stacked copies: ``losses`` holds one ``(R,)`` tensor per step."""
-    if not losses:
-        return
-    finite = torch.isfinite(torch.stack(list(losses)))  # (steps, R)
-    if bool(finite.all()):
-        return
-    step, copy = (int(i) for i in (~finite).nonzero()[0])
-    raise NonFiniteLossError(
-        f"method {name!r}: non-finite loss {float(losses[step][copy])} in stacked copy {copy} at"
-        f" epoch {epoch + 1}, step {step + 1} — lower the learning rate or check the precisions"
-    ) from cause
-
-
-def _to_floats(values: list[float | Tensor]) -> list[float]:
-    """``values`` as numbers, the tensors among them read from their device at once."""
-    tensors = [v.detach().reshape(()) for v in values if isinstance(v, Tensor)]
-    read = iter(torch.stack(tensors).tolist() if tensors else [])
-    return [next(read) if isinstance(v, Tensor) else float(v) for v in values]
+def _rows(values: Sequence[float | Tensor]) -> list[list[float]]:
+    """Each of ``values`` (a number, a 0-dim tensor or stacked copies' ``(R,)`` tensor) as a list of numbers, the
+    tensors among them read from their device at once."""
+    tensors = [v.detach().reshape(1, -1) for v in values if isinstance(v, Tensor)]
+    read = iter(torch.cat(tensors).tolist() if tensors else [])
+    return [next(read) if isinstance(v, Tensor) else [float(v)] for v in values]
 
 
 def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:
