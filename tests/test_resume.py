@@ -45,10 +45,12 @@ def _same_metrics(a: dict, b: dict) -> None:
     assert without_cost(a) == without_cost(b)  # wall and CPU time, memory: the only things allowed to differ
 
 
-@pytest.mark.parametrize("method", ["map", "bbb", "dropout", "slang"])
+@pytest.mark.parametrize("method", ["map", "bbb", "dropout", "slang", "laplace", "hmc"])
 def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path, compose_cfg, method: str) -> None:
+    """(Laplace and HMC: killed while training the MAP, then their posterior fitted at the end.)"""
     assert torch.get_num_threads() == 1
-    cfg = compose_cfg([f"method={method}", "trainer.n_epochs=5", "trainer.checkpoint_every=2"])
+    short_chain = ["method.n_samples=20", "method.n_warmup=10", "method.n_leapfrog=5"] if method == "hmc" else []
+    cfg = compose_cfg([f"method={method}", "trainer.n_epochs=5", "trainer.checkpoint_every=2", *short_chain])
     unbroken = run(cfg, tmp_path / "unbroken").metrics
     killed = tmp_path / "killed"
     with pytest.raises(Crash):

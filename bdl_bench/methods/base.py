@@ -2,8 +2,8 @@
 
 A method object holds only hyperparameters (keyword-only constructor arguments, exactly the keys
 of ``conf/method/<name>.yaml`` apart from ``name``). ``setup`` receives the problem and creates the
-fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iterative methods) or is
-overridden (L-BFGS, post-hoc fits). After fitting, ``predict`` draws samples of the network output,
+fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iterative methods), for a
+:class:`PostHocMethod` followed by one fit of the posterior (Laplace, HMC, exact VI's L-BFGS). After fitting, ``predict`` draws samples of the network output,
 ``posterior`` returns the Gaussian over the flat parameter vector where the method has one, and
 ``point_estimate`` the single parameter vector the runner saves (``params.pt``).
 
@@ -185,7 +185,7 @@ class Method(ABC):
             if on_epoch_end is not None:
                 on_epoch_end(epoch, {**stats[0], **self.epoch_stats()})
 
-        self._epochs(step, x, None, n_epochs, batch_size, data_generator, start_epoch, report)
+        self._epochs(step, x, None, n_epochs, batch_size, data_generator, report, start_epoch)
 
     def epoch_stats(self) -> Mapping[str, float]:
         """Entries of a single run's epoch beyond the means of the steps' statistics (the layer-wise VI methods'
@@ -200,8 +200,8 @@ class Method(ABC):
         n_epochs: int,
         batch_size: int,
         data_generator: torch.Generator,
-        start_epoch: int,
         on_epoch_end: ReplicaEpochCallback | None,
+        start_epoch: int = 0,
     ) -> None:
         """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_replicas` (``x`` ``(R, N, ...)``):
         epochs ``start_epoch + 1 .. n_epochs`` of ``step`` on the minibatch indices of a fresh permutation of the N
@@ -273,18 +273,11 @@ class Method(ABC):
         raise NotImplementedError(f"method {self.name!r} has no stacked copies")
 
     def fit_replicas(
-        self,
-        x: Tensor,
-        y: Tensor,
-        *,
-        n_epochs: int,
-        batch_size: int,
-        data_generator: torch.Generator,
-        on_epoch_end: ReplicaEpochCallback | None = None,
-        start_epoch: int = 0,
+        self, x: Tensor, y: Tensor, *, on_epoch_end: ReplicaEpochCallback | None = None, **loop: Any
     ) -> None:
-        """:meth:`fit`'s loop for stacked copies: ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``. Every copy sees
-        its own data in the order a single run of the same seed uses (one permutation for all).
+        """:meth:`fit`'s loop for stacked copies: ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``, and ``loop``,
+        :meth:`fit`'s ``n_epochs``, ``batch_size``, ``data_generator`` and ``start_epoch``. Every copy sees its
+        own data in the order a single run of the same seed uses (one permutation for all).
 
         Raises:
             NonFiniteLossError: naming the copy, epoch and first step whose loss is not finite (checked at
@@ -294,7 +287,57 @@ class Method(ABC):
         def step(idx: Tensor) -> Mapping[str, Tensor]:
             return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
 
-        self._epochs(step, x, x.shape[0], n_epochs, batch_size, data_generator, start_epoch, on_epoch_end)
+        self._epochs(step, x, x.shape[0], on_epoch_end=on_epoch_end, **loop)
+
+
+class PostHocMethod(Method):
+    """A method whose posterior is fitted once, on the whole training set, when training ends: the default loop's
+    epochs train the point it starts from (``train_step``: Laplace's and HMC's MAP), then :meth:`fit_posterior` runs
+    right before the last epoch's callback, so that the last ``history.csv`` row scores the posterior. A method
+    with nothing to train (:attr:`trains_map` false: exact VI's L-BFGS, Laplace on a given MAP) fits it at once and
+    reports it as epoch ``n_epochs`` (1 for ``n_epochs = 0``). A fit that ends without a posterior (no epoch left
+    to train, and a checkpoint that held none) fits it then, with no callback.
+    """
+
+    trains_map: bool = True
+    """Whether :meth:`fit` runs the default loop's epochs before :meth:`fit_posterior`."""
+
+    @abstractmethod
+    def fit_posterior(self, x: Tensor, y: Tensor) -> Mapping[str, float] | None:
+        """Fit the posterior to all of ``(x, y)`` from the current state; returns entries of the last epoch's
+        statistics (e.g. exact VI's ELBO), or ``None``."""
+
+    @property
+    @abstractmethod
+    def posterior_fitted(self) -> bool:
+        """Whether the state holds a fitted posterior (a restored checkpoint's included)."""
+
+    def fit(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        n_epochs: int,
+        on_epoch_end: EpochCallback | None = None,
+        start_epoch: int = 0,
+        **loop: Any,
+    ) -> None:
+        """The training epochs (``loop``: the default loop's ``batch_size`` and ``data_generator``), then
+        :meth:`fit_posterior` (see the class docstring)."""
+        last = max(n_epochs, 1)
+
+        def report(epoch: int, stats: Mapping[str, float]) -> None:
+            if epoch == last:
+                stats = {**stats, **(self.fit_posterior(x, y) or {})}
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, stats)
+
+        if self.trains_map:
+            super().fit(x, y, n_epochs=n_epochs, on_epoch_end=report, start_epoch=start_epoch, **loop)
+        elif start_epoch < last:
+            report(last, {})
+        if not self.posterior_fitted:
+            self.fit_posterior(x, y)
 
 
 class StackedMethod(Method):

@@ -50,7 +50,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
 from bdl_bench.likelihoods import Bernoulli, Likelihood
 from bdl_bench.methods._shared import Covariance, parse_choice
-from bdl_bench.methods.base import EpochCallback, Method, NonFiniteLossError, Problem, register_method
+from bdl_bench.methods.base import NonFiniteLossError, PostHocMethod, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.quadrature import Expectation, expected_log_sigmoid_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
@@ -197,7 +197,7 @@ class ExactVIState:
 
 
 @register_method("exact_vi")
-class ExactVI(Method):
+class ExactVI(PostHocMethod):
     """Deterministic ELBO maximisation for Bayesian logistic regression (module docstring).
 
     Args:
@@ -212,6 +212,7 @@ class ExactVI(Method):
     """
 
     option_ranges = MappingProxyType({"n_quadrature": Range(2, integer=True), "max_iter": COUNT, "tolerance": POSITIVE})
+    trains_map = False  # the whole fit is fit_posterior's L-BFGS
 
     def __init__(
         self, *, covariance: str, expectation: str, n_quadrature: int, max_iter: int, tolerance: float
@@ -249,28 +250,21 @@ class ExactVI(Method):
             mean, scale, x, y, lam, expectation=self.expectation, n_points=self.n_quadrature
         )
 
-    def fit(
-        self,
-        x: Tensor,
-        y: Tensor,
-        *,
-        n_epochs: int,
-        batch_size: int,
-        data_generator: torch.Generator,
-        on_epoch_end: EpochCallback | None = None,
-        start_epoch: int = 0,
-    ) -> None:
-        """Run L-BFGS on the full training set (``batch_size``, ``data_generator`` unused).
+    @property
+    def posterior_fitted(self) -> bool:
+        return self.state.n_iter > 0
 
-        Reports ``train/elbo`` (per example), ``train/loss`` (−ELBO/N), ``train/nll`` (expected NLL
-        per example), ``train/n_iter`` and ``train/grad_max`` once, as epoch ``n_epochs``; does
-        nothing if ``start_epoch >= n_epochs`` (already done). A restored state is the start point.
+    def fit_posterior(self, x: Tensor, y: Tensor) -> dict[str, float]:
+        """Run L-BFGS on the full training set from the current state (:class:`PostHocMethod` reports it once,
+        as epoch ``n_epochs``, and not again in a run resumed after it).
+
+        Returns:
+            ``train/elbo`` (per example), ``train/loss`` (−ELBO/N), ``train/nll`` (expected NLL per example),
+            ``train/n_iter`` and ``train/grad_max``.
 
         Raises:
             NonFiniteLossError: if the final ELBO or variables are not finite.
         """
-        if start_epoch >= n_epochs:
-            return
         like = self.state.mean
         f64 = torch.float64
         design = logistic_design(self.problem.model, x).to(f64)
@@ -322,19 +316,13 @@ class ExactVI(Method):
         self.state = ExactVIState(
             mean=mean.detach().to(like), scale=final.detach().to(like), n_iter=self.state.n_iter + n_iter
         )
-        if on_epoch_end is not None:
-            elbo = -float(loss)
-            nll = float(loss) - float(kl) / design.shape[0]
-            on_epoch_end(
-                n_epochs,
-                {
-                    "train/elbo": elbo,
-                    "train/loss": -elbo,
-                    "train/nll": nll,
-                    "train/n_iter": float(self.state.n_iter),
-                    "train/grad_max": grad_max,
-                },
-            )
+        return {
+            "train/elbo": -float(loss),
+            "train/loss": float(loss),
+            "train/nll": float(loss) - float(kl) / design.shape[0],
+            "train/n_iter": float(self.state.n_iter),
+            "train/grad_max": grad_max,
+        }
 
     # -------------------------------------------------------------------------- posterior
     def posterior(self) -> FullGaussian | DiagGaussian:

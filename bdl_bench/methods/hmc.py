@@ -15,8 +15,8 @@ per-coordinate variance of the chain is collected and becomes the diagonal inver
 restarts. Then ``n_samples`` iterations are kept, every ``thin``-th.
 
 The chain starts at the MAP: ``fit`` first runs the default MAP loop (Adam, ``lr``,
-``trainer.n_epochs`` epochs), then samples right before the last epoch's callback. All randomness
-comes from ``problem.generator``.
+``trainer.n_epochs`` epochs), then samples right before the last epoch's callback (``PostHocMethod``).
+All randomness comes from ``problem.generator``.
 
 Why written here instead of an established library: NumPyro (Lee et al.'s choice) needs JAX, a
 second array framework beside torch; Pyro's NUTS draws from torch's global RNG, which this project
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from bdl_bench.methods._shared import map_step
-from bdl_bench.methods.base import EpochCallback, Method, Problem, register_method
+from bdl_bench.methods.base import PostHocMethod, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, UNIT_OPEN
 
@@ -69,7 +69,7 @@ class _DualAveraging:
 
 
 @register_method("hmc")
-class HMC(Method):
+class HMC(PostHocMethod):
     """HMC with a warmed-up step size and diagonal mass matrix (see the module docstring).
 
     Args:
@@ -129,36 +129,9 @@ class HMC(Method):
         """One MAP step (the chain's initialisation), as ``methods/map.py``."""
         return map_step(self.problem, self.theta, self.optimizer, x, y)
 
-    def fit(
-        self,
-        x: Tensor,
-        y: Tensor,
-        *,
-        n_epochs: int,
-        batch_size: int,
-        data_generator: torch.Generator,
-        on_epoch_end: EpochCallback | None = None,
-        start_epoch: int = 0,
-    ) -> None:
-        """MAP epochs, then the chain on all of ``(x, y)``."""
-
-        def callback(epoch: int, stats: Any) -> None:
-            if epoch == n_epochs:
-                self.sample(x, y)
-            if on_epoch_end is not None:
-                on_epoch_end(epoch, stats)
-
-        super().fit(
-            x,
-            y,
-            n_epochs=n_epochs,
-            batch_size=batch_size,
-            data_generator=data_generator,
-            on_epoch_end=callback,
-            start_epoch=start_epoch,
-        )
-        if self.samples is None:
-            self.sample(x, y)
+    @property
+    def posterior_fitted(self) -> bool:
+        return self.samples is not None
 
     def _potential_and_grad(self, theta: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         p = self.problem
@@ -176,8 +149,9 @@ class HMC(Method):
         g = self.problem.generator
         return float(torch.rand((), generator=g, device=g.device))
 
-    def sample(self, x: Tensor, y: Tensor) -> Tensor:
-        """Run warm-up and sampling from the current parameters; stores and returns ``(n_kept, D)``."""
+    def fit_posterior(self, x: Tensor, y: Tensor) -> None:
+        """Run warm-up and sampling on all of ``(x, y)`` from the current parameters; stores ``samples``
+        ``(n_kept, D)``."""
         theta = self.theta.detach().clone()
         u, grad = self._potential_and_grad(theta, x, y)
         inv_mass = torch.ones_like(theta)
@@ -221,7 +195,6 @@ class HMC(Method):
         self.fit_info = {"accept_rate": n_accepted / self.n_samples, "step_size": eps}
         with torch.no_grad():
             self.theta.copy_(self.samples[-1])
-        return self.samples
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:

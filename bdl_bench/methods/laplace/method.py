@@ -23,7 +23,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import StructuredGaussian
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods._shared import map_step, parse_choice
-from bdl_bench.methods.base import EpochCallback, Problem, register_method
+from bdl_bench.methods.base import PostHocMethod, Problem, register_method
 from bdl_bench.methods.laplace.map_dir import load_map_parameters
 from bdl_bench.methods.laplace.predictive import GaussianPredictive, Predictive, forward_rows
 from bdl_bench.methods.laplace.search import (
@@ -48,7 +48,7 @@ _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": to
 
 
 @register_method("laplace")
-class Laplace(GaussianPredictive):
+class Laplace(GaussianPredictive, PostHocMethod):
     """Post-hoc Laplace approximation (see the package docstring).
 
     Args:
@@ -179,50 +179,26 @@ class Laplace(GaussianPredictive):
         """One MAP step (as ``methods/map.py``)."""
         return map_step(self.problem, self.theta, self.optimizer, x, y)
 
-    def fit(
-        self,
-        x: Tensor,
-        y: Tensor,
-        *,
-        n_epochs: int,
-        batch_size: int,
-        data_generator: torch.Generator,
-        on_epoch_end: EpochCallback | None = None,
-        start_epoch: int = 0,
-    ) -> None:
-        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)``, right before the last
-        epoch's callback (so that the last ``history.csv`` row is the Laplace predictive).
+    def fit(self, x: Tensor, y: Tensor, **options: Any) -> None:
+        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)`` right before the last
+        epoch's callback, so that the last ``history.csv`` row is the Laplace predictive (:class:`PostHocMethod`).
 
         Raises:
             ValueError: if ``search`` is on and there is no validation set (before any training).
         """
         self._check_validation()
-        if self.map_dir is not None:
-            self.fit_posterior(x, y)
-            if on_epoch_end is not None:
-                on_epoch_end(max(n_epochs, 1), {})
-            return
+        super().fit(x, y, **options)
 
-        def callback(epoch: int, stats: Any) -> None:
-            if epoch == n_epochs:
-                self.fit_posterior(x, y)
-            if on_epoch_end is not None:
-                on_epoch_end(epoch, stats)
+    @property
+    def trains_map(self) -> bool:
+        return self.map_dir is None
 
-        super().fit(
-            x,
-            y,
-            n_epochs=n_epochs,
-            batch_size=batch_size,
-            data_generator=data_generator,
-            on_epoch_end=callback,
-            start_epoch=start_epoch,
-        )
-        if self._posterior is None:
-            self.fit_posterior(x, y)
+    @property
+    def posterior_fitted(self) -> bool:
+        return self._posterior is not None
 
     # ------------------------------------------------------------------ Laplace part
-    def fit_posterior(self, x: Tensor, y: Tensor) -> StructuredGaussian:
+    def fit_posterior(self, x: Tensor, y: Tensor) -> None:
         """Compute the curvature at the current parameters (one data pass; EFB/DEF: a second one over the kept
         chunks) and build the posterior: at ``dataset_scale`` and ``prior_precision``, or at the (N, τ) that
         ``search`` picks."""
@@ -265,7 +241,7 @@ class Laplace(GaussianPredictive):
         if self.search is None:
             scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
             self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))
-            return self._posterior
+            return
         self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
         if isinstance(self.search, MarglikSettings):
             started = time.perf_counter()
@@ -277,7 +253,6 @@ class Laplace(GaussianPredictive):
             result = self._grid_search(theta, curvature)
         self.extra_metrics.update(result.metrics)
         self._posterior = result.posterior
-        return self._posterior
 
     def _prior(self, theta: Tensor) -> Tensor:
         """τ ``(D,)`` like ``theta``: ``prior_precision`` everywhere, or the run's per-parameter prior."""
