@@ -280,6 +280,37 @@ def test_map_dir_prefers_params_over_posterior(tmp_path: Path) -> None:
         load_map_parameters(tmp_path, model)
 
 
+def test_map_dir_fit_resumed_after_its_epoch_neither_refits_nor_reports_again(tmp_path: Path) -> None:
+    """Laplace on a given MAP trains nothing: it fits at once and reports epoch 1 (``n_epochs=0``); resumed from
+    a checkpoint written after that epoch it keeps the restored posterior (``PostHocMethod.fit``)."""
+    model_cfg = {"name": "mlp", "hidden": [4], "activation": "relu"}
+    model = build_model(model_cfg, in_features=1, out_features=1)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": model_cfg, "data": {"name": "toy/cubic"}}))
+    n = sum(p.numel() for p in model.parameters())
+    save_params(tmp_path / "params.pt", torch.linspace(-1, 1, n), method="map", config_hash="x")
+    x, y = torch.linspace(-1, 1, 20)[:, None], torch.linspace(0, 1, 20)
+    problem = Problem(model, Gaussian(1.0), 20, prior_precision_vector(model, 1.0, None), torch.Generator())
+    rows: list[int] = []
+    loop = {
+        "n_epochs": 0,
+        "batch_size": 5,
+        "data_generator": torch.Generator(),
+        "on_epoch_end": lambda e, _: rows.append(e),
+    }
+    first = make_laplace(map_dir=str(tmp_path), structure="diag")
+    first.setup(problem)
+    first.fit(x, y, **loop)
+    assert rows == [1] and first.posterior() is not None
+    resumed = make_laplace(map_dir=str(tmp_path), structure="diag")
+    resumed.setup(problem)
+    resumed.load_state_dict(first.state_dict())
+    fits: list[object] = []
+    resumed.fit_posterior = lambda *args: fits.append(args)  # type: ignore[method-assign]
+    resumed.fit(x, y, **loop, start_epoch=1)
+    assert rows == [1] and fits == []
+    assert_close(resumed.posterior().prec_diag, first.posterior().prec_diag)
+
+
 def test_unknown_structure_lists_the_choices() -> None:
     with pytest.raises(ValueError, match="unknown structure 'kron'; choices: diag, kfac, efb, def, block, full"):
         make_laplace(structure="kron")
