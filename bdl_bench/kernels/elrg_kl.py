@@ -1,17 +1,14 @@
 r"""ELRG's KL of a low-rank-plus-diagonal Gaussian to a diagonal prior by the matrix determinant lemma
-(Tomczak et al. 2020, Lemma 2), with a hand-written backward (:func:`elrg_kl`); reference
-:func:`elrg_kl_reference` (dense covariance)."""
+(Tomczak et al. 2020, Lemma 2; :func:`elrg_kl`), and its gradients (:func:`add_factor_grad`, :func:`diag_grad`)
+for the hand-written backward of :class:`~bdl_bench.kernels.elrg_terms.ElrgTerms`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
-
-from bdl_bench.methods._diag_vi import on_host
 
 
 @dataclass
@@ -86,40 +83,10 @@ def diag_grad(b: KLBlock, gram_inv: Tensor, alpha: float, g: float | Tensor) -> 
     return curvature.mul_(alpha).sub_(b.diag.reciprocal()).add_(b.lam).mul_(0.5 * g)
 
 
-class _LowRankCovKL(torch.autograd.Function):
-    """Lemma 2's KL over blocks that share one low-rank term, with a hand-written backward (:func:`elrg_kl`)."""
-
-    @staticmethod
-    def forward(ctx: Any, alpha: float, *args: Any) -> Tensor:
-        blocks = [KLBlock(*args[i : i + 4]) for i in range(0, len(args), 4)]
-        kl, gram_inv = lemma2(blocks, alpha)
-        # the blocks (inputs and intermediates) are kept on ctx rather than through save_for_backward,
-        # which takes a flat tuple of tensors; the inputs are leaves or views that nothing changes in place
-        ctx.alpha, ctx.blocks, ctx.gram_inv = alpha, blocks, gram_inv
-        return kl
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        alpha, gram_inv = ctx.alpha, ctx.gram_inv
-        gk = float(g) if on_host(g) else g  # on a device a 0-dim tensor: no synchronisation
-        grads: list[Tensor | None] = [None]
-        for i, b in enumerate(ctx.blocks):
-            need_mean, need_factor, need_diag = ctx.needs_input_grad[1 + 4 * i : 4 + 4 * i]
-            g_mean = g_factor = g_diag = None
-            if need_mean:  # lambda mu
-                g_mean = b.lam_mean * gk if b.lam_mean is not None else b.mean * (b.lam * gk)
-            if need_factor:  # alpha (lambda V - G^{-1} V C^{-1})
-                g_factor = add_factor_grad(b, gram_inv, alpha * gk, torch.zeros_like(b.factor))
-            if need_diag and b.scaled is not None:
-                g_diag = diag_grad(b, gram_inv, alpha, gk)
-            grads += [g_mean, g_factor, g_diag, None]
-        return tuple(grads)
-
-
 def elrg_kl_blocks(blocks: list[tuple[Tensor, Tensor, Tensor | float, Tensor | float]], alpha: float) -> Tensor:
     """:func:`elrg_kl` of a Gaussian whose coordinates come in blocks ``(mean, factor, diag, prior_precision)``
     (e.g. a layer's weights and its bias), without concatenating them: the Gram matrix is a sum over blocks."""
-    return _LowRankCovKL.apply(float(alpha), *(x for block in blocks for x in block))
+    return lemma2([KLBlock(*block) for block in blocks], float(alpha))[0]
 
 
 def elrg_kl(
@@ -132,8 +99,8 @@ def elrg_kl(
     r""":math:`\mathrm{KL}(\mathcal N(\mu, \alpha V V^\top + \operatorname{diag} c) \,\|\, \mathcal N(0, \operatorname{diag}\lambda^{-1}))`
     by the matrix determinant lemma (Tomczak et al. 2020, Lemma 2; see the module docstring).
 
-    The backward is written by hand (as the forward's cost, :math:`O(K^2 D)`): with
-    :math:`G = I_K + \alpha V^\top C^{-1} V`,
+    Its gradients, which :class:`~bdl_bench.kernels.elrg_terms.ElrgTerms` writes by hand
+    (:func:`add_factor_grad`, :func:`diag_grad`), with :math:`G = I_K + \alpha V^\top C^{-1} V`:
     :math:`\partial/\partial\mu = \lambda\mu`, :math:`\partial/\partial V = \alpha(\lambda \circ V - C^{-1} V G^{-1})`
     and :math:`\partial/\partial c_d = \tfrac12(\lambda_d - 1/c_d + \alpha\, v_d^\top G^{-1} v_d / c_d^2)`
     (:math:`v_d` the d-th row of V).
@@ -149,16 +116,3 @@ def elrg_kl(
         A scalar tensor, differentiable in every tensor argument.
     """
     return elrg_kl_blocks([(mean, cov_factor, cov_diag, prior_precision)], alpha)
-
-
-def elrg_kl_reference(
-    mean: Tensor, cov_factor: Tensor, cov_diag: Tensor | float, prior_precision: Tensor | float, alpha: float
-) -> Tensor:
-    r"""The plain-autograd twin of :func:`elrg_kl` through the dense covariance
-    :math:`\Sigma = \alpha V V^\top + \operatorname{diag} c`:
-    :math:`\tfrac12(\operatorname{tr}(\Lambda\Sigma) + \mu^\top\Lambda\mu - D - \log\det\Sigma - \sum\log\lambda)`."""
-    lam = torch.as_tensor(prior_precision, dtype=mean.dtype).expand_as(mean)
-    diag = torch.as_tensor(cov_diag, dtype=mean.dtype).expand_as(mean)
-    cov = alpha * cov_factor.mT @ cov_factor + torch.diag(diag)
-    quad = (lam * cov.diagonal()).sum() + (lam * mean**2).sum()
-    return 0.5 * (quad - mean.numel() - torch.logdet(cov) - torch.log(lam).sum())

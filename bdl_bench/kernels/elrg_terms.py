@@ -1,6 +1,6 @@
 r"""ELRG's fused step terms (:class:`ElrgTerms`: the KL and the parts the network runs on, one backward into
-reused buffers) and its dense layers' sample of Lemma 1 (:class:`LowRankLocalLinear`). Their references are
-:func:`bdl_bench.kernels.elrg_kl.elrg_kl_reference` and :func:`low_rank_local_linear_reference`."""
+reused buffers) and its dense layers' sample of Lemma 1 (:class:`LowRankLocalLinear`, reference
+:func:`low_rank_local_linear_reference`)."""
 
 from __future__ import annotations
 
