@@ -4,7 +4,7 @@ hand-written backward: :func:`local_linear` (one copy, gradients written into bu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +12,6 @@ from torch import Tensor
 
 from bdl_bench.curvature.products import t_matmul, thin_matmul
 from bdl_bench.kernels.buffers import mm_into
-
-if TYPE_CHECKING:
-    from bdl_bench.kernels.mean_field import GradientSink
 
 
 class _LocalLinear(torch.autograd.Function):
@@ -46,8 +43,6 @@ class _LocalLinear(torch.autograd.Function):
         eps: Tensor,
         into: tuple[Tensor | None, ...],
         unclamped: bool,
-        token: Tensor | None,
-        sink: tuple[GradientSink, tuple[int | None, int | None]] | None,
     ) -> Tensor:
         a2 = a * a
         var = F.linear(a2, w_var, b_var)
@@ -58,7 +53,7 @@ class _LocalLinear(torch.autograd.Function):
             var.clamp_min_(tiny)
         std = var.sqrt_()
         ctx.save_for_backward(a, a2, w_mean, w_var, std, eps, clamped)
-        ctx.into, ctx.sink = into, sink
+        ctx.into = into
         return F.linear(a, w_mean, b_mean).addcmul_(std, eps)
 
     @staticmethod
@@ -66,10 +61,6 @@ class _LocalLinear(torch.autograd.Function):
         a, a2, w_mean, w_var, std, eps, clamped = ctx.saved_tensors
         need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
         into_wm, into_bm, into_wv, into_bv = ctx.into
-        if ctx.sink is not None:  # the parameters' gradients go to the sink's buffers only
-            sink, positions = ctx.sink
-            need_wm, need_bm, need_wv, need_bv = (t is not None for t in ctx.into)
-            sink.written.update(i for i in positions if i is not None)
         g_var = torch.mul(g, eps).div_(std)  # g' = 2 dL/d(s^2)
         if clamped is not None:
             g_var.masked_fill_(clamped, 0.0)
@@ -78,7 +69,7 @@ class _LocalLinear(torch.autograd.Function):
             a_2d, a2_2d = a.reshape(-1, a.shape[-1]), a2.reshape(-1, a.shape[-1])
         else:
             g2, g_var2, a_2d, a2_2d = g, g_var, a, a2
-        grads: list[Tensor | None] = [None] * 10
+        grads: list[Tensor | None] = [None] * 8
         if need_a:  # a (g' sigma_W^2) + g mu_W: the second product accumulated in the first's output
             grad_a = torch.mm(g_var2, w_var).view(a.shape).mul_(a)
             grads[0] = grad_a.view(-1, a.shape[-1]).addmm_(g2, w_mean).view(a.shape)
@@ -90,8 +81,6 @@ class _LocalLinear(torch.autograd.Function):
             grads[3] = mm_into(g_var2.t(), a2_2d, into_wv, alpha=0.5)
         if need_bv:
             grads[4] = (torch.sum(g_var2, 0, out=into_bv) if into_bv is not None else g_var2.sum(0)).mul_(0.5)
-        if ctx.sink is not None:
-            grads[1:5] = [None] * 4
         return tuple(grads)
 
 
@@ -104,19 +93,13 @@ def local_linear(
     eps: Tensor,
     into: tuple[Tensor | None, ...] = (None, None, None, None),
     unclamped: bool = False,
-    token: Tensor | None = None,
-    sink: tuple[GradientSink, tuple[int | None, int | None]] | None = None,
 ) -> Tensor:
     r""":func:`local_reparam_linear` with the noise ``eps`` (``(..., out)``) given and a fused backward
     (:class:`_LocalLinear`) that writes the gradients of ``weight_mean``, ``bias_mean``, ``weight_var``
     and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape).
     ``unclamped``: every output variance is known to be at least the dtype's ``tiny`` (e.g.
-    ``bias_var >= tiny``), so the clamp of :func:`sqrt_or_tiny` is skipped (it would change nothing).
-    ``token`` and ``sink`` (``(GradientSink, (weight position, bias position))``): the parameters are the
-    plain parts of :func:`mean_field_terms` with ``layers_write_grads``; their gradients go to ``into``
-    (all four given) and the sink records the positions, none to autograd; ``token`` (that call's)
-    makes the terms' backward run after this one."""
-    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped, token, sink)
+    ``bias_var >= tiny``), so the clamp of :func:`sqrt_or_tiny` is skipped (it would change nothing)."""
+    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped)
 
 
 class StackedLocalLinear(torch.autograd.Function):

@@ -4,7 +4,7 @@ r"""GMFVI's :math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and closed-form K
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ class MeanFieldScratch:
     ratio: Tensor
     grad_mean: Tensor
     grad_rho: Tensor
-    _parts: dict = field(default_factory=dict, repr=False, compare=False)  # _split_cached's
 
     @classmethod
     def like(cls, t: Tensor) -> MeanFieldScratch:
@@ -88,9 +87,7 @@ class _MeanFieldTerms(torch.autograd.Function):
     r"""``(KL, *mean parts, *variance parts)`` of :math:`q = \mathcal N(\mu, \operatorname{softplus}(\rho)^2)`
     against :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`, with a hand-written backward.
 
-    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``; with a ``sink`` the outputs are
-    ``(KL, token)`` instead, and the backward takes the parts' gradients from the buffers, where the layers
-    wrote them (:class:`GradientSink`; the parts the sink does not list are zeroed). Forward, where no
+    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``. Forward, where no
     :math:`\rho` exceeds ``F.softplus``'s threshold (20), with :math:`e = \exp\rho`:
     :math:`\sigma = \operatorname{log1p}(e)` (``F.softplus``'s formula there) and
     :math:`r = \operatorname{sigmoid}(\rho)/\sigma = e / (\sigma (1 + e))`, two transcendental passes for
@@ -120,7 +117,6 @@ class _MeanFieldTerms(torch.autograd.Function):
         scratch: MeanFieldScratch,
         grad_mean: Tensor,
         grad_rho: Tensor,
-        sink: GradientSink | None,
     ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         # sigma and the scratch live in the gradients' buffers until the backward writes them
@@ -135,29 +131,22 @@ class _MeanFieldTerms(torch.autograd.Function):
         # KL = (quad - D - sum log lam) / 2 - sum log sigma
         kl = quad.sub_(log2_std_sum, alpha=math.log(2.0)).sub_(0.5 * (mean.numel() + log_lam_sum))
         ctx.save_for_backward(mean, var, ratio)  # a later forward into the same scratch fails the backward
-        ctx.lam, ctx.grad_buffers, ctx.sink = lam, (grad_mean, grad_rho), sink
+        ctx.lam, ctx.grad_buffers = lam, (grad_mean, grad_rho)
         ctx.sizes = [math.prod(s) for s in shapes]
-        if sink is not None:  # the layers write the parts' gradients; the token orders their backward first
-            return kl, mean.new_zeros(())
         split = torch.split(mean, ctx.sizes), torch.split(var, ctx.sizes)
         return (kl, *(part.view(s) for parts in split for part, s in zip(parts, shapes)))
 
     @staticmethod
     def backward(ctx: Any, g_kl: Tensor | None, *g_parts: Tensor | None) -> tuple[Tensor | None, ...]:
         mean, var, ratio = ctx.saved_tensors
-        lam, sizes, (grad_mean, grad_rho), sink = ctx.lam, ctx.sizes, ctx.grad_buffers, ctx.sink
+        lam, sizes, (grad_mean, grad_rho) = ctx.lam, ctx.sizes, ctx.grad_buffers
         # the KL's weight: a number on the host; on a device a 0-dim tensor (no synchronisation)
         gk: Tensor | float = 0.0 if g_kl is None else float(g_kl) if on_host(g_kl) else g_kl
         on_device = isinstance(gk, Tensor)
-        if sink is not None:  # the parts' gradients are in the buffers already, where a layer wrote them
-            for i, (g_mean_part, g_var_part) in enumerate(zip(sink.grad_mean_parts, sink.grad_var_parts)):
-                if i not in sink.written:
-                    g_mean_part.zero_()
-                    g_var_part.zero_()
         g_mean_parts, g_var_parts = g_parts[: len(sizes)], g_parts[len(sizes) :]
         g_mean = g_rho = None
         if ctx.needs_input_grad[0]:
-            g_mean = grad_mean if sink is not None else gather_part_grads(g_mean_parts, sizes, grad_mean)
+            g_mean = gather_part_grads(g_mean_parts, sizes, grad_mean)
             if on_device:
                 g_mean.addcmul_(mean, lam * gk)  # + g lam mu
             elif gk and isinstance(lam, Tensor):
@@ -165,7 +154,7 @@ class _MeanFieldTerms(torch.autograd.Function):
             elif gk:
                 g_mean.add_(mean, alpha=gk * lam)
         if ctx.needs_input_grad[1]:
-            g_rho = grad_rho if sink is not None else gather_part_grads(g_var_parts, sizes, grad_rho)  # d/dvar
+            g_rho = gather_part_grads(g_var_parts, sizes, grad_rho)  # d/dvar
             if on_device:
                 g_rho.add_(lam * (0.5 * gk))  # d/dvar + g lam / 2
             elif gk and isinstance(lam, Tensor):
@@ -177,18 +166,7 @@ class _MeanFieldTerms(torch.autograd.Function):
             torch.addcmul(neg_gk, g_rho, var, value=2.0, out=g_rho).mul_(ratio)
         # fresh views of the buffers: AccumulateGrad then keeps them as .grad instead of copying
         g_mean, g_rho = (None if g is None else g.view_as(g) for g in (g_mean, g_rho))
-        return g_mean, g_rho, None, None, None, None, None, None, None, None
-
-
-@dataclass(eq=False)
-class GradientSink:
-    """Where the dense layers of one step write the gradients of the mean's and the variance's parts
-    (:func:`mean_field_terms` with ``layers_write_grads``): views of the gradient buffers, and the
-    positions of the parts written (the backward zeroes the others)."""
-
-    grad_mean_parts: list[Tensor]
-    grad_var_parts: list[Tensor]
-    written: set[int] = field(default_factory=set)
+        return g_mean, g_rho, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -196,9 +174,7 @@ class MeanFieldParts:
     """What :func:`mean_field_terms` returns; the ``grad_*_parts`` are the parts of the buffers that the
     backward gathers the gradients of ``mean`` and of ``var`` in (:func:`local_linear` writes into them).
     ``var_floor``: every variance is at least twice the dtype's ``tiny``, so a layer's output variance
-    that adds a bias variance needs no clamp (:func:`local_linear`'s ``unclamped``). ``token`` and
-    ``sink``: with ``layers_write_grads`` (else ``None``), what :func:`local_linear` takes instead of
-    differentiable parts."""
+    that adds a bias variance needs no clamp (:func:`local_linear`'s ``unclamped``)."""
 
     kl: Tensor
     mean_parts: list[Tensor]
@@ -206,8 +182,6 @@ class MeanFieldParts:
     grad_mean_parts: list[Tensor]
     grad_var_parts: list[Tensor]
     var_floor: bool = False
-    token: Tensor | None = None
-    sink: GradientSink | None = None
 
 
 def mean_field_terms(
@@ -217,7 +191,6 @@ def mean_field_terms(
     log_prior_precision_sum: float,
     shapes: list[torch.Size],
     scratch: MeanFieldScratch,
-    layers_write_grads: bool = False,
 ) -> MeanFieldParts:
     r"""The closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
     \mathcal N(0, \operatorname{diag}\lambda^{-1}))`, :math:`\sigma = \operatorname{softplus}(\rho)`, with
@@ -231,41 +204,16 @@ def mean_field_terms(
         shapes: the parts' shapes (sizes summing to D), e.g. the model's parameter shapes.
         scratch: buffers to compute in (:class:`MeanFieldScratch`); the variance parts are views of
             ``scratch.var``, valid until the next call with the same scratch.
-        layers_write_grads: the parts are plain (not differentiable) views, kept from call to call, and
-            only :func:`local_linear` given ``token`` and ``sink`` may use them: it writes their gradients
-            into the buffers itself (a dense network's training step; no autograd bookkeeping per part).
     """
     # the gradients' buffers, unless a leaf's .grad is one of them (a backward that accumulates)
     grad_mean = reusable_grad_buffer(mean, scratch.grad_mean)
     grad_rho = reusable_grad_buffer(rho, scratch.grad_rho)
-    grad_parts = _split_cached(scratch, "grad", grad_mean, grad_rho, shapes)
+    sizes = [math.prod(shape) for shape in shapes]
+    grad_parts = ([p.view(shape) for p, shape in zip(torch.split(g, sizes), shapes)] for g in (grad_mean, grad_rho))
     info: dict = {}  # the forward's var_floor
     args = (mean, rho, info, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho)
-    if layers_write_grads:
-        sink = GradientSink(*grad_parts)
-        kl, token = _MeanFieldTerms.apply(*args, sink)
-        mean_parts, var_parts = _split_cached(scratch, "value", mean, scratch.var, shapes)
-        return MeanFieldParts(kl, mean_parts, var_parts, *grad_parts, info["var_floor"], token, sink)
-    kl, *parts = _MeanFieldTerms.apply(*args, None)
+    kl, *parts = _MeanFieldTerms.apply(*args)
     return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], *grad_parts, var_floor=info["var_floor"])
-
-
-def _split_cached(
-    scratch: MeanFieldScratch, kind: str, first: Tensor, second: Tensor, shapes: list[torch.Size]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """``first`` and ``second`` split into parts of ``shapes`` (plain views: ``first`` detached), kept on
-    ``scratch`` under ``kind`` while the tensors and shapes stay the same (the usual step)."""
-    cache, key = scratch._parts.setdefault(kind, {}), tuple(shapes)
-    if cache and cache["first"] is first and cache["second"] is second and cache["shapes"] == key:
-        return cache["parts"]
-    sizes = [math.prod(s) for s in shapes]
-
-    def split(flat: Tensor) -> list[Tensor]:
-        return [part.view(shape) for part, shape in zip(torch.split(flat.detach(), sizes), shapes)]
-
-    parts = split(first), split(second)
-    cache.update(first=first, second=second, shapes=key, parts=parts)
-    return parts
 
 
 def mean_field_variance_and_kl(

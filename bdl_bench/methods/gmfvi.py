@@ -31,9 +31,8 @@ alone costs more than both), :math:`\partial/\partial\rho` is then three passes 
 and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`sum_log2`,
 safe by the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training
 step the layers' hand-written backward (:func:`~bdl_bench.kernels.local_reparam.local_linear`) writes the
-gradients of their parameters straight into those buffers (``mm(out=...)``), and the parts they run on are
-plain views kept from step to step (``layers_write_grads``): no per-layer gradient, no autograd bookkeeping
-per part; where every :math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer
+gradients of their parameters straight into those buffers (``mm(out=...)``), so no per-layer gradient is
+allocated or gathered; where every :math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer
 with a bias skips the clamp of its output variance and its mask. A prior precision shared by all parameters is
 one number. What remains beyond the twice SGD's products is one ``sigmoid`` and one ``log1p`` over D, about a
 dozen cheap passes over D, the noise and (fused) Adam. On a device (:func:`on_host` false) the forward and
@@ -51,7 +50,7 @@ from torch import Tensor, nn
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.local_reparam import local_linear
-from bdl_bench.kernels.mean_field import GradientSink, MeanFieldScratch, mean_field_terms
+from bdl_bench.kernels.mean_field import MeanFieldScratch, mean_field_terms
 from bdl_bench.methods._diag_vi import (
     local_reparam_linear,
     softplus_inverse,
@@ -75,8 +74,6 @@ class _Terms:
     mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (KL's gradient fused)
     grad_parts: tuple[list[Tensor], list[Tensor]] | None = None  # where the parts' gradients go (mean, var)
     var_floor: bool = False  # every variance >= 2 tiny (MeanFieldParts.var_floor)
-    token: Tensor | None = None  # with sink: the layers write the parts' gradients (a dense network)
-    sink: GradientSink | None = None
 
 
 @register_method("gmfvi")
@@ -112,20 +109,9 @@ class GaussianMeanFieldVI(LayerwiseVI):
         scratch = self._scratch if torch.is_grad_enabled() else MeanFieldScratch.like(self.mean)
         lam, log_lam_sum = self._prior, self.log_prior_precision_sum
         if self.local:  # the network runs on the parts: their gradients join the KL's in one backward
-            # a dense network's layers (local_linear) write the parts' gradients themselves
-            fused = self.dense and torch.is_grad_enabled()
-            t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, self.param_shapes, scratch, fused)
+            t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, self.param_shapes, scratch)
             grad_parts = (t.grad_mean_parts, t.grad_var_parts)
-            return _Terms(
-                var=None,
-                var_parts=t.var_parts,
-                kl=t.kl,
-                mean_parts=t.mean_parts,
-                grad_parts=grad_parts,
-                var_floor=t.var_floor,
-                token=t.token,
-                sink=t.sink,
-            )
+            return _Terms(None, t.var_parts, t.kl, t.mean_parts, grad_parts, t.var_floor)
         # whole parameter vectors are drawn from the flat variance (the mean's gradients add up in autograd)
         t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, [self.mean.shape], scratch)
         return _Terms(var=t.var_parts[0], var_parts=self.split_params(t.var_parts[0]), kl=t.kl)
@@ -140,10 +126,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
             positions = (layer.weight_param, layer.bias_param)
             into = tuple(None if i is None else parts[i] for parts in terms.grad_parts for i in positions)
             unclamped = terms.var_floor and bias_var is not None  # the output variance is >= the bias's
-            sink = None if terms.sink is None else (terms.sink, positions)
-            return local_linear(
-                a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped, terms.token, sink
-            )
+            return local_linear(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped)
         if isinstance(layer.module, nn.Linear):
             return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g)
         return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)

@@ -244,27 +244,6 @@ def test_sum_of_logarithms_of_products(dtype: torch.dtype, n: int, scale: float)
     assert_close(sum_log(x, torch.empty_like(x)).double(), expected * math.log(2.0), rtol=0, atol=n * 3e-5)
 
 
-def test_terms_for_layers_that_write_their_gradients() -> None:
-    """With ``layers_write_grads`` the parts are plain views and a backward of the KL alone (no layer
-    wrote anything) gives the KL's gradients, the unwritten parts of the buffers zeroed."""
-    mean, rho, lam = _random(7, n=10)
-    lam = torch.full_like(lam, 2.0)
-    shapes = [torch.Size([2, 3]), torch.Size([4])]
-    scratch = MeanFieldScratch.like(mean)
-    scratch.grad_mean.fill_(123.0)  # stale values from an earlier step
-    scratch.grad_rho.fill_(-7.0)
-    m, r = mean.clone().requires_grad_(True), rho.clone().requires_grad_(True)
-    terms = mean_field_terms(m, r, 2.0, 10 * math.log(2.0), shapes, scratch, layers_write_grads=True)
-    assert not any(p.requires_grad for p in [*terms.mean_parts, *terms.var_parts])
-    assert terms.token is not None and terms.token.requires_grad
-    (0.3 * terms.kl).backward()
-    m0, r0 = mean.clone().requires_grad_(True), rho.clone().requires_grad_(True)
-    (0.3 * kl_diag_to_prior(m0, F.softplus(r0), lam)).backward()
-    assert_close(m.grad, m0.grad)
-    assert_close(r.grad, r0.grad)
-    assert_close(torch.cat([p.flatten() for p in terms.var_parts]), F.softplus(rho) ** 2)
-
-
 def test_local_linear_without_the_clamp_is_the_same() -> None:
     """``unclamped`` (a bias variance >= tiny: nothing to clamp) gives the clamped path's values and gradients."""
     g = torch.Generator().manual_seed(13)
