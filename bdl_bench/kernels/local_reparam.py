@@ -28,8 +28,6 @@ class _LocalLinear(torch.autograd.Function):
 
     (biases: the column sums). The weight gradients are written into ``into`` (parts of the gradient buffers
     of :func:`~bdl_bench.kernels.mean_field.mean_field_terms`), so they allocate nothing and need no gathering.
-    With ``unclamped`` the caller vouches that no variance is below ``tiny`` (a bias variance at least that
-    large: the clamp would do nothing), and the clamp and its mask are skipped.
     """
 
     @staticmethod
@@ -42,16 +40,12 @@ class _LocalLinear(torch.autograd.Function):
         b_var: Tensor | None,
         eps: Tensor,
         into: tuple[Tensor | None, ...],
-        unclamped: bool,
     ) -> Tensor:
         a2 = a * a
         var = F.linear(a2, w_var, b_var)
-        clamped = None
-        if not unclamped:
-            tiny = torch.finfo(var.dtype).tiny
-            clamped = var < tiny  # where the clamp stops the gradient
-            var.clamp_min_(tiny)
-        std = var.sqrt_()
+        tiny = torch.finfo(var.dtype).tiny
+        clamped = var < tiny  # where the clamp stops the gradient
+        std = var.clamp_min_(tiny).sqrt_()
         ctx.save_for_backward(a, a2, w_mean, w_var, std, eps, clamped)
         ctx.into = into
         return F.linear(a, w_mean, b_mean).addcmul_(std, eps)
@@ -61,15 +55,13 @@ class _LocalLinear(torch.autograd.Function):
         a, a2, w_mean, w_var, std, eps, clamped = ctx.saved_tensors
         need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
         into_wm, into_bm, into_wv, into_bv = ctx.into
-        g_var = torch.mul(g, eps).div_(std)  # g' = 2 dL/d(s^2)
-        if clamped is not None:
-            g_var.masked_fill_(clamped, 0.0)
+        g_var = torch.mul(g, eps).div_(std).masked_fill_(clamped, 0.0)  # g' = 2 dL/d(s^2)
         if g.dim() != 2:  # a leading sample dimension: the weight gradients sum over it too
             g2, g_var2 = g.reshape(-1, g.shape[-1]), g_var.reshape(-1, g.shape[-1])
             a_2d, a2_2d = a.reshape(-1, a.shape[-1]), a2.reshape(-1, a.shape[-1])
         else:
             g2, g_var2, a_2d, a2_2d = g, g_var, a, a2
-        grads: list[Tensor | None] = [None] * 8
+        grads: list[Tensor | None] = [None] * 7
         if need_a:  # a (g' sigma_W^2) + g mu_W: the second product accumulated in the first's output
             grad_a = torch.mm(g_var2, w_var).view(a.shape).mul_(a)
             grads[0] = grad_a.view(-1, a.shape[-1]).addmm_(g2, w_mean).view(a.shape)
@@ -92,14 +84,11 @@ def local_linear(
     bias_var: Tensor | None,
     eps: Tensor,
     into: tuple[Tensor | None, ...] = (None, None, None, None),
-    unclamped: bool = False,
 ) -> Tensor:
     r""":func:`local_reparam_linear` with the noise ``eps`` (``(..., out)``) given and a fused backward
     (:class:`_LocalLinear`) that writes the gradients of ``weight_mean``, ``bias_mean``, ``weight_var``
-    and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape).
-    ``unclamped``: every output variance is known to be at least the dtype's ``tiny`` (e.g.
-    ``bias_var >= tiny``), so the clamp of :func:`sqrt_or_tiny` is skipped (it would change nothing)."""
-    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped)
+    and ``bias_var`` into the tensors of ``into`` where given (each of its parameter's shape)."""
+    return _LocalLinear.apply(a, weight_mean, bias_mean, weight_var, bias_var, eps, into)
 
 
 class StackedLocalLinear(torch.autograd.Function):

@@ -38,60 +38,17 @@ class MeanFieldScratch:
         return cls(*(torch.empty_like(t) for _ in range(4)))
 
 
-_SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x, at or below it log1p(exp(x))
-# where every rho lies in this range, sigma and sigmoid/sigma come from torch.sigmoid (a fast exponential):
-# below -80 sigmoid nears float32's subnormals, above 1 the rounding of 1 - sigmoid(rho) grows past 3 ulp
-_SIGMOID_RANGE = (-80.0, 1.0)
-
-
 def _softplus_bound(x: float) -> float:
     """``F.softplus`` of one number, in double precision (NaN stays NaN, no overflow)."""
-    return x if x > _SOFTPLUS_THRESHOLD else math.log1p(math.exp(x))
-
-
-def softplus_and_ratio(rho: Tensor, std: Tensor, ratio: Tensor, work: Tensor) -> tuple[Tensor, Tensor, float, float]:
-    r""":math:`\sigma = \operatorname{softplus}(\rho)` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`,
-    written into ``std`` and ``ratio`` (``work``: scratch), and bounds on :math:`\sigma`, ``(low, high)``
-    (:math:`\operatorname{softplus}` of the range of :math:`\rho`: it is increasing).
-
-    Where every :math:`\rho` lies in :math:`[-80, 1]` (the usual case: :math:`\sigma \le 1.31`), from one
-    ``torch.sigmoid`` :math:`s` (cheaper than ``torch.exp``): :math:`\sigma = -\operatorname{log1p}(-s)`
-    (:math:`= \log(1 + e^\rho)`, within 3 ulp of ``F.softplus`` there; below :math:`-80` :math:`s` nears
-    the subnormals, above 1 the rounding of :math:`1 - s` grows) and :math:`r = s/\sigma`. Else, where
-    :math:`\rho \le 20` (``F.softplus``'s threshold: below it, its formula is this one), from one
-    exponential :math:`e = \exp\rho`: :math:`\sigma = \operatorname{log1p}(e)` and
-    :math:`r = e / (\sigma (1 + e))` (``torch.sigmoid`` underflows to 0 for :math:`\rho < -88` in float32;
-    this keeps the subnormal :math:`e`). Else ``F.softplus`` and ``torch.sigmoid`` (above the threshold
-    softplus is :math:`\rho` itself, and :math:`e` may overflow); they cost more than either fast path.
-    Off the host (:func:`on_host`), ``F.softplus`` and
-    ``torch.sigmoid`` with no bounds (NaN), so that nothing waits for the device.
-    """
-    if not on_host(rho):  # no bounds: reading them would wait for the device; its passes are cheap
-        torch.ops.aten.softplus.out(rho, 1.0, _SOFTPLUS_THRESHOLD, out=std)  # F.softplus, into the buffer
-        return std, torch.sigmoid(rho, out=ratio).div_(std), math.nan, math.nan
-    low_rho, high_rho = (float(v) for v in torch.aminmax(rho))
-    bounds = _softplus_bound(low_rho), _softplus_bound(high_rho)  # NaN for NaN: no bound then
-    if _SIGMOID_RANGE[0] <= low_rho and high_rho <= _SIGMOID_RANGE[1]:  # False for NaN too
-        s = torch.sigmoid(rho, out=ratio)
-        torch.log1p(torch.neg(s, out=std), out=std).neg_()  # softplus(rho) = -log(1 - sigmoid(rho))
-        return std, ratio.div_(std), *bounds
-    if high_rho <= _SOFTPLUS_THRESHOLD:
-        e = torch.exp(rho, out=ratio)
-        torch.log1p(e, out=std)
-        return std, torch.div(e, torch.addcmul(std, std, e, out=work), out=e), *bounds  # e / (sigma (1 + e))
-    torch.ops.aten.softplus.out(rho, 1.0, _SOFTPLUS_THRESHOLD, out=std)  # F.softplus, into the buffer
-    return std, torch.sigmoid(rho, out=ratio).div_(std), *bounds
+    return x if x > 20.0 else math.log1p(math.exp(x))
 
 
 class _MeanFieldTerms(torch.autograd.Function):
     r"""``(KL, *mean parts, *variance parts)`` of :math:`q = \mathcal N(\mu, \operatorname{softplus}(\rho)^2)`
     against :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`, with a hand-written backward.
 
-    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``. Forward, where no
-    :math:`\rho` exceeds ``F.softplus``'s threshold (20), with :math:`e = \exp\rho`:
-    :math:`\sigma = \operatorname{log1p}(e)` (``F.softplus``'s formula there) and
-    :math:`r = \operatorname{sigmoid}(\rho)/\sigma = e / (\sigma (1 + e))`, two transcendental passes for
-    both (else ``F.softplus`` and ``torch.sigmoid``). Backward, for a loss
+    The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``. The forward keeps
+    :math:`\sigma^2` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`. Backward, for a loss
     :math:`L = \ell(\mu, \sigma^2) + g\,\mathrm{KL}`, in a few passes over D into ``scratch``:
 
     .. math::
@@ -102,7 +59,8 @@ class _MeanFieldTerms(torch.autograd.Function):
             = \bigl((2\,\partial_{\sigma^2}\ell + g\lambda)\sigma^2 - g\bigr)\, r
 
     (:math:`\operatorname{softplus}' = \operatorname{sigmoid}`). The KL's value needs :math:`\sum\log\sigma`
-    only (:func:`sum_log2`, bounded by the range of :math:`e`); its gradient has no logarithm.
+    only (:func:`sum_log2`, bounded by :math:`\operatorname{softplus}` of the range of :math:`\rho`; off the
+    host (:func:`on_host`) no bounds are read, which would wait for the device); its gradient has no logarithm.
     """
 
     @staticmethod
@@ -110,7 +68,6 @@ class _MeanFieldTerms(torch.autograd.Function):
         ctx: Any,
         mean: Tensor,
         rho: Tensor,
-        info: dict,
         lam: Tensor | float,
         log_lam_sum: float,
         shapes: list[torch.Size],
@@ -120,8 +77,11 @@ class _MeanFieldTerms(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         # sigma and the scratch live in the gradients' buffers until the backward writes them
-        std, ratio, low, high = softplus_and_ratio(rho, grad_rho, scratch.ratio, grad_mean)
-        info["var_floor"] = low * low >= 2.0 * torch.finfo(std.dtype).tiny  # False for NaN
+        std = torch.ops.aten.softplus.out(rho, 1.0, 20.0, out=grad_rho)  # F.softplus, into the buffer
+        ratio = torch.sigmoid(rho, out=scratch.ratio).div_(std)
+        low = high = math.nan  # no bounds: sum_log2 takes one logarithm per entry
+        if on_host(rho):
+            low, high = (_softplus_bound(float(v)) for v in torch.aminmax(rho))
         var = torch.mul(std, std, out=scratch.var)
         log2_std_sum = sum_log2(std, grad_mean, low, high)
         if isinstance(lam, Tensor):
@@ -166,22 +126,19 @@ class _MeanFieldTerms(torch.autograd.Function):
             torch.addcmul(neg_gk, g_rho, var, value=2.0, out=g_rho).mul_(ratio)
         # fresh views of the buffers: AccumulateGrad then keeps them as .grad instead of copying
         g_mean, g_rho = (None if g is None else g.view_as(g) for g in (g_mean, g_rho))
-        return g_mean, g_rho, None, None, None, None, None, None, None
+        return g_mean, g_rho, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
 class MeanFieldParts:
     """What :func:`mean_field_terms` returns; the ``grad_*_parts`` are the parts of the buffers that the
-    backward gathers the gradients of ``mean`` and of ``var`` in (:func:`local_linear` writes into them).
-    ``var_floor``: every variance is at least twice the dtype's ``tiny``, so a layer's output variance
-    that adds a bias variance needs no clamp (:func:`local_linear`'s ``unclamped``)."""
+    backward gathers the gradients of ``mean`` and of ``var`` in (:func:`local_linear` writes into them)."""
 
     kl: Tensor
     mean_parts: list[Tensor]
     var_parts: list[Tensor]
     grad_mean_parts: list[Tensor]
     grad_var_parts: list[Tensor]
-    var_floor: bool = False
 
 
 def mean_field_terms(
@@ -210,10 +167,9 @@ def mean_field_terms(
     grad_rho = reusable_grad_buffer(rho, scratch.grad_rho)
     sizes = [math.prod(shape) for shape in shapes]
     grad_parts = ([p.view(shape) for p, shape in zip(torch.split(g, sizes), shapes)] for g in (grad_mean, grad_rho))
-    info: dict = {}  # the forward's var_floor
-    args = (mean, rho, info, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho)
+    args = (mean, rho, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho)
     kl, *parts = _MeanFieldTerms.apply(*args)
-    return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], *grad_parts, var_floor=info["var_floor"])
+    return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], *grad_parts)
 
 
 def mean_field_variance_and_kl(

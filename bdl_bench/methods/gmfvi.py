@@ -24,20 +24,14 @@ of the local reparameterisation (one normal per output element and example), Ada
 bookkeeping per operation. Fresh ``(D,)`` tensors cost more than passes over them (each is mapped anew by the
 allocator, so every page is faulted in). Hence: :func:`~bdl_bench.kernels.mean_field.mean_field_terms`
 evaluates :math:`\sigma^2` and the KL together and writes their gradient by hand, in four reused buffers
-(:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``): :math:`\sigma` and
-:math:`\operatorname{sigmoid}(\rho)/\sigma` come from one ``torch.sigmoid`` and one ``log1p`` where
-:math:`\rho \in [-80, 1]`, else one ``exp`` and one ``log1p`` (:func:`softplus_and_ratio`; ``F.softplus``
-alone costs more than both), :math:`\partial/\partial\rho` is then three passes (:class:`_MeanFieldTerms`),
-and the KL's :math:`\sum\log\sigma` takes the logarithms of products of up to 16 entries (:func:`sum_log2`,
-safe by the range of :math:`\sigma`, which the range of :math:`\rho` gives). In a dense network's training
-step the layers' hand-written backward (:func:`~bdl_bench.kernels.local_reparam.local_linear`) writes the
-gradients of their parameters straight into those buffers (``mm(out=...)``), so no per-layer gradient is
-allocated or gathered; where every :math:`\sigma^2` is at least twice ``tiny`` (the range of :math:`\rho` tells), a layer
-with a bias skips the clamp of its output variance and its mask. A prior precision shared by all parameters is
-one number. What remains beyond the twice SGD's products is one ``sigmoid`` and one ``log1p`` over D, about a
-dozen cheap passes over D, the noise and (fused) Adam. On a device (:func:`on_host` false) the forward and
-backward read nothing back to the host: no bounds (plain ``F.softplus``, the clamp kept), the KL's weight kept
-as a tensor.
+(:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``): :math:`\partial/\partial\rho` is
+three passes (:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of
+products of up to 16 entries (:func:`sum_log2`, safe by the range of :math:`\sigma`, which the range of
+:math:`\rho` gives). In a dense network's training step the layers' hand-written backward
+(:func:`~bdl_bench.kernels.local_reparam.local_linear`) writes the gradients of their parameters straight into
+those buffers (``mm(out=...)``), so no per-layer gradient is allocated or gathered. A prior precision shared
+by all parameters is one number. On a device (:func:`on_host` false) the forward and backward read nothing
+back to the host: no bounds (one logarithm per entry), the KL's weight kept as a tensor.
 """
 
 from __future__ import annotations
@@ -73,7 +67,6 @@ class _Terms:
     kl: Tensor | None
     mean_parts: list[Tensor] | None = None  # the mean's parts to run the network on (KL's gradient fused)
     grad_parts: tuple[list[Tensor], list[Tensor]] | None = None  # where the parts' gradients go (mean, var)
-    var_floor: bool = False  # every variance >= 2 tiny (MeanFieldParts.var_floor)
 
 
 @register_method("gmfvi")
@@ -111,7 +104,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
         if self.local:  # the network runs on the parts: their gradients join the KL's in one backward
             t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, self.param_shapes, scratch)
             grad_parts = (t.grad_mean_parts, t.grad_var_parts)
-            return _Terms(None, t.var_parts, t.kl, t.mean_parts, grad_parts, t.var_floor)
+            return _Terms(None, t.var_parts, t.kl, t.mean_parts, grad_parts)
         # whole parameter vectors are drawn from the flat variance (the mean's gradients add up in autograd)
         t = mean_field_terms(self.mean, self.rho, lam, log_lam_sum, [self.mean.shape], scratch)
         return _Terms(var=t.var_parts[0], var_parts=self.split_params(t.var_parts[0]), kl=t.kl)
@@ -125,8 +118,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
             eps = standard_normal((*a.shape[:-1], weight_mean.shape[0]), g, a)
             positions = (layer.weight_param, layer.bias_param)
             into = tuple(None if i is None else parts[i] for parts in terms.grad_parts for i in positions)
-            unclamped = terms.var_floor and bias_var is not None  # the output variance is >= the bias's
-            return local_linear(a, weight_mean, bias_mean, weight_var, bias_var, eps, into, unclamped)
+            return local_linear(a, weight_mean, bias_mean, weight_var, bias_var, eps, into)
         if isinstance(layer.module, nn.Linear):
             return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g)
         return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)

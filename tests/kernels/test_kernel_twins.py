@@ -73,7 +73,7 @@ def test_diag_kl_matches_its_reference(shared_prior: bool, with_mean: bool) -> N
 
 @pytest.mark.parametrize("rho_shift", [-3.0, 25.0])
 def test_mean_field_terms_match_their_reference(rho_shift: float) -> None:
-    """sigma^2 and the KL of GMFVI's fused terms, on the sigmoid path and above softplus's threshold."""
+    """sigma^2 and the KL of GMFVI's fused terms, below and above softplus's threshold."""
     mean, std, lam = _data()
     rho = torch.log(std) + rho_shift
     got = _value_and_grads(lambda m, r: mean_field_variance_and_kl(m, r, lam), mean, rho)
