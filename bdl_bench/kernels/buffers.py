@@ -1,10 +1,6 @@
-"""Reused gradient buffers of the layer-wise VI steps, and the parameter-shaped parts of a flat leaf whose
-backward gathers into one (:func:`flat_parts`; reference :func:`flat_parts_reference`)."""
+"""Reused gradient buffers of the layer-wise VI steps' hand-written backwards."""
 
 from __future__ import annotations
-
-import math
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,31 +37,3 @@ def gather_part_grads(grads: tuple[Tensor | None, ...], sizes: list[int], out: T
         elif not (grad.data_ptr() == segment.data_ptr() and grad.is_contiguous() and grad.numel() == size):
             segment.view(grad.shape).copy_(grad)
     return out
-
-
-class _FlatParts(torch.autograd.Function):
-    """The parameter-shaped parts of a flat leaf (views); the backward gathers their gradients into a
-    reused ``(D,)`` buffer (:func:`gather_part_grads`), which becomes the leaf's ``.grad`` as it stands."""
-
-    @staticmethod
-    def forward(ctx: Any, flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> tuple[Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.flat, ctx.grad_buffer = flat, grad_buffer
-        ctx.sizes = [math.prod(s) for s in shapes]
-        return tuple(part.view(s) for part, s in zip(torch.split(flat, ctx.sizes), shapes))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        out = gather_part_grads(grads, ctx.sizes, reusable_grad_buffer(ctx.flat, ctx.grad_buffer))
-        return out.view_as(out), None, None
-
-
-def flat_parts(flat: Tensor, grad_buffer: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    """``flat`` split into tensors of ``shapes`` (views), differentiable: their gradients are written into
-    ``grad_buffer`` (overwritten by every backward) and handed to ``flat`` without concatenating."""
-    return list(_FlatParts.apply(flat, grad_buffer, shapes))
-
-
-def flat_parts_reference(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    """The plain-autograd twin of :func:`flat_parts`: ``torch.split`` and views."""
-    return [part.view(s) for part, s in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]

@@ -70,7 +70,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.kernels.buffers import flat_parts
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods.base import Method, Problem
@@ -381,7 +380,6 @@ class LayerwiseVI(Method):
         self.dense = self.local and all(isinstance(layer.module, nn.Linear) for layer in self.layers)
         self._layer_of = {layer.module: layer for layer in self.layers}
         self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
-        self._mean_grad = torch.empty_like(self.mean)  # receives the mean's gradient (flat_parts)
         self.param_shapes = [p.shape for p in model.parameters()]
         self.param_sizes = [p.numel() for p in model.parameters()]
         self.noise_free = self._padding_rows()
@@ -399,11 +397,8 @@ class LayerwiseVI(Method):
         return [p.reshape(*lead, *shape) for p, shape in zip(parts, self.param_shapes)]
 
     def mean_parts(self) -> list[Tensor]:
-        """The mean split per model parameter (views); with autograd on, by :func:`flat_parts` (the
-        gradient lands in a reused buffer), so a step allocates no fresh ``(D,)`` gradient for it."""
-        if not torch.is_grad_enabled():
-            return self.split_params(self.mean)
-        return flat_parts(self.mean, self._mean_grad, self.param_shapes)
+        """The mean split per model parameter (views)."""
+        return self.split_params(self.mean)
 
     def _padding_rows(self) -> Tensor | None:
         """``(D,)`` mask of the padding rows of ``nn.Embedding`` layers, or ``None`` without any."""

@@ -210,7 +210,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         var = F.softplus(self.variational["rho"]).square() if self.learn_diag else None
         kl = means = None
         if with_kl:  # kl_to_prior, or a training step that draws whole parameter vectors
-            means = self.mean_parts()  # shared with the network: one gradient gather for the mean
+            means = self.mean_parts()  # shared with the network
             diags = self.split_params(var) if var is not None else None
             terms = []
             for layer in self.layers:

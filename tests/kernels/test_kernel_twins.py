@@ -1,4 +1,4 @@
-"""The diagonal-Gaussian and buffer kernels against their plain-autograd twins (float64): value and gradients."""
+"""The diagonal-Gaussian kernels against their plain-autograd twins (float64): value and gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from bdl_bench.kernels.buffers import flat_parts, flat_parts_reference
 from bdl_bench.kernels.diag_vi import diag_kl, diag_kl_reference, prior_quadratic, prior_quadratic_reference
 from bdl_bench.kernels.mean_field import mean_field_reference, mean_field_variance_and_kl
 
@@ -37,15 +36,6 @@ def _data(n: int = 300) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     std = torch.rand(n, generator=g, dtype=DT) + 0.05
     lam = torch.rand(n, generator=g, dtype=DT) + 0.5
     return mean, std, lam
-
-
-def test_flat_parts_match_split_views() -> None:
-    """The parts' values, and the gradient gathered into the reused buffer, equal ``torch.split``'s."""
-    shapes = [torch.Size([2, 3]), torch.Size([4]), torch.Size([1, 5])]
-    flat = _data(15)[0]
-    buffer = torch.empty_like(flat)
-    got = _value_and_grads(lambda f: flat_parts(f, buffer, shapes), flat)
-    _assert_twins(got, _value_and_grads(lambda f: flat_parts_reference(f, shapes), flat))
 
 
 @pytest.mark.parametrize("shared_prior", [True, False])
