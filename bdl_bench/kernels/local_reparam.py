@@ -109,8 +109,7 @@ class StackedLocalLinear(torch.autograd.Function):
 
     An input ``a`` ``(R, M, in)`` with ``eps`` ``(S·M, out)`` is shared by the S samples (a first layer's data):
     its two products are taken once per example and g, g' summed over the samples before theirs (twice fewer
-    GEMMs at S = 2). Where the bias variance is at least ``tiny``, so is every output variance, and the clamp
-    and its mask are skipped."""
+    GEMMs at S = 2)."""
 
     @staticmethod
     def forward(
@@ -119,12 +118,8 @@ class StackedLocalLinear(torch.autograd.Function):
         a2 = a * a
         var = torch.bmm(a2, w_var.mT) if b_var is None else torch.baddbmm(b_var.unsqueeze(1), a2, w_var.mT)
         tiny = torch.finfo(var.dtype).tiny
-        # var >= b_var >= tiny: the clamp changes nothing (read on the host only: on a device it would wait)
-        if b_var is not None and b_var.device.type == "cpu" and bool((b_var >= tiny).all()):
-            clamped, std = None, var.sqrt_()
-        else:
-            clamped = var < tiny  # where the clamp stops the gradient (clamp_min's rule)
-            std = var.clamp_min_(tiny).sqrt_()
+        clamped = var < tiny  # where the clamp stops the gradient (clamp_min's rule)
+        std = var.clamp_min_(tiny).sqrt_()
         mean = torch.bmm(a, w_mean.mT) if b_mean is None else torch.baddbmm(b_mean.unsqueeze(1), a, w_mean.mT)
         ctx.save_for_backward(a, a2, w_mean, w_var, std, eps, clamped)
         ctx.has_bias = (b_mean is not None, b_var is not None)
@@ -140,14 +135,11 @@ class StackedLocalLinear(torch.autograd.Function):
         need_a, need_wm, need_bm, need_wv, need_bv = ctx.needs_input_grad[:5]
         n_samples = eps.shape[0] // a.shape[1]
         if n_samples == 1:
-            g_var = torch.mul(g, eps).div_(std)  # g' = 2 dL/d(s^2)
-            if clamped is not None:
-                g_var.masked_fill_(clamped, 0.0)
+            g_var = torch.mul(g, eps).div_(std).masked_fill_(clamped, 0.0)  # g' = 2 dL/d(s^2)
         else:  # the S samples' rows share a: sum g and g' over them first
             g = g.view(a.shape[0], n_samples, *std.shape[1:])
             g_var = torch.mul(g, eps.view(n_samples, *std.shape[1:])).div_(std.unsqueeze(1))
-            if clamped is not None:
-                g_var.masked_fill_(clamped.unsqueeze(1), 0.0)
+            g_var.masked_fill_(clamped.unsqueeze(1), 0.0)
             g, g_var = g.sum(1), g_var.sum(1)
         grad_a = None
         if need_a:  # a o (g' sigma_W^2) + g mu_W: the mean path's product added into the variance path's output

@@ -472,9 +472,7 @@ class LayerwiseVI(Method):
         p = self.problem
         self.n_steps += 1
         beta = self.kl_weight(self.n_steps)
-        for group in self.optimizer.param_groups:  # optimizer.zero_grad(set_to_none=True), without its overhead
-            for leaf in group["params"]:
-                leaf.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
         terms = self._step_terms(with_kl=True)
         if self.local and self.n_train_mc_samples == 1:  # (N, out): the one sample's outputs
             nll = p.likelihood.nll(self._local_forward(terms, x, 1), y).mean()

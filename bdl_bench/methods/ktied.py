@@ -73,7 +73,6 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
 from bdl_bench.methods._diag_vi import (
-    on_host,
     softplus_inverse,
     standard_normal,
     uniform_value,
@@ -279,12 +278,8 @@ class KTiedNormalVI(LayerwiseVI):
         if isinstance(layer.module, nn.Linear):
             mean = F.linear(a, weight_mean, bias_mean)
             var = ktied_variance(a, *terms.factors[pos], bias_var)
-            # a bias variance of at least tiny keeps the sum there: sqrt_or_tiny's clamp would do nothing
-            tiny = torch.finfo(var.dtype).tiny
-            # off the host the clamp stays (reading the minimum would wait for the device)
-            unclamped = bias_var is not None and on_host(bias_var) and float(bias_var.detach().min()) >= tiny
             eps = standard_normal(tuple(mean.shape), g, mean)
-            return torch.addcmul(mean, var.sqrt() if unclamped else sqrt_or_tiny(var), eps)
+            return torch.addcmul(mean, sqrt_or_tiny(var), eps)
         # nn.Conv2d: one more convolution, with the materialised variances (tied or not)
         weight_var = self._param_std(terms, pos).square()
         return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)
