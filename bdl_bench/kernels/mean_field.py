@@ -48,7 +48,10 @@ class _MeanFieldTerms(torch.autograd.Function):
     against :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`, with a hand-written backward.
 
     The parts are views of ``mean`` and of ``scratch.var``, in ``shapes``. The forward keeps
-    :math:`\sigma^2` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`. Backward, for a loss
+    :math:`\sigma^2` and :math:`r = \operatorname{sigmoid}(\rho)/\sigma`; where every :math:`\rho` lies in
+    :math:`[-80, 1]` (read on the host only), :math:`\sigma = -\operatorname{log1p}(-\operatorname{sigmoid}(\rho))`
+    from the same sigmoid (below :math:`-80` it nears float32's subnormals, above 1 the rounding of
+    :math:`1 - \operatorname{sigmoid}` grows), else ``F.softplus``. Backward, for a loss
     :math:`L = \ell(\mu, \sigma^2) + g\,\mathrm{KL}`, in a few passes over D into ``scratch``:
 
     .. math::
@@ -77,11 +80,16 @@ class _MeanFieldTerms(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         # sigma and the scratch live in the gradients' buffers until the backward writes them
-        std = torch.ops.aten.softplus.out(rho, 1.0, 20.0, out=grad_rho)  # F.softplus, into the buffer
-        ratio = torch.sigmoid(rho, out=scratch.ratio).div_(std)
-        low = high = math.nan  # no bounds: sum_log2 takes one logarithm per entry
+        s = torch.sigmoid(rho, out=scratch.ratio)
+        low_rho = high_rho = math.nan  # off the host no bounds: sum_log2 takes one logarithm per entry
         if on_host(rho):
-            low, high = (_softplus_bound(float(v)) for v in torch.aminmax(rho))
+            low_rho, high_rho = (float(v) for v in torch.aminmax(rho))
+        if -80.0 <= low_rho and high_rho <= 1.0:  # softplus = -log1p(-sigmoid), within 3 ulp of F.softplus there
+            std = torch.log1p(torch.neg(s, out=grad_rho), out=grad_rho).neg_()
+        else:
+            std = torch.ops.aten.softplus.out(rho, 1.0, 20.0, out=grad_rho)  # F.softplus, into the buffer
+        ratio = s.div_(std)
+        low, high = _softplus_bound(low_rho), _softplus_bound(high_rho)
         var = torch.mul(std, std, out=scratch.var)
         log2_std_sum = sum_log2(std, grad_mean, low, high)
         if isinstance(lam, Tensor):

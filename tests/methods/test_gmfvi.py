@@ -223,3 +223,14 @@ def test_sum_of_logarithms_of_products(dtype: torch.dtype, n: int, scale: float)
     assert got.dtype == dtype
     assert_close(got.double(), expected, rtol=0, atol=float(n * 8 * torch.finfo(dtype).eps * 40))
     assert_close(sum_log(x, torch.empty_like(x)).double(), expected * math.log(2.0), rtol=0, atol=n * 3e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sigmoid_path_of_softplus_matches_torch(dtype: torch.dtype) -> None:
+    """Where every rho is in [-80, 1] sigma comes from torch.sigmoid (-log1p(-sigmoid)); sigma^2 agrees with
+    F.softplus(rho)^2 to a few ulp (a subnormal sigma^2 to its spacing)."""
+    rho = torch.linspace(-80.0, 1.0, 200_001, dtype=dtype)
+    mean = torch.zeros_like(rho)
+    var, _ = mean_field_variance_and_kl(mean, rho, torch.ones_like(rho))
+    info = torch.finfo(dtype)
+    assert_close(var, F.softplus(rho) ** 2, rtol=8 * info.eps, atol=info.tiny)  # var may be subnormal
