@@ -53,7 +53,10 @@ flat parameter samples (:meth:`_sample_params`) and the tensors whose gradient S
 With ``snr_window`` W > 0 the gradient SNR of those tensors (``bdl_bench.methods._grad_snr``) is
 measured over windows of W steps and added to the per-epoch history as ``train/grad_snr`` (all layers)
 and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1), the paper's mean over parameters, and as
-``train/grad_snr_median`` and ``train/grad_snr_median_l<i>``, the medians.
+``train/grad_snr_median`` and ``train/grad_snr_median_l<i>``, the medians. With ``record_every`` R > 0 the
+validation negative ELBO and the latest window's SNR are also recorded after every R-th step, into the run
+folder's ``steps.csv`` (:mod:`bdl_bench.methods._step_records`: the k-tied paper reads them at steps 1000, 5000
+and 9000).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import copy
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -72,6 +76,7 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
+from bdl_bench.methods._step_records import StepRecorder
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models.params import flat_params, forward_with, param_layers, sequential_layers
 from bdl_bench.optim import adam, load_adam_state
@@ -294,6 +299,8 @@ class LayerwiseVI(Method):
         init_std: initial posterior standard deviation (each family says how it is used).
         kl_annealing_steps: steps over which the KL weight grows linearly from 0 to 1 (0: no annealing).
         snr_window: steps per gradient-SNR window (0: no SNR tracking; the paper uses 10).
+        record_every: record the validation negative ELBO and gradient SNR after every this many steps into
+            ``steps.csv`` (0: off; needs a validation set).
         conv_estimator: how training samples ``nn.Conv2d`` outputs: ``"local"`` (each output element
             independently, :func:`local_reparam_conv2d`) or ``"reparam"`` (one kernel per MC sample, shared by
             the minibatch: exact); see the module docstring.
@@ -311,6 +318,7 @@ class LayerwiseVI(Method):
             "init_std": POSITIVE,
             "kl_annealing_steps": NON_NEGATIVE_INT,
             "snr_window": NON_NEGATIVE_INT,  # 1 is refused below (a window needs 2 steps)
+            "record_every": NON_NEGATIVE_INT,
         }
     )
 
@@ -323,6 +331,7 @@ class LayerwiseVI(Method):
         kl_annealing_steps: int,
         snr_window: int,
         conv_estimator: str = "local",
+        record_every: int = 0,
     ) -> None:
         name = type(self).name
         if conv_estimator not in CONV_ESTIMATORS:
@@ -338,6 +347,7 @@ class LayerwiseVI(Method):
         self.snr_window = int(snr_window)
         if self.snr_window == 1:
             raise ConfigError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
+        self.steps = StepRecorder(int(record_every)) if record_every else None
 
     # ------------------------------------------------------------------ family hooks
     @abstractmethod
@@ -371,6 +381,12 @@ class LayerwiseVI(Method):
         standard deviations (the quantities whose SNR the k-tied paper compares)."""
 
     # ------------------------------------------------------------------ setup and training
+    def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
+        """Where ``record_every`` records: the validation data and the run folder (``steps.csv``)."""
+        if self.steps is not None:
+            self.steps.use_validation(x_val, y_val, run_dir)
+            self.steps.check(self.name)
+
     def setup(self, problem: Problem) -> None:
         """Start from :math:`\\mu` = the model's parameters; the family initialises the rest."""
         super().setup(problem)
@@ -487,6 +503,8 @@ class LayerwiseVI(Method):
         if self.snr is not None:
             self.snr.update(self.n_steps, {f"l{layer.index}": self._snr_grads(layer) for layer in self.layers})
         self.optimizer.step()
+        if self.steps is not None and self.steps.due(self.n_steps):
+            self.steps.record(self, self.n_steps, beta, self.snr.records[-1] if self.snr and self.snr.records else None)
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": terms.kl.detach() / p.n_data, "kl_weight": beta}
 
     def epoch_stats(self) -> dict[str, float]:
@@ -530,6 +548,7 @@ class LayerwiseVI(Method):
             "variational": {k: v.detach().clone() for k, v in self.variational.items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "n_steps": self.n_steps,
+            **({"step_rows": self.steps.state_dict()} if self.steps is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -542,6 +561,8 @@ class LayerwiseVI(Method):
         self.n_steps = int(state["n_steps"])
         if self.snr is not None:
             self.snr.reset()
+        if self.steps is not None:
+            self.steps.load_state_dict(state.get("step_rows", []))
 
 
 def sqrt_or_tiny(var: Tensor) -> Tensor:

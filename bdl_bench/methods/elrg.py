@@ -103,6 +103,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         init_std: the diagonal's standard deviation (constant, or initial when learned).
         kl_annealing_steps: steps of linear KL annealing (0: none).
         snr_window: steps per gradient-SNR window of the weights' :math:`v_k` (0: off).
+        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off), as in gmfvi.
 
     Raises:
         ValueError: if ``rank`` is not an integer >= 1 (at construction) or exceeds the number of
@@ -125,6 +126,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         init_std: float,
         kl_annealing_steps: int,
         snr_window: int,
+        record_every: int = 0,
     ) -> None:
         self.check_options(locals())
         self.rank = int(rank)
@@ -138,6 +140,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             init_std=init_std,
             kl_annealing_steps=kl_annealing_steps,
             snr_window=snr_window,
+            record_every=record_every,
         )
 
     def _init_variational(self) -> dict[str, Tensor]:

@@ -79,6 +79,8 @@ class GaussianMeanFieldVI(LayerwiseVI):
         init_std: initial :math:`\\sigma` of every parameter (the mean starts at the model's weights).
         kl_annealing_steps: steps of linear KL annealing (0: none).
         snr_window: steps per gradient-SNR window of the weights' :math:`\\rho` (0: off).
+        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off;
+            ``bdl_bench.methods._step_records``).
         conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
             (``bdl_bench.methods._layerwise_vi``).
     """

@@ -142,6 +142,7 @@ class KTiedNormalVI(LayerwiseVI):
         init_std: the initial :math:`\\sigma` of every parameter, as in GMFVI.
         kl_annealing_steps: steps of linear KL annealing (0: none).
         snr_window: steps per gradient-SNR window of :math:`\\tilde U, \\tilde V` (0: off).
+        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off), as in gmfvi.
         conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
             (``bdl_bench.methods._layerwise_vi``).
 
@@ -164,6 +165,7 @@ class KTiedNormalVI(LayerwiseVI):
         kl_annealing_steps: int,
         snr_window: int,
         conv_estimator: str,
+        record_every: int = 0,
     ) -> None:
         self.check_options(locals())
         self.k = int(k)
@@ -177,6 +179,7 @@ class KTiedNormalVI(LayerwiseVI):
             kl_annealing_steps=kl_annealing_steps,
             snr_window=snr_window,
             conv_estimator=conv_estimator,
+            record_every=record_every,
         )
 
     def is_tied(self, layer: Layer) -> bool:

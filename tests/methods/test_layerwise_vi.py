@@ -195,3 +195,35 @@ def test_refuses_unsupported_models(kind: str) -> None:
     normed = dataclasses.replace(problem, model=nn.Sequential(nn.Linear(1, 4), nn.LayerNorm(4), nn.Linear(4, 1)))
     with pytest.raises(ValueError, match="LayerNorm"):
         make_method(kind).setup(normed)
+
+
+@pytest.mark.parametrize("kind", ["gmfvi", "ktied"])
+def test_record_every_writes_validation_elbo_and_snr_without_moving_training(kind: str, tmp_path) -> None:
+    """``record_every``: a steps.csv row after every R-th step (k-tied Fig. 6 right), drawn from its own generator,
+    so the fit is the one without recording; the rows travel in the checkpoint state."""
+    import pandas as pd
+
+    from bdl_bench.errors import ConfigError
+
+    x, y, x_val, y_val = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    plain = make_method(kind, snr_window=2)
+    fit(plain, make_problem(1, likelihood, seed=1), x, y, n_epochs=3)
+    method = make_method(kind, snr_window=2, record_every=2)
+    method.use_validation(x_val, y_val, tmp_path)
+    fit(method, make_problem(1, likelihood, seed=1), x, y, n_epochs=3)
+    assert torch.equal(method.mean, plain.mean)  # recording drew nothing from the training stream
+    rows = pd.read_csv(tmp_path / "steps.csv")
+    assert list(rows["step"]) == [2, 4, 6] and list(rows["snr_step"]) == [2, 4, 6]
+    assert rows["val_neg_elbo"].to_numpy() == pytest.approx((rows["val_nll"] + rows["kl"]).to_numpy())
+    assert (rows["grad_snr_l2"] >= 1.0).all() and {"grad_snr_median_l1", "grad_snr"} <= set(rows.columns)
+    kl = float(method.kl_to_prior()) / 100
+    assert rows["kl"].iloc[-1] == pytest.approx(kl, rel=1e-5)
+    state = method.state_dict()
+    fresh = make_method(kind, snr_window=2, record_every=2)
+    fresh.setup(make_problem(1, likelihood, seed=1))
+    fresh.load_state_dict(state)
+    assert fresh.steps.rows == method.steps.rows
+    unseen = make_method(kind, record_every=2)
+    with pytest.raises(ConfigError, match="record_every needs a validation set"):
+        fit(unseen, make_problem(1, likelihood, seed=1), x, y, n_epochs=1)
