@@ -67,7 +67,8 @@ def test_out_of_range_values_are_refused_naming_the_key(compose_cfg, overrides: 
         ["trainer.threads=null", "noise_precision=null", "trainer.batch_size=32.0"],
         ["experiment=slang_table1"],
         ["experiment=def_table1"],
-        ["experiment=ktied_table3"],
+        ["experiment=ktied_fig6"],
+        ["experiment=ktied_table2"],
     ],
 )
 def test_shipped_and_purposeful_configs_pass(compose_cfg, overrides: list[str]) -> None:

@@ -354,7 +354,7 @@ def figure_table(drawn: Drawn) -> str:
     """A ``table: true`` figure's numbers for ``reproduce.md``, with its ``criterion`` (how agreement with the
     paper's figure is judged: the paper prints no numbers for it)."""
     criterion = " ".join(str(drawn.spec.get("criterion") or "").split())
-    text = f"{drawn.png.stem} (the figure's numbers):\n\n{drawn.table_markdown}"
+    text = f"{drawn.name} (the figure's numbers):\n\n{drawn.table_markdown}"
     return text + (f"\n\nAgreement with the paper: {criterion}" if criterion else "")
 
 
@@ -488,13 +488,15 @@ def main(args: list[str]) -> None:
     own = [d for d in figures if d.is_table]
     if own:  # the figures' numbers are the table; the runs' metrics follow as what they were computed from
         text = "\n\n".join(figure_table(d) for d in own) + f"\n\nThe runs the figure is computed from:\n\n{text}"
-        frame = pd.concat([d.table.assign(figure=d.png.stem) for d in own], ignore_index=True)  # type: ignore[union-attr]
-    text += "".join(f"\n\n![{d.png.stem}]({d.png.name})" for d in figures)
+        frame = pd.concat([d.table.assign(figure=d.name) for d in own], ignore_index=True)  # type: ignore[union-attr]
+    text += "".join(f"\n\n![{d.name}]({d.png.name})" for d in figures if d.png is not None)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
     atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
     csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
     atomic_write_text(plan.sweep_dir / "reproduce.csv", csv_header + frame.to_csv(index=False))
-    verdicts = [v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None]
+    verdicts = [
+        v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None and not pd.isna(v)
+    ]
     print(f"\n{title}\n\n{text}\n")
     if verdicts:
         print(f"{sum(verdicts)} of {len(verdicts)} cells agree with the paper.")

@@ -30,17 +30,22 @@ import pandas as pd
 
 from bdl_bench.errors import ResultsError
 
-KINDS = ("convergence", "covariance", "ood", "def_toy", "frobenius")
+KINDS = ("convergence", "covariance", "ood", "def_toy", "frobenius", "std_spectra", "weight_samples", "step_records")
+KTIED_KINDS = KINDS[-3:]  # k-tied Fig. 3, Table 2 / Fig. 6 left, Fig. 6 right / Fig. 7 (bdl_bench.report.ktied)
 
 
 @dataclass(frozen=True)
 class Drawn:
     """A drawn figure: its PNG, and the numbers it shows where its kind computes them (``frobenius``)."""
 
-    png: Path
+    png: Path | None  # None for a kind that computes a table only (``weight_samples``)
     spec: Mapping[str, Any]
     table: pd.DataFrame | None = None
     table_markdown: str | None = None  # ``table`` as reproduce.md shows it
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
 
     @property
     def is_table(self) -> bool:
@@ -75,6 +80,8 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
         from bdl_bench.studies.def_toy import plot_runs
 
         return Drawn(plot_runs(folder, out, methods), spec)
+    if kind in KTIED_KINDS:
+        return _ktied(spec, folder, out)
     if kind == "frobenius":
         from bdl_bench.report.frobenius import markdown_table
         from bdl_bench.report.frobenius import plot_runs as plot_frobenius
@@ -95,6 +102,21 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
     if not run_dirs:
         raise ResultsError(f"no run below {folder} has uncertainty.npz (runs with an OOD set)")
     return Drawn(plot_uncertainty(run_dirs, out), spec)
+
+
+def _ktied(spec: Mapping[str, Any], folder: Path, out: Path) -> Drawn:
+    from bdl_bench.report import ktied
+
+    if spec["kind"] == "std_spectra":
+        png, table, text = ktied.std_spectra(folder, out)
+    elif spec["kind"] == "step_records":
+        steps = [int(s) for s in spec.get("steps", (1000, 5000, 9000))]
+        png, table, text = ktied.step_records(folder, out, steps, str(spec.get("snr_column", "grad_snr_l2")))
+    else:  # weight_samples: a table without a PNG of its own
+        ranks = [int(r) for r in spec.get("ranks", ())]
+        table, text = ktied.weight_samples(folder, ranks, str(spec["paper"]), spec.get("samples"))
+        png = None
+    return Drawn(png, spec, table, text)
 
 
 def draw_figures(specs: Sequence[Mapping[str, Any]], folder: Path) -> tuple[list[Drawn], list[str]]:

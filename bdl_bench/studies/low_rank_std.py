@@ -209,15 +209,16 @@ def weight_sample_metrics(
 ) -> dict[str, float]:
     """Metrics of ``n_samples`` networks drawn from ``net``: mean and standard error over the samples.
 
-    Per sample s: ``neg_elbo`` (per training example, targets as fitted), ``nll`` (test, per example;
-    regression in original target units), and ``accuracy`` and ``brier`` (classification) or ``rmse``
+    Per sample s: ``neg_elbo`` (per training example, targets as fitted), ``test_neg_elbo`` (the test NLL per
+    example plus KL / N, N the training examples: the ELBO per example estimated on the test set), ``nll`` (test,
+    per example; regression in original target units), and ``accuracy`` and ``brier`` (classification) or ``rmse``
     (regression). Keys ``<metric>_mean`` and ``<metric>_sem``, plus ``ensemble_<metric>`` for the
     predictive mixture of all samples (``bdl_bench.metrics.predictive_metrics``: ``nll``, ``accuracy``,
     ``ece``, ``brier``, or ``rmse``, ``test_ll``).
     """
     kl = float(kl_diag_to_prior(net.mean, net.std, net.prior_precision))
     jacobian = math.log(dataset.y_std) if isinstance(likelihood, Gaussian) else 0.0
-    per_sample: dict[str, list[float]] = {"neg_elbo": [], "nll": []}
+    per_sample: dict[str, list[float]] = {"neg_elbo": [], "test_neg_elbo": [], "nll": []}
     test_outputs = []
     for start in range(0, n_samples, _SAMPLE_CHUNK):
         n = min(_SAMPLE_CHUNK, n_samples - start)
@@ -229,7 +230,9 @@ def weight_sample_metrics(
             per_sample["neg_elbo"].append(
                 (float(likelihood.nll(f_train[s], dataset.y_train).sum()) + kl) / dataset.n_train
             )
-            per_sample["nll"].append(float(likelihood.nll(f_test[s], dataset.y_test).mean()) + jacobian)
+            test_nll = float(likelihood.nll(f_test[s], dataset.y_test).mean())
+            per_sample["test_neg_elbo"].append(test_nll + kl / dataset.n_train)
+            per_sample["nll"].append(test_nll + jacobian)
             if isinstance(likelihood, Bernoulli | Categorical):
                 probs = likelihood.probs(f_test[s : s + 1])
                 per_sample.setdefault("accuracy", []).append(

@@ -1,0 +1,306 @@
+"""k-tied Normal figures and tables computed from finished runs (Swiatkowski et al. 2020), the ``figures`` kinds of
+``ktied_table2`` and ``ktied_fig6`` (:mod:`bdl_bench.report.figures`):
+
+- ``std_spectra`` (Fig. 3, MNIST MLP): the fraction of variance explained by each singular value of every layer's
+  matrix of posterior standard deviations, against that of the posterior means
+  (:func:`bdl_bench.studies.low_rank_std.spectra`), from each finished GMFVI run's ``posterior.pt``.
+- ``weight_samples`` (Table 2 with ``ranks: [1, 2, 3]``; Fig. 6 left with ``ranks: []``): per run, the negative
+  ELBO, NLL and accuracy of its posterior (and of the posterior with every weight std matrix replaced by its
+  rank-k approximation), each the mean and SEM over ``samples`` weight samples as the paper reports them
+  (:func:`bdl_bench.studies.low_rank_std.low_rank_study`), with the number of variational parameters, beside
+  the paper's numbers. The paper's -ELBO is compared with ours on the test set (``test_neg_elbo``: test NLL plus
+  KL / N), as Fig. 6 left says of its own; the training set's is shown beside it.
+- ``step_records`` (Fig. 6 right and Fig. 7's MLP panel): the runs' ``steps.csv`` (``method.record_every``,
+  :mod:`bdl_bench.methods._step_records`): the mean gradient SNR of the Dense 2 layer's std parameters and the
+  validation -ELBO at the paper's steps, mean and SEM over the seeds, beside the paper's; the PNG draws both
+  along training (Fig. 7: the validation -ELBO).
+
+Agreement is the project's rounding-aware two-SE rule (:data:`bdl_bench.report.paper.ROUNDING_RULE`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+
+from bdl_bench.errors import ResultsError
+from bdl_bench.report.paper import PaperValue, half_unit, read_paper_csv_text
+from bdl_bench.results import METRICS_FILE, find_run_dirs
+
+PAPER_TABLES = {"table2": "ktied_table2_low_rank.csv", "fig6_left": "ktied_table3_training.csv"}
+LABELS = {"mean_field": "mean-field", "1_tied": "1-tied", "2_tied": "2-tied", "3_tied": "3-tied"}
+
+
+def _config(run_dir: Path) -> dict:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def _column(config: dict) -> str:
+    """``mean_field`` (gmfvi) or ``<k>_tied`` (ktied)."""
+    method = config["method"]
+    return f"{int(method['k'])}_tied" if method["name"] == "ktied" else "mean_field"
+
+
+def _runs(folder: Path, *, posterior: bool = False, methods: Sequence[str] = ("gmfvi", "ktied")) -> list[Path]:
+    """Finished runs of ``methods`` below ``folder`` (with ``posterior.pt`` where asked), in folder order."""
+    found = [
+        d
+        for d in find_run_dirs(folder)
+        if (d / METRICS_FILE).exists()
+        and (not posterior or (d / "posterior.pt").exists())
+        and _config(d)["method"]["name"] in methods
+    ]
+    if not found:
+        what = "with posterior.pt " if posterior else ""
+        raise ResultsError(f"no finished {'/'.join(methods)} run {what}below {folder}")
+    return found
+
+
+def _paper(csv: str, model_dataset: str = "mnist_mlp") -> dict[tuple[str, str], PaperValue]:
+    """(column, metric) → the printed value with its SEM and rounding."""
+    frame = read_paper_csv_text(csv)
+    out = {}
+    for row in frame[frame["model_dataset"] == model_dataset].to_dict("records"):
+        for metric in ("neg_elbo", "nll", "accuracy"):
+            value, se = row[f"{metric}_mean"], row[f"{metric}_sem"]
+            out[(row["method"], metric)] = PaperValue(float(value), float(se), half_unit(value), half_unit(se))
+    return out
+
+
+def _verdict(ours: float, se: float, paper: PaperValue | None) -> bool | None:
+    if paper is None or math.isnan(ours):
+        return None
+    return abs(ours - paper.value) <= paper.band(se)
+
+
+def _cell(mean: float, se: float | None, digits: int = 3) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    return f"{mean:.{digits}f}" if se is None or math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "–" if value is None else ("yes" if value else "NO")
+
+
+# ---------------------------------------------------------------------------------------------- Fig. 3
+def std_spectra(folder: Path, out: Path, max_k: int = 10) -> tuple[Path, pd.DataFrame, str]:
+    """Fig. 3 from the first finished GMFVI run with a posterior: the PNG, the spectra's first three fractions
+    per layer and parameter, and that table as markdown."""
+    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, plot_spectra, spectra
+
+    run = _runs(folder, posterior=True, methods=("gmfvi",))[0]
+    net, _, _ = MeanFieldNetwork.from_run(run)
+    frame = spectra(net)
+    png = plot_spectra(frame, out, max_k=max_k)
+    table = frame[frame["k"] <= 3].pivot_table(index=["layer", "shape", "parameter"], columns="k", values="fraction")
+    table.columns = [f"k{k}" for k in table.columns]
+    table = table.reset_index()
+    table["top2"] = table["k1"] + table.get("k2", 0.0)
+    table = table.assign(dataset="mnist", method=table["parameter"], n_runs=1)
+    lines = ["| layer | shape | matrix | k = 1 | k = 2 | k = 3 | k <= 2 |", "|---|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        cells = [f"{getattr(r, c):.3f}" if hasattr(r, c) else "–" for c in ("k1", "k2", "k3", "top2")]
+        lines.append(f"| dense {r.layer} | {r.shape} | {r.parameter}s | " + " | ".join(cells) + " |")
+    return png, table, "\n".join(lines) + f"\n\nfraction of variance per singular value; run {run.name}"
+
+
+# ---------------------------------------------------------------------------------------------- Table 2, Fig. 6 left
+def n_variational_params(net: object, k: int | None) -> int:
+    """Means plus std parameters: every parameter's mean and bias std, and per weight matrix ``mn`` (mean-field,
+    ``k = None``) or ``k(m + n)`` (k-tied; Table 1 of the paper)."""
+    total = int(net.mean.numel())  # type: ignore[attr-defined]
+    for layer in net.layers:  # type: ignore[attr-defined]
+        m, n = layer.out_features, layer.in_features
+        total += layer.n_params - layer.n_weights  # the biases' stds
+        total += m * n if k is None else min(k, m, n) * (m + n)
+    return total
+
+
+def weight_samples(
+    folder: Path, ranks: Sequence[int], paper: str, samples: int | None = None, seed: int = 0
+) -> tuple[pd.DataFrame, str]:
+    """Table 2 (``ranks`` [1, 2, 3], ``paper`` ``table2``) or Fig. 6 left (``ranks`` [], ``paper`` ``fig6_left``):
+    one row per run and approximation; ``samples`` weight samples (default: the run's ``trainer.n_test_mc_samples``)."""
+    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, low_rank_study
+
+    published = _paper(PAPER_TABLES[paper])
+    rows = []
+    methods = ("gmfvi",) if ranks else ("gmfvi", "ktied")
+    for run in _runs(folder, posterior=True, methods=methods):
+        config = _config(run)
+        net, dataset, likelihood = MeanFieldNetwork.from_run(run)
+        n = int(samples or config["trainer"]["n_test_mc_samples"])
+        study = low_rank_study(
+            net, dataset, likelihood, ranks=list(ranks), n_samples=n, generator=torch.Generator().manual_seed(seed)
+        )
+        trained = _column(config)
+        k = None if trained == "mean_field" else int(config["method"]["k"])
+        for r in study.to_dict("records"):
+            column = trained if r["rank"] == 0 else f"{int(r['rank'])}_tied"
+            row = {
+                "dataset": "mnist",
+                "method": column if r["rank"] == 0 else f"mean_field, rank-{int(r['rank'])} std",
+                "seed": int(config["trainer"]["seed"]),
+                "n_runs": 1,
+                "n_samples": n,
+                "n_variational_params": n_variational_params(net, k if r["rank"] == 0 else int(r["rank"])),
+                "neg_elbo": r["test_neg_elbo_mean"],
+                "neg_elbo_se": r["test_neg_elbo_sem"],
+                "train_neg_elbo": r["neg_elbo_mean"],
+                "nll": r["nll_mean"],
+                "nll_se": r["nll_sem"],
+                "accuracy": 100 * r["accuracy_mean"],
+                "accuracy_se": 100 * r["accuracy_sem"],
+                "ensemble_nll": r["ensemble_nll"],
+                "ensemble_accuracy": 100 * r["ensemble_accuracy"],
+                "ece": r["ensemble_ece"],
+            }
+            for metric in ("neg_elbo", "nll", "accuracy"):
+                value = published.get((column, metric))
+                row[f"paper_{metric}"] = None if value is None else value.value
+                row[f"paper_{metric}_se"] = None if value is None else value.se
+                row[f"agrees_{metric}"] = _verdict(row[metric], row[f"{metric}_se"], value)
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    order = {name: i for i, name in enumerate(LABELS)}
+    frame = frame.sort_values(
+        ["seed", "method"],
+        key=lambda c: c.map(lambda v: order.get(v, len(order))) if c.name == "method" else c,
+        kind="stable",
+        ignore_index=True,
+    )
+    return frame, _weight_samples_markdown(frame, paper)
+
+
+def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
+    headers = ["posterior", "seed", "# var. params [k]"]
+    for label in ("-ELBO (test)", "NLL", "accuracy %"):
+        headers += [f"{label} (ours)", f"{label} (paper)", "agrees"]
+    headers += ["-ELBO (train)", "mixture NLL", "mixture accuracy %", "ECE"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in frame.to_dict("records"):
+        cells = [str(r["method"]), str(r["seed"]), f"{r['n_variational_params'] / 1000:.0f}"]
+        for metric, digits in (("neg_elbo", 3), ("nll", 3), ("accuracy", 1)):
+            cells += [
+                _cell(r[metric], r[f"{metric}_se"], digits + 1),
+                _cell(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
+                _yes_no(r[f"agrees_{metric}"]),
+            ]
+        cells += [_cell(r["train_neg_elbo"], None), _cell(r["ensemble_nll"], None)]
+        cells += [_cell(r["ensemble_accuracy"], None, 2), _cell(r["ece"], None)]
+        lines.append("| " + " | ".join(cells) + " |")
+    n = int(frame["n_samples"].iloc[0]) if len(frame) else 0
+    source = "Table 2 (MNIST MLP)" if paper == "table2" else "Fig. 6 left (MNIST MLP)"
+    return "\n".join(lines) + (
+        f"\n\nPaper: {source}. Ours: mean ± SEM over {n} weight samples of each run (the paper's 100); -ELBO per "
+        "example, the test NLL plus KL / N (N = 50,000 training images); the mixture columns score the predictive "
+        "average of the samples. agrees: the rounding-aware two-SE rule stated under the runs' table."
+    )
+
+
+# ---------------------------------------------------------------------------------------------- Fig. 6 right, Fig. 7
+def _paper_steps() -> pd.DataFrame:
+    return read_paper_csv_text("ktied_fig6_right.csv")
+
+
+def step_records(
+    folder: Path, out: Path, steps: Sequence[int], snr_column: str = "grad_snr_l2"
+) -> tuple[Path, pd.DataFrame, str]:
+    """Fig. 6 right's table (mean ± SEM over seeds at ``steps``) and a PNG of the SNR and the validation -ELBO
+    along training (Fig. 7's MLP panel), from every run's ``steps.csv``."""
+    records = []
+    for run in _runs(folder):
+        path = run / "steps.csv"
+        if path.exists():
+            config = _config(run)
+            frame = pd.read_csv(path).assign(column=_column(config), seed=int(config["trainer"]["seed"]))
+            records.append(frame)
+    if not records:
+        raise ResultsError(f"no run below {folder} has steps.csv (runs with method.record_every > 0)")
+    every = pd.concat(records, ignore_index=True)
+    if snr_column not in every.columns:
+        every[snr_column] = float("nan")
+    paper = _paper_steps()
+    rows = []
+    for (column, step), group in every[every["step"].isin(list(steps))].groupby(["column", "step"]):
+        row: dict = {"dataset": "mnist", "method": column, "step": int(step), "n_runs": len(group)}
+        match = paper[(paper["method"] == column) & (paper["step"].astype(int) == int(step))]
+        for metric, source, paper_key in (("snr", snr_column, "snr"), ("val_neg_elbo", "val_neg_elbo", "neg_elbo")):
+            values = group[source].astype(float)
+            row[metric] = float(values.mean())
+            row[f"{metric}_se"] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
+            value = None
+            if len(match):
+                text, se = match.iloc[0][f"{paper_key}_mean"], match.iloc[0][f"{paper_key}_sem"]
+                value = PaperValue(float(text), float(se), half_unit(text), half_unit(se))
+            row[f"paper_{metric}"] = None if value is None else value.value
+            row[f"paper_{metric}_se"] = None if value is None else value.se
+            se = row[f"{metric}_se"]
+            row[f"agrees_{metric}"] = _verdict(row[metric], 0.0 if math.isnan(se) else se, value)
+        rows.append(row)
+    if not rows:
+        raise ResultsError(f"no run below {folder} recorded any of the steps {list(steps)}")
+    table = pd.DataFrame(rows).sort_values(["step", "method"], ignore_index=True)
+    png = _plot_steps(every, out, snr_column, paper)
+    return png, table, _steps_markdown(table, snr_column)
+
+
+def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
+    headers = ["step", "posterior", "runs", "SNR (ours)", "SNR (paper)", "agrees"]
+    headers += ["val -ELBO (ours)", "val -ELBO (paper)", "agrees"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in table.to_dict("records"):
+        cells = [str(r["step"]), LABELS.get(r["method"], r["method"]), str(r["n_runs"])]
+        for metric, digits in (("snr", 2), ("val_neg_elbo", 3)):
+            cells += [
+                _cell(r[metric], r[f"{metric}_se"], digits),
+                _cell(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
+                _yes_no(r[f"agrees_{metric}"]),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nSNR: {snr_column} of steps.csv, the mean over the layer's std parameters of E[g²]/Var[g] over the "
+        "10 batches up to the step (the paper's footnote 3); val -ELBO: validation NLL per example over 10 weight "
+        "samples plus the full KL / N. Ours and the paper's: mean ± SEM over the seeds; agrees: the rounding-aware "
+        "two-SE rule stated under the runs' table."
+    )
+
+
+def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataFrame) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, column in enumerate(sorted(every["column"].unique(), key=list(LABELS).index)):
+        colour = f"C{i}"
+        mean = every[every["column"] == column].groupby("step")[["val_neg_elbo", snr_column]].mean()
+        label = LABELS.get(column, column)
+        axes[0].plot(mean.index, mean["val_neg_elbo"], ".-", color=colour, label=label)
+        axes[1].plot(mean.index, mean[snr_column], ".-", color=colour, label=label)
+        published = paper[paper["method"] == column]
+        steps = published["step"].astype(int)
+        axes[0].plot(steps, published["neg_elbo_mean"].astype(float), "x", color=colour, ms=8)
+        axes[1].plot(steps, published["snr_mean"].astype(float), "x", color=colour, ms=8)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("validation -ELBO per example")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel(f"gradient SNR ({snr_column.removeprefix('grad_snr_')})")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.set_xscale("log")
+    axes[0].set_title("Fig. 7 (MLP): validation -ELBO; x = paper, Fig. 6")
+    axes[1].set_title("Fig. 6 right: SNR of Dense 2's std parameters")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
