@@ -75,7 +75,7 @@ def test_ood_metrics_keys_and_values() -> None:
 
 
 def test_uncertainty_figure_from_a_run_folder(tmp_path: Path, generator: torch.Generator) -> None:
-    from bdl_bench.report.ood_plots import plot_uncertainty
+    from bdl_bench.report.ood_plots import entropy_groups, plot_uncertainty
 
     probs = torch.softmax(3 * torch.randn(200, 10, generator=generator), -1)
     labels = torch.randint(0, 10, (200,), generator=generator)
@@ -87,5 +87,13 @@ def test_uncertainty_figure_from_a_run_folder(tmp_path: Path, generator: torch.G
     np.savez(run / "uncertainty.npz", **arrays)
     out = plot_uncertainty([run], tmp_path / "ood.png")
     assert out.stat().st_size > 1000
+    # DEF Fig. 6's groups: correctly classified test images against notMNIST and the misclassified ones
+    groups = entropy_groups(arrays, "paper")
+    correct = arrays["test_correct"].astype(bool)
+    assert len(groups["in-dist (correct test)"]) == correct.sum()
+    assert len(groups["out-dist (OOD and misclassified)"]) == 100 + (~correct).sum()
+    assert plot_uncertainty([run], tmp_path / "paper.png", grouping="paper").stat().st_size > 1000
+    with pytest.raises(ValueError, match="grouping"):
+        entropy_groups(arrays, "ours")
     with pytest.raises(FileNotFoundError, match="uncertainty.npz is missing"):
         plot_uncertainty([tmp_path], tmp_path / "x.png")

@@ -204,3 +204,61 @@ def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
     assert defs["err_offdiag"].iloc[-1] == pytest.approx(efb["err_offdiag"])  # full-rank DEF: EFB's off-diagonal
     diag = table[table["method"] == "Diag"].iloc[0]
     assert diag["err_diag"] == 0 and diag["err_offdiag"] == pytest.approx(1.0)  # the exact diagonal, no off-diagonal
+
+
+SHARED_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
+needs_mnist = pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist is not beside the checkout")
+TINY_MNIST = ["model.hidden=[8,8]", "trainer.n_test_mc_samples=5", "trainer.n_elbo_mc_samples=2"]
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_quick_reproduce_of_ktied_table2_writes_fig3_and_the_rank_k_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ktied_table2: one unannealed GMFVI run, then Fig. 3's spectra (PNG and numbers) and Table 2's rank-k rows
+    beside the paper's, over the run's trainer.n_test_mc_samples weight samples."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["ktied_table2", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    main([*args, *TINY_MNIST, f"data.mirror={SHARED_MNIST}"])
+    folder = tmp_path / "ktied_table2_quick"
+    assert (folder / "fig3_spectra.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (folder / "reproduce.md").read_text()
+    assert report.index("fig3_spectra (the figure's numbers)") < report.index("table2_low_rank (the figure's")
+    assert "| dense 2 | 8 x 8 | stds |" in report and "![fig3_spectra](fig3_spectra.png)" in report
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    rows = table[table["figure"] == "table2_low_rank"].set_index("method")
+    assert list(rows.index) == ["mean_field", *(f"mean_field, rank-{k} std" for k in (1, 2, 3))]
+    assert (rows["n_samples"] == 5).all() and rows["paper_neg_elbo"].tolist() == [0.431, 3.41, 0.456, 0.450]
+    # rank k keeps k(m + n) std numbers per weight matrix: 784-8-8-10 has (8+784) + (8+8) + (10+8) = 826 per k
+    assert rows["n_variational_params"].iloc[1:].diff().dropna().tolist() == [826.0, 826.0]
+    assert rows["agrees_nll"].notna().all() and (rows["neg_elbo"] > rows["nll"]).all()  # -ELBO adds KL / N
+    spectra = table[table["figure"] == "fig3_spectra"]
+    assert set(spectra["parameter"]) == {"std", "mean"} and len(spectra) == 6  # 3 layers x (std, mean)
+    config = yaml.safe_load(next(folder.rglob("config.yaml")).read_text())
+    assert config["method"]["kl_annealing_steps"] == 0
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_quick_reproduce_of_ktied_fig6_records_the_paper_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ktied_fig6: steps.csv every 1000 steps (3 quick epochs of 391 batches reach step 1000), Fig. 6 left per run
+    and Fig. 6 right at step 1000 beside the paper's, and the curves' PNG."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["ktied_fig6", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    main([*args, *TINY_MNIST, f"data.mirror={SHARED_MNIST}", "variant=ktied_fig6/mean_field,ktied_fig6/2_tied"])
+    folder = tmp_path / "ktied_fig6_quick"
+    assert (folder / "fig6_right.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = [pd.read_csv(p) for p in folder.rglob("steps.csv")]
+    assert len(steps) == 2 and all(list(s["step"]) == [1000] for s in steps)
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    right = table[table["figure"] == "fig6_right"].set_index("method")
+    assert sorted(right.index) == ["2_tied", "mean_field"] and (right["step"] == 1000).all()
+    assert right.loc["mean_field", "paper_snr"] == 4.13 and right.loc["2_tied", "paper_val_neg_elbo"] == 42.74
+    assert (right["snr"] >= 1.0).all()  # E[g²]/Var[g] >= 1
+    left = table[table["figure"] == "fig6_left"].set_index("method")
+    assert left.loc["mean_field", "paper_neg_elbo"] == 0.501 and left.loc["2_tied", "paper_nll"] == 0.129
+    # variational parameters: mean-field 2 x (all weights and biases), 2-tied the means, bias stds and 2(m + n)
+    d, biases = 784 * 8 + 8 * 8 + 8 * 10 + 8 + 8 + 10, 8 + 8 + 10
+    assert left.loc["mean_field", "n_variational_params"] == 2 * d
+    assert left.loc["2_tied", "n_variational_params"] == d + biases + 2 * (8 + 784 + 8 + 8 + 10 + 8)

@@ -489,6 +489,7 @@ def main(args: list[str]) -> None:
     if own:  # the figures' numbers are the table; the runs' metrics follow as what they were computed from
         text = "\n\n".join(figure_table(d) for d in own) + f"\n\nThe runs the figure is computed from:\n\n{text}"
         frame = pd.concat([d.table.assign(figure=d.name) for d in own], ignore_index=True)  # type: ignore[union-attr]
+    text += "".join(f"\n\n{figure_table(d)}" for d in figures if not d.is_table and d.table_markdown)
     text += "".join(f"\n\n![{d.name}]({d.png.name})" for d in figures if d.png is not None)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
     atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")

@@ -15,6 +15,12 @@ them the reproduction's table (``reproduce.md`` and ``reproduce.csv``: the paper
 figure, so its runs' metrics are not what is compared), and ``criterion`` is printed under it: how agreement
 with the paper's figure is judged.
 
+The k-tied kinds (:mod:`bdl_bench.report.ktied`): ``std_spectra`` (Fig. 3), ``weight_samples`` (Table 2 with
+``ranks: [1, 2, 3]`` and ``paper: table2``; Fig. 6 left with ``ranks: []`` and ``paper: fig6_left``; a table, no
+PNG) and ``step_records`` (Fig. 6 right's table at ``steps``, Fig. 7's curve as the PNG). ``def_ranks`` (DEF Table 2,
+:mod:`bdl_bench.report.def_ranks`) is a table without a PNG too. The table of a figure without ``table: true`` is
+printed after the runs' table.
+
 A figure whose runs are not there yet (a sweep restricted to some datasets) is skipped with its reason, so a
 partial reproduction still gets its table.
 """
@@ -30,7 +36,17 @@ import pandas as pd
 
 from bdl_bench.errors import ResultsError
 
-KINDS = ("convergence", "covariance", "ood", "def_toy", "frobenius", "std_spectra", "weight_samples", "step_records")
+KINDS = (
+    "convergence",
+    "covariance",
+    "ood",
+    "def_toy",
+    "frobenius",
+    "def_ranks",
+    "std_spectra",
+    "weight_samples",
+    "step_records",
+)
 KTIED_KINDS = KINDS[-3:]  # k-tied Fig. 3, Table 2 / Fig. 6 left, Fig. 6 right / Fig. 7 (bdl_bench.report.ktied)
 
 
@@ -82,6 +98,11 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
         return Drawn(plot_runs(folder, out, methods), spec)
     if kind in KTIED_KINDS:
         return _ktied(spec, folder, out)
+    if kind == "def_ranks":  # DEF Table 2: a table, no PNG
+        from bdl_bench.report.def_ranks import def_ranks_table
+
+        table, text = def_ranks_table(folder, str(spec.get("in_domain", "mnist")))
+        return Drawn(None, spec, table, text)
     if kind == "frobenius":
         from bdl_bench.report.frobenius import markdown_table
         from bdl_bench.report.frobenius import plot_runs as plot_frobenius
@@ -101,7 +122,7 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
     run_dirs = [d for d in find_run_dirs(folder) if (d / "uncertainty.npz").exists()]
     if not run_dirs:
         raise ResultsError(f"no run below {folder} has uncertainty.npz (runs with an OOD set)")
-    return Drawn(plot_uncertainty(run_dirs, out), spec)
+    return Drawn(plot_uncertainty(run_dirs, out, grouping=str(spec.get("grouping", "test"))), spec)
 
 
 def _ktied(spec: Mapping[str, Any], folder: Path, out: Path) -> Drawn:

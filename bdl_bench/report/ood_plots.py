@@ -85,8 +85,33 @@ def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def entropy_groups(arrays: Mapping[str, np.ndarray], grouping: str = "test") -> dict[str, np.ndarray]:
+    """The normalised entropies a histogram panel shows, by label (see :func:`plot_uncertainty`'s ``grouping``).
+
+    Raises:
+        ValueError: for a grouping other than ``test`` and ``paper``.
+    """
+    if grouping == "test":
+        groups = {"test (in-distribution)": arrays["test_entropy"]}
+        if "ood_entropy" in arrays:
+            groups["out-of-distribution"] = arrays["ood_entropy"]
+        return groups
+    if grouping != "paper":
+        raise ValueError(f"grouping must be test or paper, got {grouping!r}")
+    correct = arrays["test_correct"].astype(bool)
+    wrong = [arrays["test_entropy"][~correct], arrays.get("ood_entropy", np.empty(0))]
+    return {
+        "in-dist (correct test)": arrays["test_entropy"][correct],
+        "out-dist (OOD and misclassified)": np.concatenate(wrong),
+    }
+
+
 def plot_uncertainty(
-    run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None = None, n_bins: int = 15
+    run_dirs: Sequence[Path],
+    out: Path,
+    labels: Sequence[str] | None = None,
+    n_bins: int = 15,
+    grouping: str = "test",
 ) -> Path:
     """One row per run: its reliability diagram and its in-distribution vs OOD entropy histograms.
 
@@ -95,6 +120,9 @@ def plot_uncertainty(
         out: Image file to write (format from the suffix).
         labels: Row titles (default: the folder names).
         n_bins: Confidence bins of the reliability diagram.
+        grouping: ``"test"``: the whole test set against the OOD set; ``"paper"``: DEF Fig. 6's groups, the
+            correctly classified test images ("in-dist") against the OOD images and the misclassified test
+            images together ("out-dist").
 
     Returns:
         ``out``.
@@ -109,10 +137,7 @@ def plot_uncertainty(
             torch.from_numpy(arrays["test_confidence"]), torch.from_numpy(arrays["test_correct"]), n_bins
         )
         plot_reliability_diagram(diagram, axes[row, 0], title=label)
-        entropies = {"test (in-distribution)": arrays["test_entropy"]}
-        if "ood_entropy" in arrays:
-            entropies["out-of-distribution"] = arrays["ood_entropy"]
-        plot_entropy_histograms(entropies, axes[row, 1], title=label)
+        plot_entropy_histograms(entropy_groups(arrays, grouping), axes[row, 1], title=label)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -483,6 +483,24 @@ def test_lenet_convolutions_are_supported(structure: str) -> None:
         assert method.fit_info["kept_rank"] >= 4 * 4  # at least K per layer, four weight layers
 
 
+def test_def_writes_its_per_layer_ranks(tmp_path: Path) -> None:
+    """DEF Table 2: def_ranks.csv in the run folder holds each layer's weight count N and kept L = g x a >= K."""
+    import pandas as pd
+
+    problem, x, y = _tiny_lenet_problem(images=True)
+    method = make_laplace(structure="def", rank=4)
+    method.setup(problem)
+    method.use_validation(x[:0], y[:0], tmp_path)
+    method.fit(x, y, n_epochs=1, batch_size=15, data_generator=torch.Generator().manual_seed(2))
+    ranks = pd.read_csv(tmp_path / "def_ranks.csv")
+    assert list(ranks["kind"]) == ["conv", "conv", "linear", "linear"]
+    assert (ranks["kept_rank"] == ranks["g"] * ranks["a"]).all() and (ranks["kept_rank"] >= 4).all()
+    assert (ranks["n_block"] == ranks["m"] * ranks["n"]).all()
+    weights = [m.weight.numel() for m in problem.model.modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)]
+    assert list(ranks["n_weights"]) == weights
+    assert ranks["kept_rank"].sum() == method.fit_info["kept_rank"]
+
+
 @pytest.mark.parametrize("predictive", ["sample", "linearised"])
 def test_predict_on_input_slices_equals_one_pass(monkeypatch: pytest.MonkeyPatch, predictive: str) -> None:
     """Slicing a large test set (memory bound for a conv net) draws the same posterior samples."""

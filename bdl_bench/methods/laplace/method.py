@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import pandas as pd
 import torch
 from torch import Tensor
 
@@ -38,11 +39,12 @@ from bdl_bench.methods.laplace.search import (
     prior_groups,
     write_search_table,
 )
-from bdl_bench.methods.laplace.structures import STRUCTURES, KfacPrior, Structure
+from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE, STRUCTURES, KfacPrior, Structure
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.progress import delayed_bar
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, Range
+from bdl_bench.results import atomic_write_text
 
 _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": torch.float32, "float64": torch.float64}
 
@@ -238,6 +240,9 @@ class Laplace(GaussianPredictive, PostHocMethod):
         started = time.perf_counter()
         curvature = self._structure.curvature(theta, batches)
         self.fit_info["n_curvature_examples"] = x.shape[0]
+        ranks = getattr(self._structure, "layer_ranks", None)
+        if ranks and self._run_dir is not None:  # DEF: the per-layer reduction (Lee et al., Table 2)
+            atomic_write_text(self._run_dir / DEF_RANKS_FILE, pd.DataFrame(ranks).to_csv(index=False))
         if self.search is None:
             scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
             self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))

@@ -43,6 +43,7 @@ from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, 
 
 logger = logging.getLogger(__name__)
 
+DEF_RANKS_FILE = "def_ranks.csv"  # DEF's per-layer reduction in the run folder (bdl_bench.report.def_ranks)
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 
 Batches = Callable[..., Iterable[PseudoGrads]]
@@ -291,6 +292,25 @@ class Efb(LaplaceStructure):
         return out
 
 
+def layer_rank(low: Any) -> dict[str, Any]:
+    """One row of ``def_ranks.csv`` (DEF Table 2): the layer's position and kind, its block's shape m x n (n with
+    the bias column), its weight count (the paper's N: weights only), and the kept grid g x a = L."""
+    slot = low.slot
+    m, n = low.factor_out.shape[0], low.factor_in.shape[0]
+    g, a = low.eigenvalues.shape
+    return {
+        "module_index": slot.module_index,
+        "kind": "linear" if slot.conv is None else "conv",
+        "m": m,
+        "n": n,
+        "n_weights": slot.out_features * slot.in_features,
+        "n_block": m * n,
+        "g": g,
+        "a": a,
+        "kept_rank": g * a,
+    }
+
+
 class Def(Efb):
     r""":math:`(U_{G,1:g}\otimes U_{A,1:a})(N\Lambda_{1:L})(\cdot)^\top + \operatorname{diag}(N D + \tau)`, Lee et al.
     eq. 9 → ``KroneckerLowRankPlusDiagGaussian``.
@@ -320,6 +340,7 @@ class Def(Efb):
                     f"(limit {MAX_DEF_RANK}): lower method.rank"
                 )
         self.info["kept_rank"] = sum(low.rank for low in lows)
+        self.layer_ranks = [layer_rank(low) for low in lows]
         return {"lows": lows, "corrections": corrections}
 
     def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:

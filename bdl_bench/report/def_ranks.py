@@ -1,0 +1,80 @@
+"""DEF Table 2 (Lee et al. 2020): per layer, the parameter dimension N and the rank L that DEF's low-rank reduction
+keeps, from each DEF run's ``def_ranks.csv`` (written by the Laplace method, ``structure=def``), beside the paper's.
+
+The paper's N counts a layer's weights only (its CNN-1, 5x5 kernels of 32 channels, has N = 800); our block
+also holds the bias column (``n_block`` = m x (inputs + 1)), and L = g x a is the kept grid of Alg. 1 over it. The
+paper does not say how it chose L per layer (its L are neither one K nor one fraction of N); ours follow from one
+``method.rank`` K for every layer (L >= K: Alg. 1 keeps whole rows and columns of the top-K eigenvalue grid).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from bdl_bench.errors import ResultsError
+from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE
+from bdl_bench.report.paper import read_paper_csv
+from bdl_bench.results import find_run_dirs
+
+
+def layer_names(kinds: list[str]) -> list[str]:
+    """The paper's layer names: ``CNN-1``, ``CNN-2``, ... for convolutions, ``FC-1``, ... for dense layers."""
+    counts = {"conv": 0, "linear": 0}
+    names = []
+    for kind in kinds:
+        counts[kind] += 1
+        names.append(f"{'CNN' if kind == 'conv' else 'FC'}-{counts[kind]}")
+    return names
+
+
+def def_ranks_table(folder: Path, in_domain: str = "mnist") -> tuple[pd.DataFrame, str]:
+    """One row per layer and DEF run below ``folder``, with the paper's N and L of ``in_domain``.
+
+    Raises:
+        ResultsError: when no run below ``folder`` has ``def_ranks.csv``.
+    """
+    paper = read_paper_csv("def_table2_ranks.csv")
+    paper = paper[paper["in_domain"] == in_domain].set_index("layer")
+    frames = []
+    for run in find_run_dirs(folder):
+        path = run / DEF_RANKS_FILE
+        if not path.exists():
+            continue
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        ranks = pd.read_csv(path)
+        ranks.insert(0, "layer", layer_names(list(ranks["kind"])))
+        ranks.insert(0, "rank_k", config["method"].get("rank"))
+        ranks["percent"] = 100 * ranks["kept_rank"] / ranks["n_weights"]
+        ranks["paper_n"] = ranks["layer"].map(paper["n"])
+        ranks["paper_l"] = ranks["layer"].map(paper["l"])
+        ranks["paper_percent"] = ranks["layer"].map(paper["percent"])
+        frames.append(ranks.assign(dataset=in_domain, method="def", n_runs=1))
+    if not frames:
+        raise ResultsError(f"no run below {folder} has {DEF_RANKS_FILE} (DEF runs, structure=def)")
+    table = pd.concat(frames, ignore_index=True)
+    lines = [
+        "| layer | K | N (weights) | block m x n | kept g x a | L | L / N % | paper N | paper L | paper % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table.to_dict("records"):
+        paper_cells = [_int(r["paper_n"]), _int(r["paper_l"]), _num(r["paper_percent"])]
+        lines.append(
+            f"| {r['layer']} | {_int(r['rank_k'])} | {r['n_weights']} | {r['m']} x {r['n']} | {r['g']} x {r['a']} | "
+            f"{r['kept_rank']} | {r['percent']:.2f} | " + " | ".join(paper_cells) + " |"
+        )
+    note = (
+        "\n\nDEF Table 2: N the layer's weights (the paper's count; our block adds the bias column), L = g x a the "
+        "kept rank of Alg. 1 for the run's K = method.rank per layer; the paper does not say how it chose its L."
+    )
+    return table, "\n".join(lines) + note
+
+
+def _int(value: object) -> str:
+    return "–" if value is None or pd.isna(value) else str(int(value))
+
+
+def _num(value: object) -> str:
+    return "–" if value is None or pd.isna(value) else f"{float(value):.2f}"
