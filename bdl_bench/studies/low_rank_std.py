@@ -22,7 +22,8 @@ standard deviations.
 
 A study starts from a fitted method (:meth:`MeanFieldNetwork.from_method`) or from a finished run
 folder (:meth:`MeanFieldNetwork.from_run`: ``config.yaml`` plus the ``posterior.pt`` the runner saves),
-so any ``bdl-bench run method=gmfvi ...`` can be analysed afterwards (``scripts/low_rank_std_study.py``).
+so any ``bdl-bench run method=gmfvi ...`` can be analysed afterwards (``bdl-bench reproduce ktied_table2`` does,
+through :mod:`bdl_bench.report.ktied`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ import math
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import torch
 from torch.testing import assert_close
@@ -15,7 +14,6 @@ from bdl_bench.data.base import Dataset, Task
 from bdl_bench.likelihoods import Bernoulli, Gaussian
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.metrics import predictive_metrics
-from bdl_bench.studies.grad_snr import plot_grad_snr, snr_curves
 from bdl_bench.studies.low_rank_std import (
     MeanFieldNetwork,
     explained_variance,
@@ -128,25 +126,3 @@ def test_from_a_run_folder(tmp_path: Path, compose_cfg) -> None:  # noqa: ANN001
     )
     assert {"rmse_mean", "ensemble_rmse", "ensemble_test_ll"} <= set(table.columns)
     assert table["neg_elbo_mean"].notna().all()
-
-
-def test_snr_curves_and_plot(tmp_path: Path) -> None:
-    for name, k in (("gmfvi", None), ("ktied", 2)):
-        folder = tmp_path / name
-        folder.mkdir()
-        method = {"name": name} | ({"k": k} if k else {})
-        (folder / "config.yaml").write_text(f"method: {method}\n")
-        pd.DataFrame(
-            {
-                "epoch": [1, 2, 3],
-                "train/loss": [3.0, 2.0, 1.0],
-                "train/grad_snr": [None, 50.0, 20.0],
-                "train/grad_snr_l1": [None, 60.0, 30.0],
-            }
-        ).to_csv(folder / "history.csv", index=False)
-    frame = snr_curves(sorted(tmp_path.iterdir()))
-    assert set(frame["label"]) == {"mean-field", "2-tied"}
-    assert len(frame[frame["column"] == "grad_snr"]) == 4  # the empty first epoch is dropped
-    assert plot_grad_snr(frame, tmp_path / "snr.png").stat().st_size > 0
-    with pytest.raises(ValueError, match="grad_snr_l9"):
-        plot_grad_snr(frame, tmp_path / "x.png", column="grad_snr_l9")
