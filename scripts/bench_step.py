@@ -132,8 +132,9 @@ def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) ->
     U^T G and G W (L of them each, biases included); the Gram matrix GᵀG = Σ_l (A Aᵀ)∘(ΔΔᵀ) (P² (in +
     out) per layer); the rotation U W_U and U^T D^{-1} U (D·L² each); and the products of U with
     vectors (D·L each): two per sample drawn (Uᵀ D⁻¹ z and U c, with an L x L product), U^T D^{-1} v and
-    U c in the Woodbury solve of the mean step. ``tests/test_bench_step.py`` checks the count against
-    the matrix products of a real step.
+    U c in the Woodbury solve of the mean step. The first layer's input is the same for the S samples: its
+    terms of the four P·D products are taken once per example (batch instead of P rows), and its A Aᵀ once
+    (batch² in). ``tests/test_bench_step.py`` checks the count against the matrix products of a real step.
     """
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     weights = [m.in_features * m.out_features for m in linears]
@@ -142,10 +143,12 @@ def flop_ratio(model: torch.nn.Module, batch: int, rank: int, n_samples: int) ->
     backprop = batch * (2 * total + total - weights[0])
     cols = batch * n_samples
     biases = sum(m.out_features for m in linears if m.bias is not None)
-    gram = cols**2 * sum(m.in_features + m.out_features for m in linears)
+    gram = (
+        cols**2 * sum(m.in_features + m.out_features for m in linears) - (cols**2 - batch**2) * linears[0].in_features
+    )
     slang = (
         n_samples * batch * (2 * total - weights[0])
-        + cols * (2 + 2 * rank) * total
+        + (2 + 2 * rank) * (cols * total - (cols - batch) * weights[0])
         + 2 * cols * rank * biases
         + gram
         + 2 * n_params * rank**2

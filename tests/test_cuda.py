@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,11 +69,12 @@ def test_weighted_gram_takes_u_whole_on_the_device_and_agrees_with_the_blocked_h
 
 def test_stacked_gram_update_on_the_device_equals_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stacked SLANG update's Gram path (lower blocks, shared first input, subspace iteration) on both."""
-    import bdl_bench.methods._slang_stacked as stacked_slang
+    from bdl_bench.curvature import gram
     from bdl_bench.curvature.per_example import linear_layout
+    from bdl_bench.curvature.stacked import StackedFactors
     from bdl_bench.models import build_model
 
-    monkeypatch.setattr(stacked_slang, "_HALF_GRAM_COLUMNS", 4)
+    monkeypatch.setattr(gram, "_HALF_GRAM_COLUMNS", 4)
     g = torch.Generator().manual_seed(5)
     model = build_model({"name": "mlp", "hidden": [4], "activation": "relu"}, in_features=3, out_features=1)
     layout = linear_layout(model)
@@ -87,9 +87,11 @@ def test_stacked_gram_update_on_the_device_equals_the_host(monkeypatch: pytest.M
     ]
     outputs = []
     for u_, x_, h_, *d_ in _both(u, x, hidden, *deltas):
-        cache = SimpleNamespace(factor_gram=u_.mT @ u_, factor_sqnorms=u_.square().sum(-1))
-        acts = [x_.repeat(1, n_samples, 1), h_]
-        outputs.append(stacked_slang._gram_update(u_, cache, list(d_), acts, layout, 0.9, 2.5, 1, {}, None, x_))
+        losses = x_.new_zeros(n_copies, n_samples, n_examples)
+        factors = StackedFactors([x_, h_], list(d_), losses, losses[..., None], first_input_shared=True)
+        kwargs = dict(factor_gram=u_.mT @ u_, factor_sqnorms=u_.square().sum(-1), path="gram", workspace={})
+        update = gram.low_rank_update(factors, layout, u_, old_weight=0.9, new_weight=2.5, **kwargs)
+        outputs.append((update.prec_factor, update.eigenvalues, update.diag_residual))
     for host, device in zip(*outputs):
         assert device.is_cuda
         assert_close(device.cpu(), host, rtol=1e-9, atol=1e-9)

@@ -373,9 +373,9 @@ def test_cli_names_split_folders_like_single_runs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
-    """The stacked SLANG update's subspace iteration against ``torch.linalg.eigh`` (its fallback and twin),
-    on Gram matrices shaped like SLANG's: a dominant rank-L block plus P per-example gradient columns."""
-    from bdl_bench.methods._slang_stacked import top_eigenpairs
+    """The SLANG update's subspace iteration (a stack of matrices) against ``torch.linalg.eigh`` (its fallback and
+    twin), on Gram matrices shaped like SLANG's: a dominant rank-L block plus P per-example gradient columns."""
+    from bdl_bench.curvature.gram import top_eigenpairs
 
     g = torch.Generator().manual_seed(0)
     rank, size = 2, 101
@@ -398,9 +398,9 @@ def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
     torch.testing.assert_close(values, evals[:, -rank:].flip(-1), rtol=1e3 * eps, atol=0.0)
     torch.testing.assert_close(vectors @ vectors.mT, top @ top.mT, rtol=0.0, atol=1e4 * eps)
     # equal top eigenvalues: the iteration cannot separate them, so eigh answers (same eigenvalues)
-    tied = torch.diag_embed(torch.tensor([[5.0, 5.0, 5.0, 1.0] + [0.5] * 8], dtype=dtype))
+    tied = torch.diag_embed(torch.tensor([[5.0, 5.0, 5.0, 1.0] + [0.5] * 8] * 2, dtype=dtype))
     values, vectors = top_eigenpairs(tied, 2)
-    torch.testing.assert_close(values, torch.tensor([[5.0, 5.0]], dtype=dtype))
+    torch.testing.assert_close(values, torch.tensor([[5.0, 5.0]] * 2, dtype=dtype))
 
 
 def test_checkpoint_of_another_set_of_splits_is_discarded(tmp_path: Path, compose_cfg) -> None:
@@ -418,7 +418,7 @@ def test_checkpoint_of_another_set_of_splits_is_discarded(tmp_path: Path, compos
 
 def test_stacked_slang_equals_single_runs_that_take_the_dense_path(compose_cfg, tmp_path: Path) -> None:
     """Logistic regression (D = 15 <= L + P): the single run decomposes the D x D matrix, the stacked one
-    the Gram matrix; with one eigenvector sign convention (gram.canonical_signs) they draw the same
+    the Gram matrix of each copy; with one eigenvector sign convention (gram.canonical_signs) they draw the same
     samples, so a whole Table 1 run agrees to float64 rounding."""
     common = ["experiment=slang_table1", "variant=slang_table1/slang_L1", "data=libsvm/australian"]
     common += ["trainer.n_epochs=3", "trainer.n_test_mc_samples=10", "reference=null"]
@@ -434,10 +434,8 @@ def test_stacked_slang_equals_single_runs_that_take_the_dense_path(compose_cfg, 
 def test_stacked_dense_update_equals_the_gram_update(n_cols: int) -> None:
     """The two stacked top-L updates (D x D matrix for D <= L + P, Gram matrix otherwise) agree on U_new
     (signs included), the eigenvalues and the diagonal residual, on a small two-layer net (D = 11)."""
-    from types import SimpleNamespace
-
+    from bdl_bench.curvature.gram import low_rank_update
     from bdl_bench.curvature.per_example import linear_layout
-    from bdl_bench.methods._slang_stacked import _dense_update, _gram_update
 
     g = torch.Generator().manual_seed(3)
     model = build_model({"name": "mlp", "hidden": [2], "activation": "relu"}, in_features=3, out_features=1)
@@ -446,11 +444,20 @@ def test_stacked_dense_update_equals_the_gram_update(n_cols: int) -> None:
     u = torch.randn(n_copies, layout.n_params, rank, generator=g, dtype=f64)
     acts = [torch.randn(n_copies, n_cols, s.in_features, generator=g, dtype=f64) for s in layout.slots]
     deltas = [torch.randn(n_copies, n_cols, s.out_features, generator=g, dtype=f64) for s in layout.slots]
-    cache = SimpleNamespace(factor_gram=u.mT @ u, factor_sqnorms=u.square().sum(-1))
-    dense = _dense_update(u, deltas, acts, layout, 0.9, 2.5, step=1)
-    gram = _gram_update(u, cache, deltas, acts, layout, 0.9, 2.5, 1, None)
-    for a, b in zip(dense, gram):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    factors = _factors(acts, deltas, n_samples=1)
+    dense = low_rank_update(factors, layout, u, old_weight=0.9, new_weight=2.5, path="dense")
+    gram = low_rank_update(factors, layout, u, old_weight=0.9, new_weight=2.5, path="gram")
+    for name in ("prec_factor", "eigenvalues", "factor_sqnorms", "diag_residual"):
+        torch.testing.assert_close(getattr(dense, name), getattr(gram, name), rtol=1e-9, atol=1e-9)
+
+
+def _factors(inputs: list[torch.Tensor], deltas: list[torch.Tensor], n_samples: int, shared: bool = False):
+    """Layer factors of R copies from given inputs and output gradients (zero losses and outputs)."""
+    from bdl_bench.curvature.stacked import StackedFactors
+
+    n_copies, n_cols = deltas[0].shape[:2]
+    losses = deltas[0].new_zeros(n_copies, n_samples, n_cols // n_samples)
+    return StackedFactors(inputs, deltas, losses, losses[..., None], first_input_shared=shared)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -459,9 +466,7 @@ def test_gram_update_from_the_lower_blocks_equals_the_whole_gram(monkeypatch: py
     writes B^T B's upper right block (the eigensolver multiplies by its transpose): the same U_new, eigenvalues
     and diagonal residual as from the whole matrix and as the dense update, with a first-layer input shared by
     S = 2 samples (the blocks start at whole samples) and without (P = 13, an odd split)."""
-    from types import SimpleNamespace
-
-    import bdl_bench.methods._slang_stacked as stacked_slang
+    from bdl_bench.curvature import gram
     from bdl_bench.curvature.per_example import linear_layout
 
     g = torch.Generator().manual_seed(5)
@@ -472,24 +477,24 @@ def test_gram_update_from_the_lower_blocks_equals_the_whole_gram(monkeypatch: py
     n_cols = n_samples * n_examples
     u = torch.randn(n_copies, layout.n_params, rank, generator=g, dtype=f64)
     x = torch.randn(n_copies, n_examples, 3, generator=g, dtype=f64)
-    first = x.repeat(1, n_samples, 1) if shared else x  # sample-major columns
-    acts = [first, torch.randn(n_copies, n_cols, 4, generator=g, dtype=f64)]
+    acts = [x, torch.randn(n_copies, n_cols, 4, generator=g, dtype=f64)]  # the first input once per example
     deltas = [torch.randn(n_copies, n_cols, s.out_features, generator=g, dtype=f64) for s in layout.slots]
-    cache = SimpleNamespace(factor_gram=u.mT @ u, factor_sqnorms=u.square().sum(-1))
-    shared_input = x if shared else None
+    factors = _factors(acts, deltas, n_samples, shared)
+    kwargs = dict(old_weight=0.9, new_weight=2.5, factor_gram=u.mT @ u, factor_sqnorms=u.square().sum(-1))
     products = []
-    monkeypatch.setattr(stacked_slang, "top_eigenpairs", _recording(stacked_slang.top_eigenpairs, products))
-    whole = stacked_slang._gram_update(u, cache, deltas, acts, layout, 0.9, 2.5, 1, {}, None, shared_input)
-    monkeypatch.setattr(stacked_slang, "_HALF_GRAM_COLUMNS", 4)
-    workspace = {"btb": torch.full((n_copies * (rank + n_cols) ** 2,), torch.nan, dtype=f64)}  # never read there
-    lower = stacked_slang._gram_update(u, cache, deltas, acts, layout, 0.9, 2.5, 1, workspace, None, shared_input)
+    monkeypatch.setattr(gram, "top_eigenpairs", _recording(gram.top_eigenpairs, products))
+    whole = gram.low_rank_update(factors, layout, u, **kwargs, path="gram", workspace={})
+    monkeypatch.setattr(gram, "_HALF_GRAM_COLUMNS", 4)
+    workspace = {"gram_btb": torch.full((n_copies * (rank + n_cols) ** 2,), torch.nan, dtype=f64)}  # never read there
+    lower = gram.low_rank_update(factors, layout, u, **kwargs, path="gram", workspace=workspace)
     assert products[0].split == rank + n_cols and products[1].split == rank + (9 if shared else 6)
     # the lower part stands for the whole matrix: filled in, and in the eigensolver's products
     torch.testing.assert_close(products[1].dense(), products[0].data, rtol=1e-12, atol=1e-12)
     vectors = torch.linalg.qr(torch.randn(n_copies, rank + n_cols, 6, generator=g, dtype=f64)).Q
     torch.testing.assert_close(products[1] @ vectors, products[0].data @ vectors, rtol=1e-12, atol=1e-12)
-    dense = stacked_slang._dense_update(u, deltas, acts, layout, 0.9, 2.5, step=1)
-    for a, b, c in zip(whole, lower, dense):
+    dense = gram.low_rank_update(factors, layout, u, **kwargs, path="dense")
+    for name in ("prec_factor", "eigenvalues", "factor_sqnorms", "diag_residual"):
+        a, b, c = (getattr(update, name) for update in (whole, lower, dense))
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(b, c, rtol=1e-9, atol=1e-9)
 
@@ -537,10 +542,10 @@ def test_a_method_that_cannot_stack_runs_the_splits_one_by_one(tmp_path: Path, c
 @pytest.mark.parametrize("n_examples", [8, 300], ids=["gram_path", "dense_path"])
 def test_stacked_logistic_regression_merges_samples(n_examples: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Logistic regression's S·M per-example gradients are merged into M columns with the same G Gᵀ
-    (_slang_stacked.merged_columns): the stacked steps equal the unmerged ones and each copy's single run
-    (gram.merge_samples), U's column signs included, on USPS 3vs5 (D = 257; the Gram path for M = 8,
+    (gram.merge_samples): the stacked steps equal the unmerged ones and each copy's single run, U's column signs
+    included, on USPS 3vs5 (D = 257; the Gram path for M = 8,
     the D x D one for M = 300)."""
-    import bdl_bench.methods._slang_stacked as stacked_module
+    from bdl_bench.curvature import gram
 
     datasets = [build_dataset({"name": "libsvm/usps_3vs5", "split": s}) for s in (0, 1)]
     model = build_model({"name": "logreg", "bias": True}, in_features=256, out_features=1).double()
@@ -563,7 +568,7 @@ def test_stacked_logistic_regression_merges_samples(n_examples: int, monkeypatch
 
     merged = fit_stacked()
     with monkeypatch.context() as patch:
-        patch.setattr(stacked_module, "merged_columns", lambda factors, layout: None)
+        patch.setattr(gram, "merge_samples", lambda factors, layout: None)
         unmerged = fit_stacked()
     for r in range(2):
         single = build_method(cfg)

@@ -1,20 +1,24 @@
-r"""Products with the per-example gradient matrix G, layer by layer, and SLANG's top-L update.
+r"""Products with the per-example gradient matrix G, layer by layer, and SLANG's top-L update, for R stacked
+copies (a single run is R = 1).
 
-G is the D x P matrix of per-example gradients (:mod:`bdl_bench.curvature.per_example`). For a
-linear layer with inputs A (P x in) and output gradients :math:`\Delta` (P x out), column p of G
-restricted to the layer's weight is :math:`\operatorname{vec}(\delta_p a_p^\top)` and to its bias
-:math:`\delta_p`. Hence, summing over layers,
+G is each copy's D x P matrix of per-example gradients, given by its layer factors
+(:class:`bdl_bench.curvature.stacked.StackedFactors`). For a linear layer with inputs A (P x in) and output
+gradients :math:`\Delta` (P x out), column p of G restricted to the layer's weight is
+:math:`\operatorname{vec}(\delta_p a_p^\top)` and to its bias :math:`\delta_p`. Hence, summing over layers,
 
 * :math:`g_p^\top g_q = \sum_l (a_p\cdot a_q + [\text{bias}])(\delta_p\cdot\delta_q)`
-  (:func:`gram_matrix`, O(P² Σ(in+out)));
+  (:func:`gram_blocks`, O(P² Σ(in+out)));
 * :math:`u^\top g_p = \sum_l \delta_p^\top U_l a_p` with u reshaped per layer to
   :math:`U_l` (out x in) (:func:`factor_cross`, O(P D) per vector u);
-* :math:`G c = \sum_l \Delta^\top \operatorname{diag}(c) A` (:func:`add_matmul`, O(P D) per vector c);
-* :math:`\operatorname{diag}(GG^\top) = (\Delta\circ\Delta)^\top(A\circ A)` (:func:`sq_diag`, O(P D)).
+* :math:`G c = \sum_l \Delta^\top \operatorname{diag}(c) A` (:func:`combine_rows`, O(P D) per vector c);
+* :math:`\operatorname{diag}(GG^\top) = (\Delta\circ\Delta)^\top(A\circ A)`
+  (:func:`bdl_bench.curvature.stacked.squared_gradient_sum`, O(P D)).
 
 Per vector and layer these are the GEMMs of a training step (out x in x P), so they run at the
-speed of backpropagation. They are fastest when the D x K matrices are stored column by column
-(``torch.empty(K, D).mT``: each vector contiguous), as SLANG stores U; other layouts are copied.
+speed of backpropagation. A first layer's input shared by the S samples (``first_input_shared``) enters
+once per example. The D x K matrices are stored column by column (``empty_columns_first``: each vector
+contiguous, rows ``(R, K, D)``), as SLANG stores U; on CPU the passes over D go in blocks of about
+512 KB (:data:`_BLOCK_ELEMENTS`, in cache), so no D x P or second D x K tensor is formed.
 
 The Gram trick (Mishkin et al. 2018, Sec. 3, eqs. 5-7, done exactly instead of with a randomised
 eigensolver): with :math:`B = [\sqrt{w_0}\,U,\ \sqrt{w_1}\,G]` (D x (L+P)),
@@ -24,7 +28,7 @@ eigensolver): with :math:`B = [\sqrt{w_0}\,U,\ \sqrt{w_1}\,G]` (D x (L+P)),
 SLANG's new factor :math:`Q_{1:L}\Lambda_{1:L}^{1/2}` (eq. 7) is therefore :math:`B W_L`, with
 :math:`W_L` the top-L unit eigenvectors of :math:`B^\top B`; and its Gram matrix
 :math:`(BW_L)^\top BW_L = \Lambda_L` is known without touching D. Cost
-O(P D L + D L² + (L+P)³), memory O(D L): no D x P tensor is allocated.
+O(P D L + D L² + (L+P)³), memory O(D L).
 """
 
 from __future__ import annotations
@@ -35,19 +39,17 @@ import torch
 from scipy.linalg import get_lapack_funcs
 from torch import Tensor
 
-from bdl_bench.curvature.per_example import LayerFactors, PerExampleFactors
+from bdl_bench.curvature.per_example import LinearLayout
+from bdl_bench.curvature.products import thin_matmul
+from bdl_bench.curvature.stacked import StackedFactors, gradient_columns, gradient_sum, squared_gradient_sum
 
 _BLOCK_ELEMENTS = 1 << 17  # entries of a (K, D) matrix handled at a time by blocked passes (~512 KB, in L2)
+_HALF_GRAM_COLUMNS = 128  # from this many gradient columns only the lower 3/4 of G^T G is formed
 
 
-def columns_first(matrix: Tensor) -> Tensor:
-    """``matrix`` (D, K) as its transpose (K, D), contiguous: each column of ``matrix`` one row."""
-    return matrix.mT.contiguous()
-
-
-def empty_columns_first(n_rows: int, n_cols: int, like: Tensor) -> Tensor:
-    """An uninitialised (D, K) tensor stored column by column (its ``.mT`` is contiguous)."""
-    return torch.empty(n_cols, n_rows, dtype=like.dtype, device=like.device).mT
+def empty_columns_first(n_copies: int, n_rows: int, n_cols: int, like: Tensor) -> Tensor:
+    """An uninitialised ``(R, D, K)`` tensor stored column by column (its ``.mT`` is contiguous)."""
+    return torch.empty(n_copies, n_cols, n_rows, dtype=like.dtype, device=like.device).mT
 
 
 def workspace_buffer(workspace: dict[str, Tensor] | None, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -72,86 +74,131 @@ def workspace_buffer(workspace: dict[str, Tensor] | None, name: str, shape: tupl
 
 
 def column_sqnorms(matrix: Tensor) -> Tensor:
-    """:math:`\\operatorname{diag}(MM^\\top)`, the squared row norms of ``matrix`` (D, K), without a D x K temporary."""
+    """:math:`\\operatorname{diag}(MM^\\top)` ``(R, D)`` of ``matrix`` ``(R, D, K)``, without a D x K temporary."""
     rows = matrix.mT
-    out = torch.zeros(rows.shape[1], dtype=matrix.dtype, device=matrix.device)
-    for row in rows:
-        out.addcmul_(row, row)
+    out = torch.zeros(rows.shape[0], rows.shape[2], dtype=matrix.dtype, device=matrix.device)
+    for k in range(rows.shape[1]):
+        out.addcmul_(rows[:, k], rows[:, k])
     return out
 
 
-def gram_matrix(factors: PerExampleFactors) -> Tensor:
-    """:math:`G^\\top G`, shape ``(P, P)``: :math:`\\sum_l (A A^\\top + [1])\\circ(\\Delta\\Delta^\\top)`."""
-    out = None
-    for layer in factors.layers:
-        a_gram = layer.inputs @ layer.inputs.mT
-        if layer.slot.bias_slice is not None:
-            a_gram += 1.0
-        term = a_gram.mul_(layer.output_grads @ layer.output_grads.mT)
-        out = term if out is None else out.add_(term)
-    assert out is not None
-    return out
+def _gram_products(factor: Tensor, half: int, out: tuple[Tensor, Tensor], *, accumulate: bool = False) -> None:
+    """The stored blocks of :math:`FF^\\top` for rows F ``(R, P, k)`` (:func:`gram_blocks`) into ``out``
+    (added to it with ``accumulate``)."""
+    beta = 1.0 if accumulate else 0.0
+    out[0].baddbmm_(factor[:, :half], factor[:, :half].mT, beta=beta)
+    if out[1].shape[1] > 0:
+        out[1].baddbmm_(factor[:, half:], factor.mT, beta=beta)
 
 
-def _layer_weights(rows: Tensor, layer: LayerFactors) -> Tensor:
-    """Rows of a (K, D) matrix restricted to ``layer``'s weight, as ``(K, out, in)`` (a view)."""
-    slot = layer.slot
-    return rows[:, slot.weight_slice].unflatten(1, (slot.out_features, slot.in_features))
+def gram_blocks(
+    factors: StackedFactors, layout: LinearLayout, half: int, workspace: dict[str, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    r""":math:`G^\top G` of every copy, :math:`\sum_l (AA^\top + [1])\circ(\Delta\Delta^\top)`, as its stored blocks:
+    rows ``[0, half)`` against columns ``[0, half)`` ``(R, half, half)`` and rows ``[half, P)`` against all
+    ``(R, P - half, P)`` (the block above right of ``half`` is the transpose of the one below left; ``half = P``:
+    the whole matrix). With a shared first input, :math:`AA^\top` of that layer is the M x M block
+    :math:`XX^\top` tiled S x S (``half`` a multiple of M)."""
+    first_grads = factors.output_grads[0]
+    n_copies, n_cols = first_grads.shape[:2]
+    like = first_grads
+    blocks = (
+        workspace_buffer(workspace, "gram", (n_copies, half, half), like),
+        workspace_buffer(workspace, "gram_rows", (n_copies, n_cols - half, n_cols), like),
+    )
+    scratch = (
+        workspace_buffer(workspace, "gram_outer", blocks[0].shape, like),
+        workspace_buffer(workspace, "gram_outer_rows", blocks[1].shape, like),
+    )
+    for layer, (slot, a, dl) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
+        n_rows = a.shape[1]
+        if n_rows < n_cols and dl.shape[-1] > 1:  # (A A^T) o (Delta Delta^T) with A A^T the tiled X X^T
+            xxt = a @ a.mT
+            if slot.bias_slice is not None:
+                xxt.add_(1.0)
+            targets = blocks if layer == 0 else scratch
+            _gram_products(dl, half, targets)
+            for target in targets:  # rows and columns start at whole samples: X X^T tiles every block
+                target.view(n_copies, -1, n_rows, target.shape[-1] // n_rows, n_rows).mul_(xxt[:, None, :, None, :])
+            if layer > 0:
+                for block, target in zip(blocks, targets):
+                    block += target
+            continue
+        if n_rows < n_cols:
+            a = factors.input_columns(layer)
+        if dl.shape[-1] == 1:  # one output: (A A^T) o (d d^T) = (d o A)(d o A)^T, one product
+            if slot.bias_slice is not None:
+                a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)  # the bias's input is 1
+            _gram_products(a * dl, half, blocks, accumulate=layer > 0)
+            continue
+        _gram_products(dl, half, scratch)
+        a_blocks = blocks if layer == 0 else (torch.empty_like(blocks[0]), torch.empty_like(blocks[1]))
+        _gram_products(a, half, a_blocks)
+        for block, a_block, factor in zip(blocks, a_blocks, scratch):
+            if slot.bias_slice is not None:
+                a_block.add_(1.0)  # the bias's input is 1
+            if layer == 0:
+                block.mul_(factor)
+            else:
+                block.addcmul_(a_block, factor)
+    return blocks
 
 
-def factor_cross(factors: PerExampleFactors, vectors: Tensor, workspace: dict[str, Tensor] | None = None) -> Tensor:
-    """:math:`G^\\top V`, shape ``(P, K)``, for ``vectors`` V of shape ``(D, K)``.
+def factor_cross(
+    factors: StackedFactors, layout: LinearLayout, rows: Tensor, workspace: dict[str, Tensor] | None = None
+) -> Tensor:
+    """:math:`G^\\top V` ``(R, P, K)`` of every copy, for vectors V given as rows ``(R, K, D)``.
 
-    Per layer and vector, :math:`(G^\\top v)_p = \\delta_p^\\top V_l a_p`: one batched GEMM
-    :math:`A V_l^\\top` (P x in x out per vector; or :math:`\\Delta V_l` when out > in) over the K
-    vectors, read in place from a column-major V, then a row-wise dot product with :math:`\\Delta`
-    (with A). ``workspace``: scratch buffers reused between calls (:func:`workspace_buffer`).
+    Per layer and vector, :math:`(G^\\top v)_p = \\delta_p^\\top V_l a_p`: a GEMM on the smaller of in and out
+    (with a shared first input, on the inputs: once per example), :math:`A V_l^\\top` (or :math:`\\Delta V_l`),
+    then a row-wise product with the other factor. A layer whose weights of all copies and vectors fit in a
+    block (:data:`_BLOCK_ELEMENTS`; small networks) is one batched GEMM over the copies, its weights packed
+    side by side; a larger one is read in place, per copy, in groups of vectors of about 2 MB of products
+    on CPU (all at once elsewhere). ``workspace``: scratch buffers reused between calls.
     """
-    rows = columns_first(vectors)  # (K, D), free for a column-major V
-    n_vec, n_cols = rows.shape[0], factors.n_columns
-    out = torch.zeros(n_vec, n_cols, dtype=factors.dtype, device=factors.device)
-    if n_vec == 0:
-        return out.mT
-    width = max(min(layer.slot.out_features, layer.slot.in_features) for layer in factors.layers)
-    group = n_vec  # vectors per batched GEMM: all at once on an accelerator, about 2 MB of output on CPU
-    if rows.device.type == "cpu":
-        group = max(1, min(n_vec, 4 * _BLOCK_ELEMENTS // max(n_cols * width, 1)))
-    buffer = workspace_buffer(workspace, "cross", (group * n_cols * width,), rows)
-    for layer in factors.layers:
-        slot = layer.slot
-        weights = _layer_weights(rows, layer)  # (K, out, in)
-        # (G^T v)_p = sum_o delta_po (A V^T)_po = sum_i a_pi (Delta V)_pi: contract the larger side first
-        by_outputs = slot.out_features <= slot.in_features
-        left, right = (layer.inputs, layer.output_grads) if by_outputs else (layer.output_grads, layer.inputs)
-        for start in range(0, n_vec, group):
-            block = weights[start : start + group]
-            block = block.mT if by_outputs else block  # (g, in, out) or (g, out, in)
-            prod = buffer[: block.shape[0] * n_cols * block.shape[2]].view(block.shape[0], n_cols, block.shape[2])
-            torch.bmm(left.expand(block.shape[0], *left.shape), block, out=prod)
-            out[start : start + group] += prod.mul_(right).sum(-1)
+    n_copies, n_vec = rows.shape[:2]
+    n_cols = factors.output_grads[0].shape[1]
+    out = torch.zeros(n_copies, n_vec, n_cols, dtype=rows.dtype, device=rows.device)
+    on_cpu = rows.device.type == "cpu"
+    for slot, a, dl in zip(layout.slots, factors.inputs, factors.output_grads):
+        n_rows, n_out, n_in = a.shape[1], slot.out_features, slot.in_features
+        weights = rows[:, :, slot.weight_slice].unflatten(2, (n_out, n_in))  # (R, K, out, in)
+        by_inputs = n_rows < n_cols or n_out <= n_in  # A U_l^T first, then the sum over out with Delta
+        left, right = (a, dl) if by_inputs else (dl, a)
+        width = right.shape[-1]
+        if not on_cpu or n_copies * n_vec * n_out * n_in <= 4 * _BLOCK_ELEMENTS:
+            packed = weights.permute(0, 3, 1, 2) if by_inputs else weights.permute(0, 2, 1, 3)  # (R, ., K, width)
+            prod = thin_matmul(left, packed.reshape(n_copies, left.shape[-1], -1))  # (R, rows, K width)
+            out += _contract(prod.view(n_copies, -1, n_vec, width).transpose(1, 2), right)
+        else:
+            group = max(1, min(n_vec, 4 * _BLOCK_ELEMENTS // max(n_cols * width, 1)))
+            buffer = workspace_buffer(workspace, "cross", (group * left.shape[1] * width,), rows)
+            for r in range(n_copies):
+                for start in range(0, n_vec, group):
+                    block = weights[r, start : start + group]
+                    block = block.mT if by_inputs else block  # (g, in, out) or (g, out, in)
+                    size = block.shape[0]
+                    prod = buffer[: size * left.shape[1] * width].view(size, left.shape[1], width)
+                    torch.bmm(left[r].expand(size, *left.shape[1:]), block, out=prod)
+                    out[r, start : start + size] += _contract(prod[None], right[r : r + 1])[0]
         if slot.bias_slice is not None:
-            out.addmm_(rows[:, slot.bias_slice], layer.output_grads.mT)
+            out += thin_matmul(dl, rows[:, :, slot.bias_slice].mT).mT
     return out.mT
 
 
-def add_matmul(factors: PerExampleFactors, coeffs: Tensor, out: Tensor, alpha: float = 1.0) -> Tensor:
-    """``out += alpha * G @ coeffs`` in place, for ``coeffs`` ``(P, K)`` and ``out`` ``(D, K)``.
-
-    Per layer and column k, :math:`(Gc)_l = \\Delta^\\top\\operatorname{diag}(c)A` (one out x P x in GEMM).
-    ``out`` must be stored column by column (see :func:`empty_columns_first`).
-
-    Returns:
-        ``out``.
-    """
-    rows = out.mT
-    if not rows.is_contiguous():
-        raise ValueError("add_matmul needs an output stored column by column: use empty_columns_first(D, K, like)")
-    combine_rows(factors, coeffs, rows, rows, alpha=alpha)
-    return out
+def _contract(prod: Tensor, right: Tensor) -> Tensor:
+    """``(prod * right).sum(-1)`` over the shared width, ``(R, K, P)``, for products ``(R, K, rows, w)`` (consumed)
+    and the other factor ``right`` ``(R, P, w)``: rows = P, or M < P for a first input shared by the S samples."""
+    n_copies, n_vec, n_rows, width = prod.shape
+    if n_rows == right.shape[1]:
+        return prod.mul_(right[:, None]).sum(-1)
+    samples = right.view(n_copies, 1, -1, n_rows, width)
+    return (prod[:, :, None] * samples).sum(-1).view(n_copies, n_vec, -1)
 
 
 def combine_rows(
-    factors: PerExampleFactors,
+    factors: StackedFactors,
+    layout: LinearLayout,
     coeffs: Tensor,
     src: Tensor,
     dst: Tensor,
@@ -161,155 +208,171 @@ def combine_rows(
     sqnorms: Tensor | None = None,
     workspace: dict[str, Tensor] | None = None,
 ) -> None:
-    """``dst = mixing^T src + alpha (G coeffs)^T`` for rows ``src``, ``dst`` ``(K, D)`` and ``coeffs`` ``(P, K)``.
+    """``dst = mixing^T src + alpha (G coeffs)^T`` of every copy, for rows ``src``, ``dst`` ``(R, K, D)`` and
+    ``coeffs`` ``(R, P, K)``.
 
     In column form, :math:`V_{dst} = V_{src} M + \\alpha G C`: with ``mixing`` M = ``None`` (the
     identity) it adds :math:`\\alpha GC` to ``src``; with SLANG's rotation it forms the new factor
     :math:`\\sqrt{w_0}UW_U + \\sqrt{w_1}GW_G` in one pass. Per layer and chunk of weight rows (about
-    512 KB for all K vectors on CPU), :math:`\\alpha C^\\top G^\\top` is one GEMM
-    (:math:`[c_k\\circ\\delta_{:,o}]_{k,o}` ((K·rows) x P) times A (P x in)) into a reused buffer,
-    the mixing another (K x K x chunk), and only then is the chunk written to ``dst``: so ``dst`` may
-    be ``src`` (updated in place, each chunk read before it is written). With ``sqnorms`` ``(D,)``,
-    it is set to the column sums of squares of ``dst`` (:math:`\\operatorname{diag}(V_{dst}V_{dst}^\\top)`)
-    while each chunk is in cache. ``workspace``: scratch buffers reused between calls
-    (:func:`workspace_buffer`).
+    512 KB for all K vectors on CPU, whole layers elsewhere), :math:`\\alpha C^\\top G^\\top` is one GEMM
+    (:math:`[c_k\\circ\\delta_{:,o}]_{k,o}` ((K·rows) x P, summed over the samples of a shared input) times A)
+    into a reused buffer, the mixing another (K x K x chunk), and only then is the chunk written to ``dst``:
+    so ``dst`` may be ``src`` (updated in place, each chunk read before it is written). With ``sqnorms``
+    ``(R, D)``, it is set to :math:`\\operatorname{diag}(V_{dst}V_{dst}^\\top)` while each chunk is in cache.
     """
-    n_vec = dst.shape[0]
-    coeffs_t = coeffs.mT.mul(alpha).contiguous()  # (K, P), alpha folded in
+    n_copies, n_vec = dst.shape[:2]
+    n_cols = factors.output_grads[0].shape[1]
+    coeffs_t = coeffs.mT.mul(alpha).contiguous()  # (R, K, P), alpha folded in
     mixing_t = None if mixing is None else mixing.mT
-    n_cols = factors.n_columns
-    # weight rows per chunk: about 512 KB for all K vectors on CPU (in L2), whole layers on an accelerator
     chunk_rows = [
-        max(1, min(layer.slot.out_features, _BLOCK_ELEMENTS // max(n_vec * layer.slot.in_features, 1)))
+        max(1, min(slot.out_features, _BLOCK_ELEMENTS // max(n_copies * n_vec * slot.in_features, 1)))
         if dst.device.type == "cpu"
-        else layer.slot.out_features
-        for layer in factors.layers
+        else slot.out_features
+        for slot in layout.slots
     ]
-    scaled_size = max(n_vec * r * n_cols for r in chunk_rows)
-    chunk_size = max(n_vec * r * layer.slot.in_features for r, layer in zip(chunk_rows, factors.layers))
-    scaled_buf = workspace_buffer(workspace, "combine_scaled", (scaled_size,), dst)
-    chunk_buf = workspace_buffer(workspace, "combine_chunk", (chunk_size,), dst)
-    square_buf = None if sqnorms is None else workspace_buffer(workspace, "combine_squares", (chunk_size,), dst)
-    for layer, rows_per_chunk in zip(factors.layers, chunk_rows):
-        slot = layer.slot
-        n_in = slot.in_features
-        grads_t = layer.output_grads.mT.contiguous()  # (out, P)
+    size = max(n * slot.in_features for n, slot in zip(chunk_rows, layout.slots)) * n_copies * n_vec
+    scaled_buf = workspace_buffer(workspace, "combine_scaled", (max(chunk_rows) * n_copies * n_vec * n_cols,), dst)
+    chunk_buf = workspace_buffer(workspace, "combine_chunk", (size,), dst)
+    square_buf = workspace_buffer(workspace, "combine_squares", (size,), dst) if sqnorms is not None else None
+    for slot, a, dl, rows_per_chunk in zip(layout.slots, factors.inputs, factors.output_grads, chunk_rows):
+        n_in, n_rows = slot.in_features, a.shape[1]
+        grads_t = dl.mT.contiguous()  # (R, out, P)
         for first in range(0, slot.out_features, rows_per_chunk):
-            n_rows = min(rows_per_chunk, slot.out_features - first)
-            scaled = scaled_buf[: n_vec * n_rows * n_cols].view(n_vec, n_rows, n_cols)
-            torch.mul(coeffs_t[:, None, :], grads_t[None, first : first + n_rows], out=scaled)  # c_kp delta_po
-            chunk = chunk_buf[: n_vec * n_rows * n_in].view(n_vec * n_rows, n_in)
-            torch.mm(scaled.view(n_vec * n_rows, n_cols), layer.inputs, out=chunk)
-            chunk = chunk.view(n_vec, n_rows * n_in)
-            cols = slice(slot.weight_offset + first * n_in, slot.weight_offset + (first + n_rows) * n_in)
-            if mixing_t is None:
-                chunk.add_(src[:, cols])
-            else:
-                chunk.addmm_(mixing_t, src[:, cols])
-            dst[:, cols].copy_(chunk)
-            if sqnorms is not None and square_buf is not None:
+            n = min(rows_per_chunk, slot.out_features - first)
+            scaled = scaled_buf[: n_copies * n_vec * n * n_cols].view(n_copies, n_vec, n, n_cols)
+            torch.mul(coeffs_t[:, :, None], grads_t[:, None, first : first + n], out=scaled)  # c_kp delta_po
+            scaled = scaled.view(n_copies, n_vec * n, -1, n_rows).sum(2) if n_rows < n_cols else scaled
+            chunk = chunk_buf[: n_copies * n_vec * n * n_in].view(n_copies, n_vec * n, n_in)
+            torch.bmm(scaled.view(n_copies, n_vec * n, n_rows), a, out=chunk)
+            chunk = chunk.view(n_copies, n_vec, n * n_in)
+            cols = slice(slot.weight_offset + first * n_in, slot.weight_offset + (first + n) * n_in)
+            _mix_into(chunk, src[:, :, cols], mixing_t)
+            dst[:, :, cols].copy_(chunk)
+            if square_buf is not None and sqnorms is not None:
                 squares = torch.mul(chunk, chunk, out=square_buf[: chunk.numel()].view_as(chunk))
-                torch.sum(squares, 0, out=sqnorms[cols])
+                torch.sum(squares, 1, out=sqnorms[:, cols])
         if slot.bias_slice is not None:
-            bias = torch.mm(coeffs_t, layer.output_grads)  # (K, out)
-            if mixing_t is None:
-                bias.add_(src[:, slot.bias_slice])
-            else:
-                bias.addmm_(mixing_t, src[:, slot.bias_slice])
-            dst[:, slot.bias_slice].copy_(bias)
+            bias = thin_matmul(dl.mT, coeffs_t.mT).mT  # (R, K, out)
+            _mix_into(bias, src[:, :, slot.bias_slice], mixing_t)
+            dst[:, :, slot.bias_slice].copy_(bias)
             if sqnorms is not None:
-                torch.sum(bias.square(), 0, out=sqnorms[slot.bias_slice])
+                torch.sum(bias.square(), 1, out=sqnorms[:, slot.bias_slice])
 
 
-def sq_diag(factors: PerExampleFactors, out: Tensor | None = None) -> Tensor:
-    """:math:`\\operatorname{diag}(GG^\\top) = \\sum_p g_p \\circ g_p`, shape ``(D,)`` (into ``out`` if given)."""
-    if out is None:
-        out = torch.empty(factors.n_params, dtype=factors.dtype, device=factors.device)  # every entry is written
-    for layer in factors.layers:
-        slot = layer.slot
-        sq_grads = layer.output_grads.square()
-        weight = out[slot.weight_slice].view(slot.out_features, slot.in_features)
-        torch.mm(sq_grads.mT, layer.inputs.square(), out=weight)
-        if slot.bias_slice is not None:
-            torch.sum(sq_grads, 0, out=out[slot.bias_slice])
-    return out
+def _mix_into(chunk: Tensor, src: Tensor, mixing_t: Tensor | None) -> None:
+    """``chunk += mixing_t @ src`` (``src`` itself for ``None``): a broadcast product for K = 1."""
+    if mixing_t is None:
+        chunk.add_(src)
+    elif mixing_t.shape[-1] == 1:
+        chunk.addcmul_(src, mixing_t)
+    else:
+        chunk.baddbmm_(mixing_t, src)
 
 
 @dataclass(frozen=True)
-class LowRankUpdate:
-    """The top-L eigen-update of :math:`w_0 UU^\\top + w_1 GG^\\top` (Mishkin et al. 2018, eqs. 6-7, 10).
+class LowerStored:
+    """Symmetric matrices ``(R, K, K)`` of which ``data`` holds the rows ``[0, split)`` up to column ``split``
+    and the rows ``[split, K)`` whole: the block above-right of ``split`` is the transpose of the one below-left,
+    and is not stored (``split = K``: all of it is)."""
 
-    Attributes:
-        prec_factor: :math:`U_{new} = Q_{1:L}\\Lambda_{1:L}^{1/2}`, shape ``(D, L)``, columns in
-            decreasing order of eigenvalue (mutually orthogonal).
-        eigenvalues: :math:`\\Lambda_{1:L}` (clamped at 0), shape ``(L,)``; also
-            :math:`U_{new}^\\top U_{new}` = ``diag(eigenvalues)``.
-        factor_sqnorms: :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, shape ``(D,)``.
-        diag_residual: :math:`\\operatorname{diag}(w_0 UU^\\top + w_1 GG^\\top - U_{new}U_{new}^\\top)`,
-            shape ``(D,)``: SLANG's diagonal correction (eq. 10); nonnegative up to rounding.
+    data: Tensor
+    split: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def __matmul__(self, vectors: Tensor) -> Tensor:
+        """The product with ``vectors`` ``(R, K, b)``: three batched GEMMs on the stored blocks."""
+        s, data = self.split, self.data
+        if s == data.shape[-1]:
+            return data @ vectors
+        # as (V^T A)^T, every block read row by row: V^T A's first s columns from the stored blocks left of the
+        # split, the rest as (A_2 V)^T from the whole rows A_2 below it; b x K products of a column-major V (QR's)
+        # run faster than K x b ones
+        rows = vectors.mT  # (R, b, K)
+        left = torch.bmm(rows[:, :, :s], data[:, :s, :s]).add_(torch.bmm(rows[:, :, s:], data[:, s:, :s]))
+        return torch.cat([left, torch.bmm(rows, data[:, s:].mT)], dim=2).mT
+
+    def dense(self, copies: Tensor | None = None) -> Tensor:
+        """The whole matrices (of the ``copies`` given, else of all), the unstored block filled in."""
+        matrix = self.data if copies is None else self.data[copies]
+        s = self.split
+        if s == matrix.shape[-1]:  # stored whole
+            return matrix
+        matrix = matrix.clone()
+        matrix[:, :s, s:] = matrix[:, s:, :s].mT
+        return matrix
+
+    def stored_sums(self) -> Tensor:
+        """Each copy's sum over the stored entries ``(R,)`` (finite exactly when the whole matrix is)."""
+        s, data = self.split, self.data
+        return data[:, :s, :s].sum((1, 2)) + data[:, s:].sum((1, 2))
+
+
+_OVERSAMPLING = 4  # extra vectors in the subspace iteration of top_eigenpairs
+_MAX_ITERATIONS = 60
+
+
+def top_eigenpairs(
+    matrix: Tensor | LowerStored, rank: int, *, tol: float | None = None, start: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    r"""The top-``rank`` eigenpairs of symmetric PSD matrices ``(R, K, K)`` (whole, or their lower part:
+    :class:`LowerStored`), largest first: eigenvalues ``(R, L)`` and unit eigenvectors ``(R, K, L)``. A whole
+    ``matrix`` may be overwritten (it is scratch to the caller).
+
+    One matrix (R = 1): on the host LAPACK's ``?syevr`` (SciPy's) computes only these L pairs (MRRR after the
+    tridiagonal reduction), elsewhere ``torch.linalg.eigh``. A stack: block subspace iteration with Rayleigh-Ritz (Saad, *Numerical Methods
+    for Large Eigenvalue Problems*, Alg. 5.2) on ``rank + 4`` vectors, batched over the copies, started from
+    ``start`` ``(R, K, L)`` (default: the first ``rank`` coordinates, SLANG's U block, whose directions change
+    little from step to step; a copy's all-zero start falls back to them) and fixed pseudo-random vectors,
+    run until every copy's residual :math:`\|AV - V\Theta\|_F` is below ``tol`` times its largest eigenvalue
+    (default: 100 machine epsilons, the accuracy of ``torch.linalg.eigh`` itself). Copies not converged after
+    60 iterations (nearly equal eigenvalues at the L-th place) are decomposed by ``torch.linalg.eigh``.
     """
-
-    prec_factor: Tensor  # (D, L)
-    eigenvalues: Tensor  # (L,)
-    factor_sqnorms: Tensor  # (D,)
-    diag_residual: Tensor  # (D,)
-
-
-def merge_samples(factors: PerExampleFactors) -> PerExampleFactors | None:
-    r"""The same :math:`GG^\top` from M columns instead of S·M, for one linear layer with one output.
-
-    For logistic regression every column of G is :math:`g_{s,i} = \delta_{s,i}\tilde x_i` with
-    :math:`\tilde x_i = [x_i; 1]` the same for all S samples, so
-    :math:`GG^\top = \sum_i (\sum_s \delta_{s,i}^2)\,\tilde x_i\tilde x_i^\top`: the factors with inputs
-    :math:`x_i` and output gradients :math:`(\sum_s\delta_{s,i}^2)^{1/2}` give the same
-    :math:`GG^\top` and :math:`\operatorname{diag}(GG^\top)` (not the same :math:`G\mathbf 1`). Their
-    ``losses`` and ``outputs`` are summed over the samples. ``None`` when this does not apply (several
-    layers or outputs) or saves nothing (S = 1).
-    """
-    n_samples, n_examples = factors.losses.shape
-    if len(factors.layers) != 1 or factors.layers[0].slot.out_features != 1 or n_samples == 1:
-        return None
-    (layer,) = factors.layers
-    weights = layer.output_grads.view(n_samples, n_examples).square().sum(0).sqrt_()
-    return PerExampleFactors(
-        layers=(LayerFactors(slot=layer.slot, inputs=layer.inputs[:n_examples], output_grads=weights[:, None]),),
-        n_params=factors.n_params,
-        losses=factors.losses.sum(0, keepdim=True),
-        outputs=factors.outputs.sum(0, keepdim=True),
-    )
-
-
-def canonical_signs(vectors: Tensor, sums: Tensor | None = None) -> Tensor:
-    r"""Eigenvectors ``(..., K, L)`` of :math:`B^\top B` with each column's sign chosen so that its
-    entries sum to >= 0.
-
-    An eigenvector's sign is arbitrary (LAPACK picks one), but SLANG's samples
-    :math:`d^{1/2}\epsilon_1 + U\epsilon_2` depend on the sign of U's columns: with one convention
-    the dense path, the Gram path and the stacked update (:mod:`bdl_bench.methods._slang_stacked`)
-    draw the same samples from the same noise, so their runs agree up to rounding, on any LAPACK.
-    In terms of :math:`v = Bw/\sqrt\lambda`, the rule is :math:`(B\mathbf 1)^\top v \ge 0`; a B with
-    merged columns (:func:`merge_samples`) keeps it by passing ``sums`` = :math:`B^\top b` ``(..., K)``
-    for :math:`b = B_{\text{unmerged}}\mathbf 1`: each column's sign then makes ``sums @ column`` >= 0.
-    The D x D paths pass eigenvectors v of :math:`BB^\top` with ``sums`` = b itself (the same rule).
-    """
-    if sums is None:
-        signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
-    else:
-        signs = torch.where((sums.unsqueeze(-2) @ vectors) < 0, -1.0, 1.0).to(vectors.dtype)
-    return vectors * signs
+    if not isinstance(matrix, LowerStored):
+        matrix = LowerStored(matrix, matrix.shape[-1])
+    n_copies, size, _ = matrix.shape
+    like = matrix.data
+    if n_copies == 1 and like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
+        values, vectors = _syevr_top(matrix.dense()[0], rank)
+        return values[None], vectors[None]
+    if n_copies == 1 or size <= rank + _OVERSAMPLING:  # one matrix on a device: eigh, which never waits for it
+        evals, evecs = torch.linalg.eigh(matrix.dense())
+        return evals[:, -rank:].flip(-1), evecs[:, :, -rank:].flip(-1)
+    tol = 100 * torch.finfo(like.dtype).eps if tol is None else tol
+    block = rank + _OVERSAMPLING
+    noise = torch.randn(size, block, generator=torch.Generator().manual_seed(0), dtype=like.dtype).to(like.device)
+    vectors = noise.expand(n_copies, size, block).clone()
+    vectors[..., :rank] += 10.0 * torch.eye(size, rank, dtype=like.dtype, device=like.device)
+    if start is not None:  # the given directions exactly (a copy's all-zero start keeps the coordinates)
+        norms = start.norm(dim=1, keepdim=True)
+        vectors[..., :rank] = torch.where(
+            norms > 0, start / norms.clamp_min(torch.finfo(start.dtype).tiny), vectors[..., :rank]
+        )
+    basis = torch.linalg.qr(vectors).Q
+    for _ in range(_MAX_ITERATIONS):
+        image = matrix @ basis  # one product per iteration: A Q serves the Ritz step and the next basis
+        ritz_values, ritz_vectors = torch.linalg.eigh(basis.mT @ image)  # ascending, (R, b)
+        values = ritz_values[:, -rank:].flip(-1)
+        top = ritz_vectors[:, :, -rank:].flip(-1)
+        vectors = thin_matmul(basis, top)
+        residual = (thin_matmul(image, top) - vectors * values[:, None, :]).norm(dim=(1, 2))
+        done = residual <= tol * values[:, 0].abs().clamp_min(torch.finfo(like.dtype).tiny)
+        if bool(done.all()):
+            return values, vectors
+        basis = torch.linalg.qr(image).Q
+    stuck = (~done).nonzero()[:, 0]
+    evals, evecs = torch.linalg.eigh(matrix.dense(stuck))
+    values, vectors = values.clone(), vectors.clone()
+    values[stuck], vectors[stuck] = evals[:, -rank:].flip(-1), evecs[:, :, -rank:].flip(-1)
+    return values, vectors
 
 
-def top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest eigenvalues of a symmetric ``matrix`` ``(n, n)``, in decreasing order ``(k,)``, and their
-    unit eigenvectors as columns ``(n, k)``; ``matrix`` may be overwritten (it is scratch to the caller).
-
-    On the host, LAPACK's ``?syevr`` (SciPy's) computes only these k pairs (MRRR after the tridiagonal
-    reduction), cheaper than ``torch.linalg.eigh``, which computes all n. Elsewhere (CUDA), ``torch.linalg.eigh``.
-    """
+def _syevr_top(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest eigenpairs of one symmetric host ``matrix`` ``(n, n)`` by LAPACK's ``?syevr``, which
+    overwrites it: ``(k,)`` decreasing and unit eigenvectors ``(n, k)``."""
     n = matrix.shape[-1]
-    if matrix.device.type != "cpu" or matrix.dtype not in (torch.float32, torch.float64) or not 0 < k <= n:
-        evals, evecs = torch.linalg.eigh(matrix)  # ascending
-        return evals[-k:].flip(0), evecs[:, -k:].flip(1)
     if not matrix.is_contiguous():
         matrix = matrix.contiguous()
     array = matrix.numpy().T  # Fortran order, no copy (the matrix is symmetric)
@@ -320,8 +383,78 @@ def top_eigenpairs(matrix: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(values[:k][::-1].copy()), torch.from_numpy(vectors[:, ::-1].copy())
 
 
+def canonical_signs(vectors: Tensor, sums: Tensor | None = None) -> Tensor:
+    r"""Eigenvectors ``(..., K, L)`` of :math:`B^\top B` with each column's sign chosen so that its
+    entries sum to >= 0.
+
+    An eigenvector's sign is arbitrary (LAPACK picks one), but SLANG's samples
+    :math:`d^{1/2}\epsilon_1 + U\epsilon_2` depend on the sign of U's columns: with one convention
+    the dense path and the Gram path (with either eigensolver) draw the same samples from the same noise, so
+    their runs agree up to rounding, on any LAPACK.
+    In terms of :math:`v = Bw/\sqrt\lambda`, the rule is :math:`(B\mathbf 1)^\top v \ge 0`; a B with
+    merged columns (:func:`merge_samples`) keeps it by passing ``sums`` = :math:`B^\top b` ``(..., K)``
+    for :math:`b = B_{\text{unmerged}}\mathbf 1`: each column's sign then makes ``sums @ column`` >= 0.
+    The D x D path passes eigenvectors v of :math:`BB^\top` with ``sums`` = b itself (the same rule).
+    """
+    if sums is None:
+        signs = torch.where(vectors.sum(-2, keepdim=True) < 0, -1.0, 1.0).to(vectors.dtype)
+    else:
+        signs = torch.where((sums.unsqueeze(-2) @ vectors) < 0, -1.0, 1.0).to(vectors.dtype)
+    return vectors * signs
+
+
+def merge_samples(factors: StackedFactors, layout: LinearLayout) -> StackedFactors | None:
+    r"""The same :math:`GG^\top` from M columns instead of S·M, for one linear layer with one output on a
+    shared input.
+
+    For logistic regression every column of G is :math:`g_{s,i} = \delta_{s,i}\tilde x_i` with
+    :math:`\tilde x_i = [x_i; 1]` the same for all S samples, so
+    :math:`GG^\top = \sum_i (\sum_s \delta_{s,i}^2)\,\tilde x_i\tilde x_i^\top`: the factors with inputs
+    :math:`x_i` and output gradients :math:`(\sum_s\delta_{s,i}^2)^{1/2}` give the same
+    :math:`GG^\top` and :math:`\operatorname{diag}(GG^\top)` (not the same :math:`G\mathbf 1`). Their
+    ``losses`` and ``outputs`` are summed over the samples. ``None`` when this does not apply (several
+    layers or outputs, an input not shared) or saves nothing (S = 1).
+    """
+    n_copies, n_samples, n_examples = factors.losses.shape
+    if len(layout.slots) != 1 or layout.slots[0].out_features != 1 or not factors.first_input_shared:
+        return None
+    if n_samples == 1:
+        return None
+    d = factors.output_grads[0]
+    weights = d.view(n_copies, n_samples, n_examples).square().sum(1).sqrt_()  # (R, M)
+    return StackedFactors(
+        inputs=[factors.inputs[0]],
+        output_grads=[weights[..., None]],
+        losses=factors.losses.sum(1, keepdim=True),
+        outputs=factors.outputs.sum(1, keepdim=True),
+        first_input_shared=True,
+    )
+
+
+@dataclass(frozen=True)
+class LowRankUpdate:
+    """The top-L eigen-update of :math:`w_0 UU^\\top + w_1 GG^\\top` of every copy (Mishkin et al. 2018,
+    eqs. 6-7, 10).
+
+    Attributes:
+        prec_factor: :math:`U_{new} = Q_{1:L}\\Lambda_{1:L}^{1/2}`, shape ``(R, D, L)``, columns in
+            decreasing order of eigenvalue (mutually orthogonal).
+        eigenvalues: :math:`\\Lambda_{1:L}` (clamped at 0), shape ``(R, L)``; also
+            :math:`U_{new}^\\top U_{new}` = ``diag(eigenvalues)``.
+        factor_sqnorms: :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, shape ``(R, D)``.
+        diag_residual: :math:`\\operatorname{diag}(w_0 UU^\\top + w_1 GG^\\top - U_{new}U_{new}^\\top)`,
+            shape ``(R, D)``: SLANG's diagonal correction (eq. 10); nonnegative up to rounding.
+    """
+
+    prec_factor: Tensor  # (R, D, L)
+    eigenvalues: Tensor  # (R, L)
+    factor_sqnorms: Tensor  # (R, D)
+    diag_residual: Tensor  # (R, D)
+
+
 def low_rank_update(
-    factors: PerExampleFactors,
+    factors: StackedFactors,
+    layout: LinearLayout,
     prec_factor: Tensor,
     *,
     old_weight: float,
@@ -332,141 +465,146 @@ def low_rank_update(
     out: Tensor | None = None,
     sqnorms_out: Tensor | None = None,
     workspace: dict[str, Tensor] | None = None,
+    grad_sum: Tensor | None = None,
 ) -> LowRankUpdate:
-    """Top-L eigenpairs of :math:`w_0 UU^\\top + w_1 GG^\\top` by the Gram trick (module docstring).
+    """Top-L eigenpairs of :math:`w_0 UU^\\top + w_1 GG^\\top` of every copy by the Gram trick (module docstring).
 
     Args:
-        factors: per-example factors defining G (D x P).
-        prec_factor: U, shape ``(D, L)`` (fastest stored column by column).
+        factors: per-example factors defining each copy's G (D x P); ``layout`` their network's layout.
+        prec_factor: U, shape ``(R, D, L)`` (fastest stored column by column).
         old_weight: :math:`w_0 \\ge 0` (SLANG: :math:`1-\\beta`).
         new_weight: :math:`w_1 \\ge 0` (SLANG: :math:`\\beta N / (M S)`).
-        factor_gram: :math:`U^\\top U` ``(L, L)`` if known (SLANG keeps it: it is the previous
+        factor_gram: :math:`U^\\top U` ``(R, L, L)`` if known (SLANG keeps it: it is the previous
             update's ``diag(eigenvalues)``); computed (O(D L²)) when ``None``.
-        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)` ``(D,)`` if known; computed when ``None``.
-        path: ``"gram"`` (eigendecomposition of the (L+P) x (L+P) matrix :math:`B^\\top B`),
-            ``"dense"`` (materialise G and decompose the D x D matrix :math:`BB^\\top`: cheaper when
-            D <= L + P, e.g. logistic regression) or ``"auto"`` (the smaller of the two).
-        out: a ``(D, L)`` tensor to write :math:`U_{new}` into (column-major on the gram path), or
-            ``None`` for a new one. It may be ``prec_factor`` itself: U is then overwritten in place,
-            chunk by chunk (each chunk of U is read before it is written), so no second D x L buffer
-            is needed.
-        sqnorms_out: a ``(D,)`` tensor for :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, or
+        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)` ``(R, D)`` if known; computed when ``None``.
+        path: ``"gram"`` (eigenpairs of the (L+P) x (L+P) matrices :math:`B^\\top B`), ``"dense"``
+            (materialise G and decompose the D x D matrices :math:`BB^\\top`: cheaper when D <= L + P, e.g.
+            logistic regression) or ``"auto"`` (the smaller of the two). From P = 128 columns on, the Gram
+            path forms only the lower blocks of :math:`B^\\top B` (:class:`LowerStored`).
+        out: an ``(R, D, L)`` tensor to write :math:`U_{new}` into, or ``None`` for a new one (column-major).
+            It may be ``prec_factor`` itself: U is then overwritten in place, chunk by chunk (each chunk of U is
+            read before it is written), so no second D x L buffer is needed.
+        sqnorms_out: an ``(R, D)`` tensor for :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, or
             ``None`` for a new one; it may be ``factor_sqnorms`` itself (read before it is written).
         workspace: scratch buffers kept by the caller between calls (a training loop's dict;
             :func:`workspace_buffer`). The returned ``diag_residual`` then lives in it: valid until
             the next call with the same workspace.
-
-    Returns:
-        The :class:`LowRankUpdate`.
+        grad_sum: :math:`G\\mathbf 1` ``(R, D)`` if at hand (computed when needed: for merged columns).
 
     Raises:
-        FloatingPointError: if :math:`B^\\top B` is not finite (a non-finite or overflowing gradient).
+        FloatingPointError: if a copy's :math:`B^\\top B` is not finite (a non-finite or overflowing gradient).
         ValueError: on an unknown ``path`` or a badly shaped ``out``.
     """
-    rank = prec_factor.shape[1]
+    n_copies, n_params, rank = prec_factor.shape
     if path not in ("auto", "gram", "dense"):
         raise ValueError(f"unknown path {path!r}; choose 'auto', 'gram' or 'dense'")
     if out is not None and out.shape != prec_factor.shape:
         raise ValueError(f"out must have shape {tuple(prec_factor.shape)}, got {tuple(out.shape)}")
-    merged = merge_samples(factors)
+    merged = merge_samples(factors, layout)
     sign_reference = None  # B 1 of the unmerged B: fixes the eigenvectors' signs as canonical_signs does
     if merged is not None:
-        sign_reference = factors.grad_sum().mul_(new_weight**0.5).add_(prec_factor.sum(1), alpha=old_weight**0.5)
+        grad_sum = gradient_sum(factors, layout) if grad_sum is None else grad_sum
+        sign_reference = torch.add(grad_sum * new_weight**0.5, prec_factor.sum(-1), alpha=old_weight**0.5)
         factors = merged
-    if path == "dense" or (path == "auto" and factors.n_params <= rank + factors.n_columns):
-        update = _dense_update(
-            factors, prec_factor, old_weight=old_weight, new_weight=new_weight, sign_reference=sign_reference
-        )
+    n_cols = factors.output_grads[0].shape[1]
+    if path == "dense" or (path == "auto" and n_params <= rank + n_cols):
+        update = _dense_update(factors, layout, prec_factor, old_weight, new_weight, sign_reference)
         if out is not None:
-            out.copy_(update.prec_factor)
-            update = replace(update, prec_factor=out)
+            update = replace(update, prec_factor=out.copy_(update.prec_factor))
         if sqnorms_out is not None:
             update = replace(update, factor_sqnorms=sqnorms_out.copy_(update.factor_sqnorms))
         return update
-    if not prec_factor.mT.is_contiguous():
-        prec_factor = columns_first(prec_factor).mT
-    target = (
-        out if out is not None and out.mT.is_contiguous() else empty_columns_first(*prec_factor.shape, like=prec_factor)
-    )
+    rows = prec_factor.mT.contiguous()  # (R, L, D): free for a column-major U
     if factor_gram is None:
-        factor_gram = prec_factor.mT @ prec_factor
+        factor_gram = rows @ rows.mT
     if factor_sqnorms is None:
         factor_sqnorms = column_sqnorms(prec_factor)
-    n_cols = factors.n_columns
-    btb = workspace_buffer(workspace, "gram_btb", (rank + n_cols, rank + n_cols), prec_factor)
-    btb[:rank, :rank] = factor_gram * old_weight
-    cross = factor_cross(factors, prec_factor, workspace).mul_((old_weight * new_weight) ** 0.5)  # (P, L)
-    btb[rank:, :rank] = cross
-    btb[:rank, rank:] = cross.mT
-    btb[rank:, rank:] = gram_matrix(factors).mul_(new_weight)
-    if not bool(torch.isfinite(btb).all()):
-        raise FloatingPointError("non-finite Gram matrix B^T B (non-finite or overflowing per-example gradients)")
-    eigenvalues, top_vectors = top_eigenpairs(btb, rank)  # btb is scratch from here on
+    # B^T B with B = [sqrt(w0) U, sqrt(w1) G]; from P = 128 columns on only G^T G's first h rows against its
+    # first h columns and its last P - h rows against all are formed (h = P / 2, whole samples with a shared
+    # first input), and the upper right block of B^T B is never written: the eigensolver multiplies by its
+    # transpose (LowerStored)
+    n_rows = factors.inputs[0].shape[1] if factors.first_input_shared else 1
+    half = n_rows * (n_cols // n_rows // 2) if n_cols >= _HALF_GRAM_COLUMNS else 0
+    half = half or n_cols  # one sample on a shared input: whole
+    split = rank + half  # B^T B's rows from here on are stored whole, those above it up to column split
+    size = rank + n_cols
+    btb = workspace_buffer(workspace, "gram_btb", (n_copies, size, size), prec_factor)
+    blocks = gram_blocks(factors, layout, half, workspace)
+    torch.mul(blocks[0], new_weight, out=btb[:, rank:split, rank:split])
+    torch.mul(blocks[1], new_weight, out=btb[:, split:, rank:])
+    btb[:, :rank, :rank] = factor_gram * old_weight
+    btb[:, rank:, :rank] = factor_cross(factors, layout, rows, workspace).mul_((old_weight * new_weight) ** 0.5)
+    btb[:, :rank, rank:split] = btb[:, rank:split, :rank].mT
+    matrix = LowerStored(btb, split)
+    _check_finite(matrix.stored_sums(), "Gram matrix B^T B")
+    # started from B^T B's first L columns: the images of the U block, one power step ahead of it
+    eigenvalues, top = top_eigenpairs(matrix, rank, start=btb[:, :, :rank])  # btb is scratch from here on
     eigenvalues = eigenvalues.clamp_min(0.0)
     coefficient_sums = None
     if sign_reference is not None:  # B^T b = [sqrt(w0) U^T b; sqrt(w1) G^T b]
-        coefficient_sums = torch.cat(
-            [
-                (prec_factor.mT @ sign_reference).mul_(old_weight**0.5),
-                factor_cross(factors, sign_reference[:, None])[:, 0].mul_(new_weight**0.5),
-            ]
-        )
-    top = canonical_signs(top_vectors, coefficient_sums)  # (L+P, L)
+        g_ref = factor_cross(factors, layout, sign_reference[:, None]).mul_(new_weight**0.5)[..., 0]
+        u_ref = thin_matmul(rows, sign_reference[..., None])[..., 0].mul_(old_weight**0.5)
+        coefficient_sums = torch.cat([u_ref, g_ref], -1)
+    top = canonical_signs(top, coefficient_sums)  # (R, L+P, L)
     # diag(w0 U U^T + w1 G G^T) now: factor_sqnorms may be overwritten by the new squared norms below
-    residual = sq_diag(factors, out=workspace_buffer(workspace, "residual", (factors.n_params,), prec_factor))
-    residual.mul_(new_weight).add_(factor_sqnorms, alpha=old_weight)
-    new_sqnorms = torch.empty_like(factor_sqnorms) if sqnorms_out is None else sqnorms_out
-    # sqrt(w0) U W_U + sqrt(w1) G W_G in one pass over U (target may be U), squaring each finished chunk
-    new_factor = target
-    combine_rows(
+    residual = workspace_buffer(workspace, "residual", (n_copies, n_params), prec_factor)
+    squared_gradient_sum(factors, layout, out=residual).mul_(new_weight).add_(factor_sqnorms, alpha=old_weight)
+    new_sqnorms = torch.empty_like(residual) if sqnorms_out is None else sqnorms_out
+    target = out if out is not None and out.mT.is_contiguous() else empty_columns_first(*prec_factor.shape, rows)
+    combine_rows(  # sqrt(w0) U W_U + sqrt(w1) G W_G in one pass over U (target may be U)
         factors,
-        top[rank:],
-        prec_factor.mT,
-        new_factor.mT,
+        layout,
+        top[:, rank:],
+        rows,
+        target.mT,
         alpha=new_weight**0.5,
-        mixing=top[:rank] * old_weight**0.5,
+        mixing=top[:, :rank] * old_weight**0.5,
         sqnorms=new_sqnorms,
         workspace=workspace,
     )
     residual.sub_(new_sqnorms)
-    if out is not None and new_factor is not out:
-        new_factor = out.copy_(new_factor)
+    if out is not None and target is not out:
+        target = out.copy_(target)
     return LowRankUpdate(
-        prec_factor=new_factor, eigenvalues=eigenvalues, factor_sqnorms=new_sqnorms, diag_residual=residual
+        prec_factor=target, eigenvalues=eigenvalues, factor_sqnorms=new_sqnorms, diag_residual=residual
     )
 
 
 def _dense_update(
-    factors: PerExampleFactors,
+    factors: StackedFactors,
+    layout: LinearLayout,
     prec_factor: Tensor,
-    *,
     old_weight: float,
     new_weight: float,
-    sign_reference: Tensor | None = None,
+    sign_reference: Tensor | None,
 ) -> LowRankUpdate:
-    """The same update through the D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P);
+    """The same update through each copy's D x D matrix :math:`w_0UU^\\top + w_1GG^\\top` (for D <= L + P);
     ``sign_reference``: :math:`B\\mathbf 1` when ``factors`` are merged (:func:`merge_samples`)."""
-    rank = prec_factor.shape[1]
-    grads = factors.dense()  # (D, P)
-    matrix = torch.addmm(prec_factor @ prec_factor.mT, grads, grads.mT, beta=old_weight, alpha=new_weight)
-    if not bool(torch.isfinite(matrix).all()):
-        raise FloatingPointError(
-            "non-finite matrix w0 U U^T + w1 G G^T (non-finite or overflowing per-example gradients)"
-        )
+    rank = prec_factor.shape[-1]
+    grads = gradient_columns(factors, layout).mT  # (R, D, P)
+    matrix = (prec_factor @ prec_factor.mT).mul_(old_weight).baddbmm_(grads, grads.mT, alpha=new_weight)
+    _check_finite(matrix.flatten(1).sum(1), "matrix w0 U U^T + w1 G G^T")
     evals, evecs = torch.linalg.eigh(matrix)  # ascending
-    eigenvalues = evals[-rank:].flip(0).clamp_min(0.0)
-    top = evecs[:, -rank:].flip(1)  # (D, L)
+    eigenvalues = evals[:, -rank:].flip(-1).clamp_min(0.0)
     # the sign convention of the Gram path: its coefficients B^T v / sqrt(lambda) sum to >= 0, where
     # B^T v = [sqrt(w0) U^T v; sqrt(w1) G^T v], i.e. (sqrt(w0) U 1 + sqrt(w1) G 1)^T v >= 0
     sums = sign_reference
     if sums is None:
-        sums = prec_factor.sum(1) * old_weight**0.5 + grads.sum(1) * new_weight**0.5  # (D,)
-    top = canonical_signs(top, sums)
-    new_factor = top * eigenvalues.sqrt()
-    new_sqnorms = new_factor.square().sum(1)
+        sums = prec_factor.sum(-1) * old_weight**0.5 + grads.sum(-1) * new_weight**0.5  # (R, D)
+    new_factor = canonical_signs(evecs[:, :, -rank:].flip(-1), sums) * eigenvalues.sqrt()[:, None, :]
+    new_sqnorms = new_factor.square().sum(-1)
     return LowRankUpdate(
         prec_factor=new_factor,
         eigenvalues=eigenvalues,
         factor_sqnorms=new_sqnorms,
-        diag_residual=matrix.diagonal() - new_sqnorms,
+        diag_residual=matrix.diagonal(dim1=-2, dim2=-1) - new_sqnorms,
     )
+
+
+def _check_finite(per_copy_sums: Tensor, what: str) -> None:
+    """Raise :class:`FloatingPointError` naming ``what`` (and the first bad copy of a stack) if a sum is not
+    finite."""
+    finite = torch.isfinite(per_copy_sums)
+    if not bool(finite.all()):
+        where = f" in stacked copy {int((~finite).nonzero()[0, 0])}" if finite.numel() > 1 else ""
+        raise FloatingPointError(f"non-finite {what}{where} (non-finite or overflowing per-example gradients)")

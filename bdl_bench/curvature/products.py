@@ -43,8 +43,12 @@ def t_matmul(x: Tensor, y: Tensor) -> Tensor:
 
 def t_matmul_into(x: Tensor, y: Tensor, out: Tensor) -> None:
     r""":func:`t_matmul` of batched matrices (:math:`x^\top y`, ``(R, m, n)``) written into ``out`` (e.g. a view of
-    a flat ``(R, D)`` vector), in the transposed form where that one is the faster."""
-    if y.shape[-1] <= _FEW_COLUMNS and y.shape[-1] < x.shape[-1]:
+    a flat ``(R, D)`` vector), in the transposed form where that one is the faster. An ``out`` whose copies are
+    not contiguous (a layer's view of R > 1 flat vectors) is written by a copy: the batched GEMM would write it
+    one copy at a time."""
+    if not out.is_contiguous():
+        out.copy_(t_matmul(x, y))
+    elif y.shape[-1] <= _FEW_COLUMNS and y.shape[-1] < x.shape[-1]:
         torch.bmm(y.mT, x, out=out.mT)
     else:
         torch.bmm(x.mT, y, out=out)

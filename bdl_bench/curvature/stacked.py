@@ -1,13 +1,14 @@
 r"""Per-example gradient factors of R stacked copies of a network of ``nn.Linear`` layers, one per data split
-(:mod:`bdl_bench.orchestration.stacked`), and the curvature sums built from them.
+(:mod:`bdl_bench.orchestration.stacked`; a single run is R = 1), and the curvature sums built from them.
 
-:func:`stacked_factors` is :func:`bdl_bench.curvature.per_example.linear_factors` with a leading copy dimension
-R on the parameters ``(R, S, D)`` and data ``(R, M, ...)``: one forward/backward gives every layer's inputs A
+:func:`stacked_factors` evaluates the network at S parameter vectors per copy, ``(R, S, D)``, on data
+``(R, M, ...)`` (:mod:`bdl_bench.curvature.per_example`): one forward/backward gives every layer's inputs A
 and output gradients :math:`\Delta`, so that :math:`g_p = \operatorname{vec}(\delta_pa_p^\top)` per layer
-for the P = S·M columns (sample-major). Products with the per-example gradient matrix G are per-layer GEMMs
-of those factors: :func:`gradient_sum` (:math:`\sum_pg_p`), :func:`squared_gradient_sum`
-(:math:`\sum_pg_p\circ g_p`) and :func:`gram` (:math:`\sum_pg_pg_p^\top`, the only one that forms G). Used by
-the stacked SLANG update and by VOGN (whose single run is the stack of one copy).
+for the P = S·M columns (sample-major: column ``s * M + i`` is example i at :math:`\theta_s`). Products with
+the per-example gradient matrix G are per-layer GEMMs of those factors: :func:`gradient_sum`
+(:math:`\sum_pg_p`), :func:`squared_gradient_sum` (:math:`\sum_pg_p\circ g_p`) and :func:`gram`
+(:math:`\sum_pg_pg_p^\top`, the only one that forms G); SLANG's update multiplies with G through them and
+:mod:`bdl_bench.curvature.gram`. Used by SLANG and VOGN (whose single runs are stacks of one copy).
 """
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ def stacked_factors(
     )
 
 
-def gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
-    r""":math:`\sum_p g_p` of every copy, ``(R, D)``: per layer :math:`\Delta^\top A` and the summed deltas."""
-    out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
+def gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | None = None) -> Tensor:
+    r""":math:`\sum_p g_p` of every copy, ``(R, D)`` (into ``out`` if given): per layer :math:`\Delta^\top A` and
+    the summed deltas."""
+    if out is None:
+        out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
     for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
             d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
@@ -150,10 +153,11 @@ def assemble_layers(
     return out
 
 
-def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout) -> Tensor:
-    r""":math:`\sum_p g_p\circ g_p` of every copy, ``(R, D)``: per layer :math:`(\Delta^{\circ2})^\top A^{\circ2}`
-    (no per-example gradient is formed)."""
-    out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
+def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | None = None) -> Tensor:
+    r""":math:`\sum_p g_p\circ g_p` of every copy, ``(R, D)`` (into ``out`` if given): per layer
+    :math:`(\Delta^{\circ2})^\top A^{\circ2}` (no per-example gradient is formed)."""
+    if out is None:
+        out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
     for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
         d2 = d.square()
         if layer == 0 and factors.first_input_shared:  # sum over the samples first

@@ -36,15 +36,18 @@ Their UCI setting ("Adam-like", Table 2): :math:`\alpha = 0.01`, :math:`\beta = 
 in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay; logistic regression
 (Table 1): :math:`\alpha = \beta = 0.05`, :math:`\gamma = 0.51`.
 
-Implementation: U is stored column-major (``torch.zeros(L, D).mT``: each column contiguous), so that
-every product with the per-example gradients is a GEMM of a training step's shape
-(:mod:`bdl_bench.curvature.gram`); the state's tensors are updated in place by ``train_step`` (the
-new U, :math:`\sqrt{1-\beta}\,UW_U + \sqrt{\beta c}\,GW_G`, is formed in one pass, chunk by chunk in
-cache, over the old one: no second D x L buffer), so ``posterior()`` and ``state_dict()`` return
-copies. :math:`U^\top U` (the last eigenvalues), :math:`\operatorname{diag}(UU^\top)` and the Cholesky
-factor of :math:`I + U^\top D^{-1}U` are carried from one step to the next
-(:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of being recomputed, and every D-sized
-temporary of a step lives in a workspace kept between steps
+Implementation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.orchestration.stacked`):
+the mean is ``(R, D)``, U ``(R, D, L)``, and a single run is the stack of one copy. Copy r draws exactly the
+standard normals a single run of the same seed draws (one ``(S, D + L)`` draw shared by the copies), so a
+stacked fit equals R single runs up to rounding. U is stored column-major (``torch.zeros(R, L, D).mT``: each
+column contiguous), so that every product with the per-example gradients is a GEMM of a training step's
+shape (:mod:`bdl_bench.curvature.gram`, blocked in cache for large D, batched over the copies for small
+ones); the state's tensors are updated in place by ``train_step`` (the new U,
+:math:`\sqrt{1-\beta}\,UW_U + \sqrt{\beta c}\,GW_G`, is formed in one pass, chunk by chunk, over the old
+one: no second D x L buffer), so ``posterior()`` and ``state_dict()`` return copies. :math:`U^\top U` (the
+last eigenvalues), :math:`\operatorname{diag}(UU^\top)` and the Cholesky factor of :math:`I + U^\top D^{-1}U`
+are carried from one step to the next (:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of
+being recomputed, and every D-sized temporary of a step lives in a workspace kept between steps
 (:func:`bdl_bench.curvature.gram.workspace_buffer`: fresh memory would cost a page fault per 4 KB at
 every step). Samples of q (for training and ``predict``) are exact:
 :math:`\mu + P^{-1}(d^{1/2}\circ\epsilon_1 + U\epsilon_2)`.
@@ -58,24 +61,24 @@ from the training samples (the exact trace costs O(D L²); ``kl_to_prior`` is ex
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from bdl_bench.curvature.gram import low_rank_update, workspace_buffer
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache, capacitance_cholesky, sample_noise, weighted_gram
-from bdl_bench.curvature.per_example import LinearLayout, PerExampleFactors, linear_factors, linear_layout
+from bdl_bench.curvature.per_example import LinearLayout, linear_layout
+from bdl_bench.curvature.products import thin_matmul
+from bdl_bench.curvature.stacked import StackedFactors, gradient_sum, stacked_factors
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods._diag_vi import sum_log, uniform_value
 from bdl_bench.methods._shared import decayed_rate
-from bdl_bench.methods.base import Method, NonFiniteLossError, Problem, register_method, stacked_prior
+from bdl_bench.methods.base import NonFiniteLossError, Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
@@ -88,52 +91,54 @@ class NonFiniteGradientError(NonFiniteLossError):
 
 @dataclass(frozen=True)
 class SlangState:
-    """Everything that changes while SLANG fits (Mishkin et al. 2018, Alg. 1), plus momentum.
+    """Everything that changes while SLANG fits (Mishkin et al. 2018, Alg. 1), plus momentum, for R stacked
+    copies (R = 1 for a single run).
 
     The method overwrites these tensors at each ``train_step`` (copy a state, or use
     ``Slang.state_dict()``, to keep it).
 
     Attributes:
-        mean: :math:`\\mu`, ``(D,)``.
-        prec_factor: U, ``(D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`; column-major
+        mean: :math:`\\mu`, ``(R, D)``.
+        prec_factor: U, ``(R, D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`; column-major
             (``U.mT`` contiguous) in the method.
-        prec_diag: d, ``(D,)``.
+        prec_diag: d, ``(R, D)``.
         step: number of updates taken so far (t of the last update).
         momentum: :math:`m`, the EMA of the scaled data gradient :math:`\\hat g` (before bias
-            correction), ``(D,)``.
+            correction), ``(R, D)``.
     """
 
-    mean: Tensor  # (D,)
-    prec_factor: Tensor  # (D, L)
-    prec_diag: Tensor  # (D,)
+    mean: Tensor  # (R, D)
+    prec_factor: Tensor  # (R, D, L)
+    prec_diag: Tensor  # (R, D)
     step: int
-    momentum: Tensor  # (D,)
+    momentum: Tensor  # (R, D)
 
 
 def slang_update(
     state: SlangState,
-    factors: PerExampleFactors,
+    cache: PrecisionCache,
+    factors: StackedFactors,
+    layout: LinearLayout,
     *,
     n_data: int,
     prior_precision: Tensor,
     lr: float,
     beta: float,
     momentum: float,
-    cache: PrecisionCache | None = None,
     inplace: bool = False,
     workspace: dict[str, Tensor] | None = None,
 ) -> tuple[SlangState, PrecisionCache]:
-    """One SLANG update (module docstring, items 3-6) from factors evaluated at samples of q.
+    """One SLANG update of every copy (module docstring, items 3-6) from factors evaluated at samples of q.
 
     Args:
-        state: the state :math:`(\\mu_t, U_t, d_t, m_{t-1}, t-1)`.
-        factors: per-example factors at the S samples of :math:`q_t` on a minibatch of M examples.
+        state: the state :math:`(\\mu_t, U_t, d_t, m_{t-1}, t-1)`; ``cache`` its :class:`PrecisionCache`.
+        factors: per-example factors at the S samples of :math:`q_t` on each copy's minibatch of M examples
+            (:func:`bdl_bench.curvature.stacked.stacked_factors`); ``layout`` the network's.
         n_data: N, the number of training examples.
-        prior_precision: :math:`\\lambda`, ``(D,)``.
+        prior_precision: :math:`\\lambda`, ``(R, D)``.
         lr: :math:`\\alpha_t` (already scheduled).
         beta: :math:`\\beta_t` (already scheduled).
         momentum: :math:`\\rho`.
-        cache: ``build_cache(state.prec_factor, state.prec_diag)`` if at hand (computed when ``None``).
         inplace: overwrite the tensors of ``state`` (which then holds the new values) and the
             ``factor_sqnorms`` of ``cache`` (the new cache's) instead of allocating new ones; saves a
             D x L buffer and its first-touch cost per step.
@@ -145,19 +150,21 @@ def slang_update(
         The new state and its cache.
 
     Raises:
-        NonFiniteGradientError: if a per-example gradient (or its Gram matrix) is not finite.
+        NonFiniteGradientError: if a per-example gradient (or its Gram matrix) is not finite, naming the step
+            (and the copy of a stack).
     """
     step = state.step + 1
-    if cache is None:
-        cache = build_cache(state.prec_factor, state.prec_diag)
-    scale = n_data / factors.n_columns  # N / (M S)
+    scale = n_data / factors.losses[0].numel()  # N / (M S)
     like = state.mean
-    grad = factors.grad_sum(out=workspace_buffer(workspace, "slang_grad", like.shape, like)).mul_(scale)  # g_hat
-    if not bool(torch.isfinite(grad.sum())):  # a NaN or an infinity anywhere makes the sum non-finite
-        raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step}")
+    grad = gradient_sum(factors, layout, out=workspace_buffer(workspace, "slang_grad", like.shape, like))
+    finite = torch.isfinite(grad.sum(-1))  # a NaN or an infinity anywhere makes a copy's sum non-finite
+    if not bool(finite.all()):
+        where = f" in stacked copy {int((~finite).nonzero()[0, 0])}" if finite.numel() > 1 else ""
+        raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step}{where}")
     try:
         update = low_rank_update(
             factors,
+            layout,
             state.prec_factor,
             old_weight=1.0 - beta,
             new_weight=beta * scale,
@@ -166,9 +173,11 @@ def slang_update(
             out=state.prec_factor if inplace else None,
             sqnorms_out=cache.factor_sqnorms if inplace else None,
             workspace=workspace,
+            grad_sum=grad,
         )
     except FloatingPointError as err:
         raise NonFiniteGradientError(f"method 'slang': non-finite gradient at step {step} ({err})") from err
+    grad.mul_(scale)  # g_hat
     # eq. (9): d = (1 - beta) d + beta lambda + max(correction, 0)
     prec_diag = state.prec_diag.mul_(1.0 - beta) if inplace else state.prec_diag * (1.0 - beta)
     prec_diag.add_(prior_precision, alpha=beta).add_(update.diag_residual.clamp_min_(0.0))
@@ -180,18 +189,20 @@ def slang_update(
     direction.addcmul_(prior_precision, state.mean)  # bias-corrected momentum + lambda mu
     # eq. (11) by Woodbury, with U^T D^{-1} U and U^T D^{-1} direction in one blocked pass over U
     inv_diag = torch.reciprocal(prec_diag, out=workspace_buffer(workspace, "slang_inv_diag", like.shape, like))
-    capacitance, proj = weighted_gram(update.prec_factor, inv_diag, direction, workspace=workspace)
+    u = update.prec_factor
+    capacitance, proj = weighted_gram(u, inv_diag, direction, workspace=workspace)
     assert proj is not None
     chol = capacitance_cholesky(capacitance)
-    inner = torch.cholesky_solve(proj[:, None], chol)[:, 0]
-    residual = direction.addmv_(update.prec_factor, inner, alpha=-1.0)  # direction - U inner
+    inner = torch.cholesky_solve(proj[..., None], chol)  # (R, L, 1)
+    if u.shape[0] > 1 or u.shape[-1] == 1:  # direction - U inner; broadcast products for small stacks
+        direction.sub_(thin_matmul(u, inner)[..., 0])
+    else:
+        direction[..., None].baddbmm_(u, inner, alpha=-1.0)
     mean = state.mean if inplace else state.mean.clone()
-    mean.addcmul_(residual, inv_diag, value=-lr)  # mu - lr D^{-1}(direction - U inner)
-    new_state = SlangState(
-        mean=mean, prec_factor=update.prec_factor, prec_diag=prec_diag, momentum=new_momentum, step=step
-    )
+    mean.addcmul_(direction, inv_diag, value=-lr)  # mu - lr D^{-1}(direction - U inner)
+    new_state = SlangState(mean=mean, prec_factor=u, prec_diag=prec_diag, momentum=new_momentum, step=step)
     new_cache = PrecisionCache(
-        factor_gram=torch.diag(update.eigenvalues),
+        factor_gram=torch.diag_embed(update.eigenvalues),
         factor_sqnorms=update.factor_sqnorms,
         capacitance=capacitance,
         capacitance_chol=chol,
@@ -199,9 +210,15 @@ def slang_update(
     return new_state, new_cache
 
 
+def _row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """The dot products of the rows of ``a`` and ``b`` ``(R, n)``, ``(R,)``: without a temporary for one row."""
+    return torch.dot(a[0], b[0])[None] if a.shape[0] == 1 else (a * b).sum(-1)
+
+
 @register_method("slang")
-class Slang(Method):
-    """SLANG (Mishkin et al. 2018, Alg. 1); the exact update is in the module docstring.
+class Slang(StackedMethod):
+    """SLANG (Mishkin et al. 2018, Alg. 1); the exact update is in the module docstring. Splits can be stacked
+    (:meth:`setup_replicas`) for networks of ``nn.Linear`` layers.
 
     Args:
         rank: L, columns of the precision factor U (1 <= L < D).
@@ -228,7 +245,10 @@ class Slang(Method):
             "init_prec_diag": POSITIVE,
         }
     )
-    supports_replicas = True  # stacked splits: networks of nn.Linear layers (bdl_bench/methods/_slang_stacked.py)
+    copy_state: ClassVar[tuple[str, ...]] = ("state", "cache", "prior_precision", "_log_prior_det")
+    state: SlangState
+    cache: PrecisionCache | None  # of ``state`` (None: rebuilt when needed, after a load)
+    prior_precision: Tensor  # (R, D): each copy's λ
 
     def __init__(
         self,
@@ -251,145 +271,92 @@ class Slang(Method):
         self.init_prec_diag = float(init_prec_diag)
 
     # ------------------------------------------------------------------------------ set-up
-    def setup(self, problem: Problem) -> None:
-        """Start from :math:`\\mu_0` = the model's parameters, :math:`U_0 = 0`, :math:`d_0` = ``init_prec_diag``.
+    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+        """Start every copy from :math:`\\mu_0` = the model's parameters, :math:`U_0 = 0`, :math:`d_0` =
+        ``init_prec_diag``.
 
         Raises:
             ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear`` and parameter-free
-                modules, if the rank L is not in 1 <= L < D, or if the prior precision is not ``(D,)``
+                modules, if the rank L is not in 1 <= L < D, or if a prior precision is not ``(D,)``
                 and positive.
         """
-        super().setup(problem)
-        self.layout: LinearLayout = linear_layout(problem.model)
+        super().setup_replicas(problems)
+        self.layout: LinearLayout = linear_layout(self.problem.model)
         n_params = self.layout.n_params
         if not 1 <= self.rank < n_params:
             raise ConfigError(
                 f"slang: rank L={self.rank} must satisfy 1 <= L < D={n_params} (D = number of model parameters)"
             )
-        mean = flat_params(problem.model)
-        prior = problem.prior_precision.to(mean)
-        if prior.shape != mean.shape or not bool((prior > 0).all()):
-            raise ConfigError(
-                f"slang: prior_precision must be positive with shape ({n_params},), got {tuple(prior.shape)}"
-            )
-        self.prior_precision = prior
-        self._prior = uniform_value(prior)  # one number when all coordinates share it (fewer passes per step)
-        self._log_prior_det = float(prior.log().sum())
+        mean = flat_params(self.problem.model)
+        for p in problems:
+            if p.prior_precision.shape != mean.shape or not bool((p.prior_precision > 0).all()):
+                raise ConfigError(
+                    f"slang: prior_precision must be positive with shape ({n_params},),"
+                    f" got {tuple(p.prior_precision.shape)}"
+                )
+        self.prior_precision = stacked_prior(problems).to(mean)  # (R, D)
+        shared = uniform_value(self.prior_precision)  # one number when all entries share it: fewer passes
+        self._shared_prior = shared if isinstance(shared, float) else None
+        self._log_prior_det = self.prior_precision.log().sum(-1)  # (R,)
+        n_copies = len(problems)
+        mean = mean.expand(n_copies, n_params).clone()
         self.state = SlangState(
             mean=mean,
-            prec_factor=torch.zeros(self.rank, n_params, dtype=mean.dtype, device=mean.device).mT,  # column-major
+            prec_factor=mean.new_zeros(n_copies, self.rank, n_params).mT,  # column-major
             prec_diag=torch.full_like(mean, self.init_prec_diag),
             momentum=torch.zeros_like(mean),
             step=0,
         )
-        self._cached: tuple[SlangState, PrecisionCache] | None = None
+        self.cache = None
         self._workspace: dict[str, Tensor] = {}  # scratch buffers reused by every train_step
 
     def _cache(self) -> PrecisionCache:
         """The cache of ``self.state`` (kept from the last update, or rebuilt after a load)."""
-        if self._cached is None or self._cached[0] is not self.state:
-            self._cached = (self.state, build_cache(self.state.prec_factor, self.state.prec_diag))
-        return self._cached[1]
-
-    def _noise(self, n_samples: int) -> Tensor:
-        s = self.state
-        return sample_noise(s.prec_factor, s.prec_diag, self._cache(), n_samples, self.problem.generator)
+        if self.cache is None:
+            self.cache = build_cache(self.state.prec_factor, self.state.prec_diag)
+        return self.cache
 
     # ---------------------------------------------------------------------------- fitting
     @torch.no_grad()
-    def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """One update (module docstring); the state's tensors are updated in place. The reported losses are
-        0-dim tensors on the parameters' device; the step reads the device twice, both times before its
-        eigendecomposition (which waits for the device anyway): the finite-gradient checks that keep a
-        diverged step from overwriting the state.
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One update of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``; module docstring);
+        the state's tensors are updated in place. The reported losses are ``(R,)`` tensors on the parameters'
+        device; the step reads the device twice, both times before its eigendecomposition (which waits for
+        the device anyway): the finite-gradient checks that keep a diverged step from overwriting the state.
 
         Raises:
-            NonFiniteGradientError: naming the step, if a per-example gradient is not finite (the
-                state is then left as it was before the step).
+            NonFiniteGradientError: naming the step (and the copy of a stack), if a per-example gradient is
+                not finite (the state is then left as it was before the step).
         """
-        problem = self.problem
-        state = self.state
+        problem, state = self.problem, self.state
         step = state.step + 1
         cache = self._cache()
         work, like = self._workspace, state.mean
-        noise = sample_noise(  # (S, D), in the workspace
+        noise = sample_noise(  # (R, S, D), in the workspace
             state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator, work
         )
-        thetas = torch.add(state.mean, noise, out=workspace_buffer(work, "slang_thetas", noise.shape, like))
-        factors = linear_factors(problem.model, thetas, x, y, problem.likelihood, self.layout)
-        # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
-        scratch = workspace_buffer(work, "slang_dir", like.shape, like)  # free until slang_update
-        logdet = sum_log(state.prec_diag, scratch) + 2.0 * cache.capacitance_chol.diagonal().log().sum()
-        lam = self._prior
-        if isinstance(lam, float):  # trace and Mahalanobis term as dot products, no lambda-weighted pass
-            flat = noise.reshape(-1)  # (S D,): one dot product, no temporary
-            trace = torch.dot(flat, flat).mul_(lam / noise.shape[0])
-            maha = torch.dot(state.mean, state.mean).mul_(lam)
-        else:
-            trace = (noise.square_() @ lam).mean()  # noise is not needed any more
-            maha = torch.dot(torch.mul(lam, state.mean, out=scratch), state.mean)
-        kl_est = 0.5 * (trace + maha - state.mean.numel() + logdet - self._log_prior_det)
-        nll = factors.losses.mean()  # 0-dim tensors: read once per epoch by the fit loop, not per step
-        kl_per_example = kl_est / problem.n_data
-        new_state, new_cache = slang_update(
-            state,
-            factors,
-            n_data=problem.n_data,
-            prior_precision=self.prior_precision,
-            lr=decayed_rate(self.lr, self.decay, step),
-            beta=decayed_rate(self.beta, self.decay, step),
-            momentum=self.momentum,
-            cache=cache,
-            inplace=True,
-            workspace=work,
-        )
-        self.state = new_state
-        self._cached = (new_state, new_cache)
-        return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
-
-    # ---------------------------------------------------------------------- stacked splits
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies of the initial state, stacked (``(R, D)``, U ``(R, D, L)``); fitted by
-        :func:`bdl_bench.methods._slang_stacked.stacked_slang_update`."""
-        from bdl_bench.methods._slang_stacked import stacked_cache
-
-        self.setup(problems[0])
-        self._replica_problems = list(problems)
-        self.prior_precision = stacked_prior(problems).to(self.state.mean)  # (R, D): each copy its own
-        if not bool((self.prior_precision > 0).all()):
-            raise ValueError("slang: every copy's prior_precision must be positive")
-        self._log_prior_det = self.prior_precision.log().sum(-1)  # (R,)
-        n_copies, s = len(problems), self.state
-        stacked = {
-            f: getattr(s, f).expand(n_copies, *getattr(s, f).shape).clone() for f in ("mean", "prec_diag", "momentum")
-        }
-        self.state = SlangState(
-            **stacked, prec_factor=torch.zeros_like(stacked["mean"][..., None].expand(-1, -1, self.rank)), step=0
-        )
-        self._cached = (self.state, stacked_cache(self.state))
-        self._workspace: dict[str, Tensor] = {}
-
-    @torch.no_grad()
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """:meth:`train_step` of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``)."""
-        from bdl_bench.curvature.stacked import stacked_factors
-        from bdl_bench.methods._slang_stacked import stacked_slang_update
-
-        problem, state = self.problem, self.state
-        step = state.step + 1
-        cache = self._cached[1] if self._cached is not None else None
-        assert cache is not None and self._cached[0] is state, "setup_replicas first"
-        noise = sample_noise(state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator)
+        thetas = torch.add(state.mean[:, None], noise, out=workspace_buffer(work, "slang_thetas", noise.shape, like))
         likelihoods = [p.likelihood for p in self._replica_problems]
-        thetas = state.mean[:, None] + noise
         factors = stacked_factors(problem.model, self.layout, thetas, x, y, likelihoods, share_first_input=True)
-        logdet = state.prec_diag.log().sum(-1) + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        trace = (noise.square() @ self.prior_precision[..., None]).squeeze(-1).mean(-1)  # per copy
-        penalty = ((self.prior_precision * state.mean) * state.mean).sum(-1)
-        kl_est = 0.5 * (trace + penalty - state.mean.shape[-1] + logdet - self._log_prior_det)
-        nll = factors.losses.mean(dim=(1, 2))
+        # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
+        n_copies = like.shape[0]
+        if n_copies == 1:  # logarithms of products of entries (sum_log), in the scratch free until slang_update
+            log_diag = sum_log(state.prec_diag[0], workspace_buffer(work, "slang_dir", like.shape, like)[0])[None]
+        else:
+            log_diag = state.prec_diag.log().sum(-1)
+        logdet = log_diag + 2.0 * cache.capacitance_chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        lam, flat = self._shared_prior, noise.view(n_copies, -1)  # (R, S D)
+        if lam is not None:  # trace and Mahalanobis term as dot products, no lambda-weighted pass
+            trace = _row_dots(flat, flat).mul_(lam / noise.shape[1])
+            maha = _row_dots(like, like).mul_(lam)
+        else:
+            lam = self.prior_precision
+            trace = (noise.square_() @ lam[..., None]).view(n_copies, -1).mean(-1)  # noise is not needed any more
+            maha = _row_dots(lam * like, like)
+        kl_est = 0.5 * (trace + maha - like.shape[-1] + logdet - self._log_prior_det)
+        nll = factors.losses.mean(dim=(1, 2))  # (R,) tensors: read once per epoch by the fit loop, not per step
         kl_per_example = kl_est / problem.n_data
-        self.state, new_cache = stacked_slang_update(
+        self.state, self.cache = slang_update(
             state,
             cache,
             factors,
@@ -399,91 +366,76 @@ class Slang(Method):
             lr=decayed_rate(self.lr, self.decay, step),
             beta=decayed_rate(self.beta, self.decay, step),
             momentum=self.momentum,
-            workspace=self._workspace,
+            inplace=True,
+            workspace=work,
         )
-        self._cached = (self.state, new_cache)
         return {"loss": nll + kl_per_example, "nll": nll, "kl": kl_per_example}
-
-    def replica(self, index: int) -> Slang:
-        single = copy.copy(self)
-        single.setup(self._replica_problems[index])
-        s, cache = self.state, self._cached[1] if self._cached is not None else None
-        prec_factor = torch.empty_like(single.state.prec_factor)  # column-major, as setup made it
-        prec_factor.copy_(s.prec_factor[index])
-        single.state = SlangState(
-            mean=s.mean[index].clone(),
-            prec_factor=prec_factor,
-            prec_diag=s.prec_diag[index].clone(),
-            momentum=s.momentum[index].clone(),
-            step=s.step,
-        )
-        single._cached = None
-        if cache is not None and self._cached is not None and self._cached[0] is s:
-            fields = {f.name: getattr(cache, f.name)[index].clone() for f in dataclasses.fields(cache)}
-            single._cached = (single.state, PrecisionCache(**fields))
-        return single
 
     # ------------------------------------------------------------------------- prediction
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks :math:`\\theta \\sim q`: ``(S, N, out)``."""
-        model = self.problem.model
+        model, s = self.problem.model, self.state
+        mean = self.only_copy(s.mean)
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
-            thetas = self.state.mean + self._noise(min(_PREDICT_CHUNK, n_samples - start))
+            count = min(_PREDICT_CHUNK, n_samples - start)
+            thetas = mean + sample_noise(s.prec_factor, s.prec_diag, self._cache(), count, self.problem.generator)[0]
             chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
         return torch.cat(chunks)
 
     def posterior(self) -> LowRankPlusDiagGaussian:
         """:math:`q = \\mathcal N(\\mu, (UU^\\top + \\operatorname{diag} d)^{-1})` (a copy: training updates the state in place)."""
         s = self.state
-        return LowRankPlusDiagGaussian(s.mean.clone(), s.prec_factor.clone(), s.prec_diag.clone())
+        return LowRankPlusDiagGaussian(*(self.only_copy(t).clone() for t in (s.mean, s.prec_factor, s.prec_diag)))
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:
         """Exact KL(q ‖ N(0, diag(λ)⁻¹)) (determinant lemma and Woodbury, O(D L²))."""
         s = self.state
-        q = LowRankPlusDiagGaussian(s.mean, s.prec_factor, s.prec_diag)
-        return kl(q, DiagGaussian(torch.zeros_like(s.mean), self.prior_precision))
+        q = LowRankPlusDiagGaussian(*(self.only_copy(t) for t in (s.mean, s.prec_factor, s.prec_diag)))
+        return kl(q, DiagGaussian(torch.zeros_like(q.mean), self.only_copy(self.prior_precision)))
 
     # ------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The state's tensors and the carried :class:`PrecisionCache` (so a resumed run continues
         bit for bit: rebuilding the cache from U and d rounds differently from carrying it)."""
-        s = self.state
-        cache = self._cache()
+        s, cache = self.state, self._cache()
         return {
-            "mean": s.mean.clone(),
-            "prec_factor": s.prec_factor.clone(),
-            "prec_diag": s.prec_diag.clone(),
-            "momentum": s.momentum.clone(),
+            **{name: getattr(s, name).clone() for name in ("mean", "prec_factor", "prec_diag", "momentum")},
             "step": s.step,
-            "cache": {f.name: getattr(cache, f.name).clone() for f in dataclasses.fields(cache)},
+            "cache": {f.name: getattr(cache, f.name).clone() for f in fields(cache)},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (tensors are moved to the current state's device and dtype).
+        """Restore :meth:`state_dict`'s output (tensors are moved to the current state's device and dtype); a
+        single run's checkpoint written before a single run was a stack of one copy (``(D,)`` tensors) too.
 
         Raises:
             ValueError: if a tensor's shape differs from the current state's.
         """
         current = self.state
+        unstacked = torch.as_tensor(state["mean"]).ndim == 1
+
+        def read(value: Any) -> Tensor:
+            value = torch.as_tensor(value)
+            return value[None] if unstacked else value
+
         tensors = {}
         for name in ("mean", "prec_factor", "prec_diag", "momentum"):
-            value = torch.as_tensor(state[name])
-            expected = getattr(current, name)
+            value, expected = read(state[name]), getattr(current, name)
             if value.shape != expected.shape:
                 raise ValueError(
                     f"slang: checkpoint {name} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
                 )
             tensors[name] = torch.empty_like(expected).copy_(value)  # keeps the state's layout
         self.state = SlangState(**tensors, step=int(state["step"]))
-        self._cached = None
-        if "cache" in state:
-            like = current.prec_diag
-            # copies: the cache's factor_sqnorms is overwritten in place by the next step
-            cache = {k: torch.as_tensor(v).to(like.device, like.dtype, copy=True) for k, v in state["cache"].items()}
-            self._cached = (self.state, PrecisionCache(**cache))
+        like = current.prec_diag
+        # copies: the cache's factor_sqnorms is overwritten in place by the next step
+        saved = state.get("cache")
+        self.cache = (
+            None if saved is None else PrecisionCache(**{k: read(v).to(like, copy=True) for k, v in saved.items()})
+        )
 
 
 __all__ = ["NonFiniteGradientError", "Slang", "SlangState", "decayed_rate", "slang_update"]

@@ -11,9 +11,10 @@ F64 = torch.float64
 
 
 def _factor_and_diag(generator: torch.Generator, n_params: int = 9, rank: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    factor = gram.empty_columns_first(n_params, rank, like=torch.zeros(1, dtype=F64))
-    factor.copy_(torch.randn(n_params, rank, generator=generator, dtype=F64))
-    return factor, torch.rand(n_params, generator=generator, dtype=F64) + 0.5
+    """U ``(1, D, L)`` column-major and d ``(1, D)``: a stack of one copy."""
+    factor = gram.empty_columns_first(1, n_params, rank, like=torch.zeros(1, dtype=F64))
+    factor.copy_(torch.randn(1, n_params, rank, generator=generator, dtype=F64))
+    return factor, torch.rand(1, n_params, generator=generator, dtype=F64) + 0.5
 
 
 @pytest.mark.parametrize("block", [None, 36])  # 36 = L² x 4 columns: blocks of 4, 4 and 1
@@ -23,16 +24,17 @@ def test_weighted_gram_and_cache(
     if block is not None:
         monkeypatch.setattr(low_rank, "_GRAM_BLOCK_WORK", block)  # several blocks of rows
     factor, diag = _factor_and_diag(generator)
-    rhs = torch.randn(9, generator=generator, dtype=F64)
+    rhs = torch.randn(1, 9, generator=generator, dtype=F64)
     weights = diag.reciprocal()
     gram_matrix, proj = low_rank.weighted_gram(factor, weights, rhs)
-    torch.testing.assert_close(gram_matrix, factor.mT @ torch.diag(weights) @ factor)
-    torch.testing.assert_close(proj, factor.mT @ (weights * rhs))
+    u, w = factor[0], weights[0]
+    torch.testing.assert_close(gram_matrix[0], u.mT @ torch.diag(w) @ u)
+    torch.testing.assert_close(proj[0], u.mT @ (w * rhs[0]))
     cache = low_rank.build_cache(factor, diag)
-    torch.testing.assert_close(cache.factor_gram, factor.mT @ factor)
-    torch.testing.assert_close(cache.factor_sqnorms, factor.square().sum(1))
-    chol = cache.capacitance_chol
-    torch.testing.assert_close(chol @ chol.mT, torch.eye(3, dtype=F64) + gram_matrix)
+    torch.testing.assert_close(cache.factor_gram[0], u.mT @ u)
+    torch.testing.assert_close(cache.factor_sqnorms[0], u.square().sum(1))
+    chol = cache.capacitance_chol[0]
+    torch.testing.assert_close(chol @ chol.mT, torch.eye(3, dtype=F64) + gram_matrix[0])
 
 
 def test_sample_noise_is_exactly_the_posterior_covariance(generator: torch.Generator) -> None:
@@ -41,19 +43,20 @@ def test_sample_noise_is_exactly_the_posterior_covariance(generator: torch.Gener
     cache = low_rank.build_cache(factor, diag)
     noise = low_rank.sample_noise(factor, diag, cache, 5, torch.Generator().manual_seed(7))
     eps = torch.randn((5, 8), generator=torch.Generator().manual_seed(7), dtype=F64).mT  # the same draws
+    factor, diag = factor[0], diag[0]
     precision = factor @ factor.mT + torch.diag(diag)
     transform = torch.linalg.solve(precision, torch.cat([torch.diag(diag.sqrt()), factor], 1))
-    torch.testing.assert_close(noise, (transform @ eps).mT)
+    torch.testing.assert_close(noise[0], (transform @ eps).mT)
     torch.testing.assert_close(transform @ transform.mT, torch.linalg.inv(precision))
 
 
 def test_sample_noise_with_a_zero_factor(generator: torch.Generator) -> None:
     """SLANG starts from U = 0: the draws are then d^{-1/2} e1."""
-    diag = torch.rand(6, generator=generator, dtype=F64) + 0.5
-    factor = torch.zeros(2, 6, dtype=F64).mT
+    diag = torch.rand(1, 6, generator=generator, dtype=F64) + 0.5
+    factor = torch.zeros(1, 2, 6, dtype=F64).mT
     noise = low_rank.sample_noise(factor, diag, low_rank.build_cache(factor, diag), 3, torch.Generator().manual_seed(1))
     eps = torch.randn((3, 8), generator=torch.Generator().manual_seed(1), dtype=F64)[:, :6]
-    torch.testing.assert_close(noise, eps * diag.rsqrt())
+    torch.testing.assert_close(noise[0], eps * diag[0].rsqrt())
 
 
 def test_sample_noise_with_a_workspace_draws_the_same(generator: torch.Generator) -> None:

@@ -1,4 +1,4 @@
-"""Per-example factors reproduce per-example gradients computed densely by ``vmap(grad)``."""
+"""Per-example factors (of a stack of copies) reproduce per-example gradients computed densely by ``vmap(grad)``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from bdl_bench.curvature import linear_factors, linear_layout
+from bdl_bench.curvature import linear_layout
 from bdl_bench.curvature.dense import per_example_gradients
+from bdl_bench.curvature.stacked import StackedFactors, gradient_columns, gradient_sum, stacked_factors
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.models.mlp import logistic_regression, mlp
 from bdl_bench.models.params import flat_params, forward_with
@@ -48,31 +49,40 @@ def _problem(
 KINDS = ["mlp_categorical", "mlp_gaussian", "logreg", "no_bias"]
 
 
+def _factors(model: nn.Module, thetas: torch.Tensor, x, y, likelihood: Likelihood, shared: bool) -> StackedFactors:
+    """The factors of a stack of one copy at the samples ``thetas`` ``(S, D)``."""
+    layout = linear_layout(model)
+    return stacked_factors(model, layout, thetas[None], x[None], y[None], [likelihood], share_first_input=shared)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n_samples", [1, 3])
-def test_factors_reproduce_dense_per_example_gradients(kind: str, n_samples: int, generator: torch.Generator) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["repeated_input", "shared_input"])
+def test_factors_reproduce_dense_per_example_gradients(
+    kind: str, n_samples: int, shared: bool, generator: torch.Generator
+) -> None:
     model, likelihood, x, y = _problem(kind, generator)
     n_params = flat_params(model).numel()
     thetas = torch.randn(n_samples, n_params, generator=generator, dtype=F64)
-    factors = linear_factors(model, thetas, x, y, likelihood)
+    factors = _factors(model, thetas, x, y, likelihood, shared)
     dense = per_example_gradients(model, thetas, x, y, likelihood)  # (D, S·M)
-    assert factors.n_columns == n_samples * x.shape[0]
-    torch.testing.assert_close(factors.dense(), dense)
-    torch.testing.assert_close(factors.grad_sum(), dense.sum(1))
+    layout = linear_layout(model)
+    assert factors.losses.shape == (1, n_samples, x.shape[0])
+    torch.testing.assert_close(gradient_columns(factors, layout)[0].mT, dense)
+    torch.testing.assert_close(gradient_sum(factors, layout)[0], dense.sum(1))
     # losses and outputs are those of the model evaluated at each theta
     for s in range(n_samples):
         f = forward_with(model, thetas[s], x)
-        torch.testing.assert_close(factors.outputs[s], f)
-        torch.testing.assert_close(factors.losses[s], likelihood.nll(f, y))
+        torch.testing.assert_close(factors.outputs[0, s], f)
+        torch.testing.assert_close(factors.losses[0, s], likelihood.nll(f, y))
 
 
 def test_single_theta_equals_autograd_of_summed_loss(generator: torch.Generator) -> None:
     model, likelihood, x, y = _problem("mlp_categorical", generator)
     theta = flat_params(model).requires_grad_(True)
     likelihood.nll(forward_with(model, theta, x), y).sum().backward()
-    factors = linear_factors(model, theta, x, y, likelihood)
-    assert factors.losses.shape == (1, x.shape[0])
-    torch.testing.assert_close(factors.grad_sum(), theta.grad)
+    factors = _factors(model, theta.detach()[None], x, y, likelihood, shared=True)
+    torch.testing.assert_close(gradient_sum(factors, linear_layout(model))[0], theta.grad)
 
 
 def test_layout_follows_parameter_order() -> None:
@@ -95,9 +105,3 @@ def test_layout_follows_parameter_order() -> None:
 def test_unsupported_models_are_refused(model: nn.Module, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         linear_layout(model)
-
-
-def test_wrong_parameter_size_is_refused(generator: torch.Generator) -> None:
-    model, likelihood, x, y = _problem("logreg", generator)
-    with pytest.raises(ValueError, match="D=3"):
-        linear_factors(model, torch.zeros(4, dtype=F64), x, y, likelihood)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.curvature import linear_factors
+from bdl_bench.curvature import linear_layout
 from bdl_bench.curvature.dense import per_example_gradients
-from bdl_bench.curvature.low_rank import build_cache
+from bdl_bench.curvature.low_rank import PrecisionCache, build_cache
+from bdl_bench.curvature.stacked import StackedFactors, stacked_factors
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, LowRankPlusDiagGaussian, kl, sym_kl
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
@@ -85,6 +86,37 @@ def _dense_slang_update(
     return SlangState(mean=new_mean, prec_factor=new_u, prec_diag=new_d, momentum=new_m, step=step)
 
 
+def _factors(model: nn.Module, thetas: Tensor, x: Tensor, y: Tensor, likelihood: Likelihood) -> StackedFactors:
+    """The layer factors of a single run (a stack of one copy) at the samples ``thetas`` ``(S, D)``."""
+    thetas = thetas.reshape(-1, thetas.shape[-1])
+    return stacked_factors(
+        model, linear_layout(model), thetas[None], x[None], y[None], [likelihood], share_first_input=True
+    )
+
+
+def _update(
+    state: SlangState, factors: StackedFactors, model: nn.Module, cache: PrecisionCache | None = None, **kwargs
+):
+    """:func:`slang_update` of a one-copy ``state`` ``(1, ...)`` (its cache built when not given)."""
+    cache = build_cache(state.prec_factor, state.prec_diag) if cache is None else cache
+    return slang_update(state, cache, factors, linear_layout(model), **kwargs)
+
+
+def _stack(state: SlangState) -> SlangState:
+    """``state`` as a stack of one copy."""
+    return SlangState(
+        **{name: getattr(state, name)[None] for name in ("mean", "prec_factor", "prec_diag", "momentum")},
+        step=state.step,
+    )
+
+
+def _only(state: SlangState) -> SlangState:
+    """The one copy of a stacked ``state``."""
+    return SlangState(
+        **{name: getattr(state, name)[0] for name in ("mean", "prec_factor", "prec_diag", "momentum")}, step=state.step
+    )
+
+
 def _random_state(generator: torch.Generator, n_params: int, rank: int, step: int) -> SlangState:
     def randn(*shape: int) -> Tensor:
         return torch.randn(shape, generator=generator, dtype=F64)
@@ -107,9 +139,10 @@ def test_update_equals_dense_reference(n_samples: int, momentum: float, rank: in
     thetas = state.mean + 0.3 * torch.randn(n_samples, 32, generator=generator, dtype=F64)
     prior = torch.linspace(0.5, 2.0, 32, dtype=F64)
     kwargs = dict(n_data=100, lr=0.3, beta=0.2, momentum=momentum)
-    factors = linear_factors(model, thetas, x, y, likelihood)
-    assert factors.n_columns + rank < 32  # the Gram path, not the dense shortcut
-    new, cache = slang_update(state, factors, prior_precision=prior, **kwargs)
+    factors = _factors(model, thetas, x, y, likelihood)
+    assert factors.losses.numel() + rank < 32  # the Gram path, not the dense shortcut
+    new, cache = _update(_stack(state), factors, model, prior_precision=prior[None], **kwargs)
+    new = _only(new)
     ref = _dense_slang_update(state, per_example_gradients(model, thetas, x, y, likelihood), prior=prior, **kwargs)
     assert new.step == 5
     torch.testing.assert_close(new.prec_factor @ new.prec_factor.mT, ref.prec_factor @ ref.prec_factor.mT)
@@ -117,7 +150,7 @@ def test_update_equals_dense_reference(n_samples: int, momentum: float, rank: in
     torch.testing.assert_close(new.momentum, ref.momentum)
     torch.testing.assert_close(new.mean, ref.mean)
     # the cache handed to the next step equals one computed from scratch
-    fresh = build_cache(new.prec_factor, new.prec_diag)
+    fresh = build_cache(new.prec_factor[None], new.prec_diag[None])
     for name in ("factor_gram", "factor_sqnorms", "capacitance", "capacitance_chol"):
         torch.testing.assert_close(getattr(cache, name), getattr(fresh, name))
 
@@ -139,10 +172,11 @@ def test_in_place_update_equals_the_functional_one(generator: torch.Generator) -
         step=2,
         momentum=state.momentum.clone(),
     )
-    factors = linear_factors(model, state.mean + 0.2, x, y, likelihood)
-    kwargs = dict(n_data=40, prior_precision=torch.full((32,), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
-    functional, _ = slang_update(copy, factors, **kwargs)
-    in_place, _ = slang_update(state, factors, **kwargs, inplace=True)
+    factors = _factors(model, state.mean + 0.2, x, y, likelihood)
+    kwargs = dict(n_data=40, prior_precision=torch.full((1, 32), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
+    state, copy = _stack(state), _stack(copy)
+    functional, _ = _update(copy, factors, model, **kwargs)
+    in_place, _ = _update(state, factors, model, **kwargs, inplace=True)
     for name in ("mean", "prec_factor", "prec_diag", "momentum"):
         torch.testing.assert_close(getattr(in_place, name), getattr(functional, name))
         assert getattr(in_place, name) is getattr(state, name)  # the same tensors, overwritten
@@ -153,19 +187,19 @@ def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
     """The cached U^T U (the previous eigenvalues) stands in for the real one at the next step."""
     model, likelihood, x, y = _mlp_problem(generator)
     prior = torch.full((32,), 1.5, dtype=F64)
-    state = ref = SlangState(
+    ref = SlangState(
         mean=torch.zeros(32, dtype=F64),
         prec_factor=torch.zeros(32, 2, dtype=F64),
         prec_diag=torch.ones(32, dtype=F64),
         step=0,
         momentum=torch.zeros(32, dtype=F64),
     )
-    cache = None
+    state, cache = _stack(ref), None
     for _ in range(3):
         thetas = state.mean + 0.5 * torch.randn(2, 32, generator=generator, dtype=F64)
-        factors = linear_factors(model, thetas, x, y, likelihood)
-        state, cache = slang_update(
-            state, factors, n_data=50, prior_precision=prior, lr=0.2, beta=0.3, momentum=0.5, cache=cache
+        factors = _factors(model, thetas, x, y, likelihood)
+        state, cache = _update(
+            state, factors, model, cache, n_data=50, prior_precision=prior[None], lr=0.2, beta=0.3, momentum=0.5
         )
         ref = _dense_slang_update(
             ref,
@@ -176,15 +210,16 @@ def test_two_steps_with_cache_equal_dense(generator: torch.Generator) -> None:
             beta=0.3,
             momentum=0.5,
         )
-        torch.testing.assert_close(state.mean, ref.mean)
-        torch.testing.assert_close(state.prec_diag, ref.prec_diag)
-        torch.testing.assert_close(state.prec_factor @ state.prec_factor.mT, ref.prec_factor @ ref.prec_factor.mT)
+        single = _only(state)
+        torch.testing.assert_close(single.mean, ref.mean)
+        torch.testing.assert_close(single.prec_diag, ref.prec_diag)
+        torch.testing.assert_close(single.prec_factor @ single.prec_factor.mT, ref.prec_factor @ ref.prec_factor.mT)
 
 
 def test_workspace_steps_equal_fresh_ones(generator: torch.Generator) -> None:
     """Two in-place steps reusing one workspace equal two functional steps without one."""
     model, likelihood, x, y = _mlp_problem(generator, n=5)
-    base = _random_state(generator, 32, 2, step=1)
+    base = _stack(_random_state(generator, 32, 2, step=1))
     state = SlangState(
         mean=base.mean.clone(),
         prec_factor=base.prec_factor.mT.contiguous().mT,
@@ -192,14 +227,14 @@ def test_workspace_steps_equal_fresh_ones(generator: torch.Generator) -> None:
         momentum=base.momentum.clone(),
         step=base.step,
     )
-    kwargs = dict(n_data=40, prior_precision=torch.full((32,), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
+    kwargs = dict(n_data=40, prior_precision=torch.full((1, 32), 0.7, dtype=F64), lr=0.1, beta=0.3, momentum=0.8)
     functional, functional_cache, workspace = base, None, {}
     cache = build_cache(state.prec_factor, state.prec_diag)
     for shift in (0.2, -0.1):
-        factors = linear_factors(model, functional.mean + shift, x, y, likelihood)
-        functional, functional_cache = slang_update(functional, factors, cache=functional_cache, **kwargs)
-        factors = linear_factors(model, state.mean + shift, x, y, likelihood)
-        state, cache = slang_update(state, factors, cache=cache, inplace=True, workspace=workspace, **kwargs)
+        factors = _factors(model, functional.mean + shift, x, y, likelihood)
+        functional, functional_cache = _update(functional, factors, model, functional_cache, **kwargs)
+        factors = _factors(model, state.mean + shift, x, y, likelihood)
+        state, cache = _update(state, factors, model, cache, inplace=True, workspace=workspace, **kwargs)
     for name in ("mean", "prec_factor", "prec_diag", "momentum"):
         torch.testing.assert_close(getattr(state, name), getattr(functional, name))
     for name in ("factor_gram", "factor_sqnorms", "capacitance", "capacitance_chol"):
@@ -294,6 +329,27 @@ def test_checkpoint_resumes_identically(generator: torch.Generator) -> None:
     assert resumed.state.step == 5
     for name, value in kept.items():  # the checkpoint itself is left alone (the cache is updated in place)
         assert torch.equal(saved["cache"][name], value)
+
+
+def test_checkpoint_of_an_unstacked_single_run_resumes(generator: torch.Generator) -> None:
+    """A checkpoint written when a single run's tensors had no copy dimension (``(D,)``, cache ``(L, L)``)
+    resumes as the stack of one copy it now is."""
+    model, likelihood, x, y = _mlp_problem(generator)
+    method = _setup(model, likelihood, 50, generator)
+    method.train_step(x, y)
+    saved, rng = method.state_dict(), generator.get_state()
+    old = {k: v[0] if isinstance(v, Tensor) else v for k, v in saved.items() if k != "cache"}
+    old["cache"] = {k: v[0] for k, v in saved["cache"].items()}
+    resumed = []
+    for checkpoint in (saved, old):
+        other_generator = torch.Generator().manual_seed(0)
+        method = _setup(model, likelihood, 50, other_generator)
+        method.load_state_dict(checkpoint)
+        other_generator.set_state(rng)
+        method.train_step(x, y)
+        resumed.append(method.state)
+    for name in ("mean", "prec_factor", "prec_diag", "momentum"):
+        assert torch.equal(getattr(resumed[0], name), getattr(resumed[1], name))
 
 
 def test_non_finite_gradient_stops_the_run_naming_the_step(generator: torch.Generator) -> None:
@@ -438,8 +494,8 @@ def test_reported_kl_with_a_shared_prior_precision_matches_the_per_coordinate_te
     fast, plain = (
         _setup(copy.deepcopy(model), Categorical(), 50, torch.Generator().manual_seed(1), prior) for _ in "ab"
     )
-    plain._prior = plain.prior_precision  # the per-coordinate terms
-    assert isinstance(fast._prior, float)
+    plain._shared_prior = None  # the per-coordinate terms
+    assert isinstance(fast._shared_prior, float)
     for _ in range(3):
         got, expected = fast.train_step(x, y), plain.train_step(x, y)
         assert float(got["kl"]) == pytest.approx(float(expected["kl"]), rel=1e-12)
