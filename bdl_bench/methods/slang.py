@@ -294,7 +294,8 @@ class Slang(StackedMethod):
                     f"slang: prior_precision must be positive with shape ({n_params},),"
                     f" got {tuple(p.prior_precision.shape)}"
                 )
-        self.prior_precision = stacked_prior(problems).to(mean)  # (R, D)
+        prior = problems[0].prior_precision[None] if len(problems) == 1 else stacked_prior(problems)
+        self.prior_precision = prior.to(mean)  # (R, D); a single run's is its problem's (never written)
         shared = uniform_value(self.prior_precision)  # one number when all entries share it: fewer passes
         self._shared_prior = shared if isinstance(shared, float) else None
         self._log_prior_det = self.prior_precision.log().sum(-1)  # (R,)
