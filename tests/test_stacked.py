@@ -375,7 +375,7 @@ def test_cli_names_split_folders_like_single_runs(tmp_path: Path) -> None:
 def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
     """The SLANG update's subspace iteration (a stack of matrices) against ``torch.linalg.eigh`` (its fallback and
     twin), on Gram matrices shaped like SLANG's: a dominant rank-L block plus P per-example gradient columns."""
-    from bdl_bench.curvature.gram import top_eigenpairs
+    from bdl_bench.curvature.eigen import top_eigenpairs
 
     g = torch.Generator().manual_seed(0)
     rank, size = 2, 101

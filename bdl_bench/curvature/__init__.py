@@ -4,7 +4,7 @@
 vector; ``stacked`` computes every layer's inputs and output gradients in one batched forward/backward, and
 their sums, for R stacked copies (one per data split; a single run is R = 1); ``gram``
 multiplies with the per-example gradient matrix G layer by layer and implements SLANG's exact top-L update
-by the Gram trick;
+by the Gram trick, with its eigensolver in ``eigen``;
 ``low_rank`` holds the Woodbury pieces of the precision U Uᵀ + diag(d) (U stored column-major);
 ``dense`` holds the materialised twins used by the tests.
 """

@@ -272,7 +272,7 @@ def test_merge_samples_does_not_apply_to_networks_or_one_sample(generator: torch
 def test_top_eigenpairs_equal_torch_eigh(n: int, k: int, dtype: torch.dtype, generator: torch.Generator) -> None:
     """LAPACK's ?syevr on the k top pairs (one matrix on the host) against torch.linalg.eigh of all n, on a
     positive semi-definite matrix of rank n - 2 (SLANG's B^T B is rank-deficient when D < L + P)."""
-    from bdl_bench.curvature.gram import top_eigenpairs
+    from bdl_bench.curvature.eigen import top_eigenpairs
 
     factor = torch.randn(n, n - 2, generator=generator, dtype=dtype)
     matrix = factor @ factor.mT
