@@ -140,3 +140,17 @@ def test_example_slurm_launcher_config_composes() -> None:
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
     assert launcher.array_parallelism == 64 and launcher.max_num_timeout == 3
+
+
+def test_a_failed_stacked_job_records_each_split_with_its_own_overrides(tmp_path: Path) -> None:
+    """A stack that diverges records the failure in every split's folder with the overrides that re-run that split
+    alone (``data.split=k``), as a failed single run records them."""
+    out = _cli(
+        *("run", "method=slang", "trainer=smoke", "data.split=[0,1]", "method.lr=1e30"),
+        f"results_root={tmp_path / 'r'}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1, out.stderr
+    for split in (0, 1):
+        (folder,) = (tmp_path / "r").glob(f"*/data.split={split},*")
+        assert f"data.split={split}" in json.loads((folder / "failure.json").read_text())["overrides"]

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -179,6 +179,21 @@ def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any],
     return failure  # type: ignore[return-value]
 
 
+def _fail_splits(error: Exception, members: dict[int, Any], dirs: dict[int, Path], overrides: list[str]) -> NoReturn:
+    """Record ``error`` in every split folder of a stacked job (each with its own split's overrides, as its single
+    run would record them) and raise it, or the one-line error of a failed write; under submitit, the job also
+    ends with exit status 1."""
+    failures = [
+        _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+        for k, d in dirs.items()
+    ]
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        _exit_with_failure_status()
+    if failures[0] is not error:
+        raise failures[0] from None
+    raise error
+
+
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
     """Whether ``run_dir`` holds a finished run of this config (recorded as skipped); never with ``force``.
     A ``metrics.json`` cut short (a full disk, a killed copy) is no finished run: the job runs again.
@@ -295,15 +310,7 @@ def _run_stacked_members(
         try:
             members = tuned_members(cfg, run_dir, splits)
         except Exception as error:  # a bad search spec, a failed search: every split's folder says so
-            failures = [
-                _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
-                for k, d in dirs.items()
-            ]
-            if os.environ.get("SUBMITIT_EXECUTOR"):
-                _exit_with_failure_status()
-            if failures[0] is not error:
-                raise failures[0] from None
-            raise
+            _fail_splits(error, members, dirs, overrides)
         write_split_trials(run_dir, dirs)
     hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
     todo = {}
@@ -331,15 +338,7 @@ def _run_stacked_members(
             _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
             raise
         except Exception as error:
-            failures = [
-                _record_failure(d, error, OmegaConf.to_container(members[k]), overrides)  # type: ignore[arg-type]
-                for k, d in todo.items()
-            ]
-            if os.environ.get("SUBMITIT_EXECUTOR"):
-                _exit_with_failure_status()
-            if failures[0] is not error:
-                raise failures[0] from None
-            raise
+            _fail_splits(error, members, todo, overrides)
         else:
             for d in todo.values():
                 update_run_record(d, status="finished", ended=time.time(), error=None)
