@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dense import dense_low_rank_update, per_example_gradients
 
 from bdl_bench.curvature import LinearLayout, factor_cross, gram, gram_blocks, linear_layout
-from bdl_bench.curvature.dense import dense_low_rank_update, per_example_gradients
 from bdl_bench.curvature.gram import low_rank_update as stacked_low_rank_update
 from bdl_bench.curvature.stacked import (
     StackedFactors,

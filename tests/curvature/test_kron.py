@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _dense import ggn_by_autograd
 from torch import nn
 from torch.func import grad, vmap
 from torch.testing import assert_close
 
 from bdl_bench.curvature.def_lowrank import diagonal_correction, kron_diag, sparsify
-from bdl_bench.curvature.exact import exact_blocks, exact_matrix, ggn_by_autograd
+from bdl_bench.curvature.exact import exact_blocks, exact_matrix
 from bdl_bench.curvature.kron import ChunkCache, diagonal, efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
 from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads, kron_layout, pseudo_grads, sample_labels
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dense import per_example_gradients
 from torch import nn
 
 from bdl_bench.curvature import linear_layout
-from bdl_bench.curvature.dense import per_example_gradients
 from bdl_bench.curvature.stacked import StackedFactors, gradient_columns, gradient_sum, stacked_factors
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.models.mlp import logistic_regression, mlp

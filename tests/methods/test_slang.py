@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from _dense import per_example_gradients
 from torch import Tensor, nn
 
 from bdl_bench.curvature import linear_layout
-from bdl_bench.curvature.dense import per_example_gradients
 from bdl_bench.curvature.low_rank import PrecisionCache, build_cache
 from bdl_bench.curvature.stacked import StackedFactors, stacked_factors
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, LowRankPlusDiagGaussian, kl, sym_kl
