@@ -80,10 +80,6 @@ class KronEigenbasis:
     eigvals_out: Tensor  # (m,)
     eigvals_in: Tensor  # (n,)
 
-    def kfac_eigenvalues(self) -> Tensor:
-        """KFAC's eigenvalues :math:`S_G\\otimes S_A` as an ``(m, n)`` grid."""
-        return self.eigvals_out[:, None] * self.eigvals_in[None, :]
-
 
 _FOLD_EVERY = 16  # minibatches summed in place in the compute dtype before folding into the float64 total
 

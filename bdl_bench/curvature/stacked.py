@@ -25,7 +25,6 @@ from bdl_bench.likelihoods import Likelihood, stacked_nll
 
 __all__ = [
     "StackedFactors",
-    "assemble_layers",
     "gradient_columns",
     "gradient_sum",
     "gram",
@@ -138,19 +137,6 @@ def _layer_views(out: Tensor, slot: LinearSlot) -> tuple[Tensor, Tensor | None]:
     """A layer's weight ``(R, out, in)`` and bias ``(R, out)`` (or ``None``) as views of ``out`` ``(R, D)``."""
     weight = out[:, slot.weight_slice].view(out.shape[0], slot.out_features, slot.in_features)
     return weight, None if slot.bias_offset is None else out[:, slot.bias_slice]
-
-
-def assemble_layers(
-    layout: LinearLayout, parts: list[tuple[Tensor, Tensor | None]], like: Tensor, trailing: tuple
-) -> Tensor:
-    """Per-layer (weight ``(R, out, in, *trailing)``, bias ``(R, out, *trailing)``) blocks into one
-    ``(R, D, *trailing)`` tensor in flat parameter order."""
-    out = torch.empty(like.shape[0], layout.n_params, *trailing, dtype=like.dtype, device=like.device)
-    for slot, (weight, bias) in zip(layout.slots, parts):
-        out[:, slot.weight_slice] = weight.reshape(like.shape[0], -1, *trailing)
-        if slot.bias_slice is not None and bias is not None:
-            out[:, slot.bias_slice] = bias
-    return out
 
 
 def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | None = None) -> Tensor:

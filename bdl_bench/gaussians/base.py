@@ -4,21 +4,13 @@ A ``StructuredGaussian`` is :math:`\mathcal{N}(\mu, \Sigma)` over a flat paramet
 D, held through its *precision* :math:`P = \Sigma^{-1}` in some structured form. Each subclass fills
 in the structure-specific pieces:
 
-* ``precision_matvec(v)`` = :math:`P v`, ``solve(v)`` = :math:`\Sigma v = P^{-1} v`,
+* ``precision_matvec(v)`` = :math:`P v`, ``solve(v)`` = :math:`\Sigma v = P^{-1} v` (v ``(D,)`` or ``(D, K)``),
 * ``logdet_precision()`` = :math:`\log|P|`, ``variance()`` = :math:`\operatorname{diag}\Sigma`,
 * ``_sample_transform(eps)`` = :math:`\mu + A\epsilon` for some :math:`A` with :math:`AA^\top=\Sigma`,
 * ``to_dense()`` (a ``FullGaussian``, for tests and the dense KL fallback).
 
-From these the base writes, once:
-
-.. math::
-
-    \log p(x) = -\tfrac12\left[D\log 2\pi - \log|P| + (x-\mu)^\top P (x-\mu)\right], \qquad
-    H = \tfrac12\left[D(1+\log 2\pi) - \log|P|\right],
-
-``rsample`` (:math:`\mu + A\epsilon`, :math:`\epsilon\sim\mathcal N(0, I)` from the caller's
-generator), ``linear_moments`` (the mean and variance of :math:`Xw` under :math:`w\sim p`) and the
-KL divergences, which dispatch on the pair of classes (``bdl_bench.gaussians.kl``).
+From these the base writes ``rsample``, ``linear_moments`` (the mean and variance of :math:`Xw` under
+:math:`w\sim p`) and the KL divergences, which dispatch on the pair of classes (``bdl_bench.gaussians.kl``).
 
 Instances are frozen dataclasses; factorisations are ``functools.cached_property``: an update
 builds a new object, so no cached factor goes stale. Nothing here picks a device or a dtype: every
@@ -27,7 +19,6 @@ tensor is created like ``mean``.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -40,30 +31,16 @@ if TYPE_CHECKING:
 
 
 class LinearMoments(NamedTuple):
-    r"""Moments of :math:`f = Xw` for :math:`w \sim \mathcal N(\mu, \Sigma)`, one row of X each.
+    r"""Moments of :math:`f = Xw` for :math:`w \sim \mathcal N(\mu, \Sigma)`, one row of X each."""
 
-    Attributes:
-        mean: :math:`X\mu`, shape ``(N,)``.
-        variance: :math:`\operatorname{diag}(X\Sigma X^\top)`, shape ``(N,)``.
-    """
-
-    mean: Tensor  # (N,)
-    variance: Tensor  # (N,)
+    mean: Tensor  # (N,) X mu
+    variance: Tensor  # (N,) diag(X Sigma X^T)
 
 
 @dataclass(frozen=True, eq=False, repr=False)
 class StructuredGaussian(ABC):
-    r"""Abstract Gaussian :math:`\mathcal N(\mu, P^{-1})` over a flat vector of size D.
-
-    Subclasses add their precision parameters as dataclass fields after ``mean`` and implement the
-    abstract methods; see the module docstring for the formulas the base derives from them.
-
-    Args:
-        mean: :math:`\mu`, shape ``(D,)``, floating point; sets dtype and device of everything.
-
-    Raises:
-        ValueError: if ``mean`` is not a non-empty floating-point vector.
-    """
+    r"""Abstract Gaussian :math:`\mathcal N(\mu, P^{-1})` over a flat vector of size D; subclasses add their
+    precision parameters as dataclass fields after ``mean`` (whose dtype and device everything shares)."""
 
     mean: Tensor  # (D,)
 
@@ -75,27 +52,22 @@ class StructuredGaussian(ABC):
         if not self.mean.is_floating_point():
             raise ValueError(f"mean must be floating point, got dtype {self.mean.dtype}")
 
-    # ----------------------------------------------------------------------------- helpers
     @property
     def dim(self) -> int:
-        """D, the size of the parameter vector."""
         return self.mean.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of ``mean`` (and of every tensor this object returns)."""
         return self.mean.dtype
 
     @property
     def device(self) -> torch.device:
-        """The device of ``mean`` (and of every tensor this object returns)."""
         return self.mean.device
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(D={self.dim}, dtype={self.dtype}, device={self.device})"
 
     def _check_param(self, name: str, value: Tensor, shape: tuple[int, ...]) -> None:
-        """Raise ``ValueError`` unless ``value`` has ``shape`` and ``mean``'s dtype and device."""
         if not isinstance(value, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if tuple(value.shape) != shape:
@@ -109,32 +81,16 @@ class StructuredGaussian(ABC):
             )
 
     def _check_rhs(self, v: Tensor) -> None:
-        """Raise ``ValueError`` unless ``v`` has shape ``(D,)`` or ``(D, K)``."""
         if v.ndim not in (1, 2) or v.shape[0] != self.dim:
             raise ValueError(f"expected shape (D,) or (D, K) with D={self.dim}, got {tuple(v.shape)}")
 
-    # ------------------------------------------------------------ structure-specific pieces
     @abstractmethod
     def precision_matvec(self, v: Tensor) -> Tensor:
-        r""":math:`P v`.
-
-        Args:
-            v: shape ``(D,)`` or ``(D, K)``.
-
-        Returns:
-            Same shape as ``v``.
-        """
+        r""":math:`P v` for ``v`` ``(D,)`` or ``(D, K)``."""
 
     @abstractmethod
     def solve(self, v: Tensor) -> Tensor:
-        r""":math:`\Sigma v = P^{-1} v` (covariance times ``v``).
-
-        Args:
-            v: shape ``(D,)`` or ``(D, K)``.
-
-        Returns:
-            Same shape as ``v``.
-        """
+        r""":math:`\Sigma v = P^{-1} v` for ``v`` ``(D,)`` or ``(D, K)``."""
 
     @abstractmethod
     def logdet_precision(self) -> Tensor:
@@ -146,81 +102,25 @@ class StructuredGaussian(ABC):
 
     @abstractmethod
     def _sample_transform(self, eps: Tensor) -> Tensor:
-        r"""Map standard-normal rows to samples: row k goes to :math:`\mu + A\epsilon_k`.
-
-        :math:`A` is a fixed matrix with :math:`AA^\top = \Sigma` (exactly, up to rounding), so
-        ``_sample_transform(I) - mean`` is :math:`A^\top`; the tests check this identity.
-
-        Args:
-            eps: shape ``(n, D)``.
-
-        Returns:
-            Shape ``(n, D)``.
-        """
+        r"""Standard-normal rows ``(n, D)`` to samples :math:`\mu + A\epsilon_k`, for a fixed :math:`A` with
+        :math:`AA^\top = \Sigma` (so ``_sample_transform(I) - mean`` is :math:`A^\top`; the tests check this)."""
 
     @abstractmethod
     def to_dense(self) -> FullGaussian:
         """The same distribution as a ``FullGaussian`` (dense D x D precision)."""
 
-    # ------------------------------------------------------------- written once, from above
     def rsample(self, n_samples: int, generator: torch.Generator | None = None) -> Tensor:
-        r"""Reparameterised samples :math:`\mu + A\epsilon`, differentiable in the parameters.
-
-        Args:
-            n_samples: number of samples n >= 0.
-            generator: the only source of randomness (on ``mean``'s device); ``None`` uses
-                torch's default generator.
-
-        Returns:
-            Shape ``(n_samples, D)``.
-
-        Raises:
-            ValueError: if ``n_samples`` is negative.
-        """
+        r"""``(n_samples, D)`` reparameterised samples :math:`\mu + A\epsilon`, differentiable in the
+        parameters; ``generator`` (on ``mean``'s device, ``None``: torch's default) is the only randomness."""
         if n_samples < 0:
             raise ValueError(f"n_samples must be >= 0, got {n_samples}")
         eps = torch.randn((n_samples, self.dim), generator=generator, dtype=self.dtype, device=self.device)
         return self._sample_transform(eps)
 
-    def log_prob(self, x: Tensor) -> Tensor:
-        r"""Log density :math:`-\tfrac12[D\log 2\pi - \log|P| + (x-\mu)^\top P(x-\mu)]`.
-
-        Args:
-            x: shape ``(D,)`` or ``(N, D)``.
-
-        Returns:
-            A scalar for ``(D,)``, else shape ``(N,)``.
-
-        Raises:
-            ValueError: if the last dimension of ``x`` is not D.
-        """
-        if x.ndim not in (1, 2) or x.shape[-1] != self.dim:
-            raise ValueError(f"expected shape (D,) or (N, D) with D={self.dim}, got {tuple(x.shape)}")
-        diff = x - self.mean
-        if diff.ndim == 2:
-            diff = diff.mT  # (D, N)
-        maha = (diff * self.precision_matvec(diff)).sum(0)
-        return -0.5 * (self.dim * math.log(2 * math.pi) - self.logdet_precision() + maha)
-
-    def entropy(self) -> Tensor:
-        r"""Differential entropy :math:`\tfrac12[D(1+\log 2\pi) - \log|P|]`, a scalar tensor."""
-        return 0.5 * (self.dim * (1.0 + math.log(2 * math.pi)) - self.logdet_precision())
-
     def linear_moments(self, x: Tensor) -> LinearMoments:
-        r"""Mean :math:`X\mu` and variances :math:`\operatorname{diag}(X\Sigma X^\top)` of :math:`Xw`.
-
-        Used for quadrature over logistic-regression logits. This generic version calls
-        ``solve`` on :math:`X^\top` (fine for moderate D); subclasses override it where cheaper.
-
-        Args:
-            x: the design matrix X, shape ``(N, D)``.
-
-        Returns:
-            ``LinearMoments(mean (N,), variance (N,))``.
-
-        Raises:
-            ValueError: if ``x`` is not ``(N, D)``.
-        """
+        r"""Mean :math:`X\mu` and variances :math:`\operatorname{diag}(X\Sigma X^\top)` of :math:`Xw` for the
+        design matrix X ``(N, D)`` (quadrature over logistic-regression logits). This generic version calls
+        ``solve`` on :math:`X^\top`; subclasses override it where cheaper."""
         self._check_design(x)
         return LinearMoments(x @ self.mean, (x * self.solve(x.mT).mT).sum(1))
 

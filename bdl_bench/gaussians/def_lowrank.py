@@ -91,11 +91,6 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
     def _pairs(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         return list(zip(self.block_shapes, [(int(g), int(a)) for g, a in self.ranks.tolist()]))
 
-    @property
-    def block_ranks(self) -> list[int]:
-        """L = g·a of every block."""
-        return [g * a for _, (g, a) in self._pairs]
-
     @cached_property
     def _outs(self) -> list[Tensor]:
         return self._unpack(self.factor_out, [(m, g) for (m, _), (g, _) in self._pairs])

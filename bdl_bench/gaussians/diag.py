@@ -27,11 +27,6 @@ class DiagGaussian(StructuredGaussian):
 
     Raises:
         ValueError: on a shape, dtype or device mismatch, or a non-positive ``prec_diag``.
-
-    Example:
-        >>> q = DiagGaussian(torch.zeros(3), torch.ones(3))
-        >>> q.rsample(5, torch.Generator().manual_seed(0)).shape
-        torch.Size([5, 3])
     """
 
     prec_diag: Tensor  # (D,)

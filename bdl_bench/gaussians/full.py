@@ -32,11 +32,6 @@ class FullGaussian(StructuredGaussian):
     Raises:
         ValueError: on a shape, dtype or device mismatch, or an asymmetric ``precision``; a
             precision that is not positive definite raises ``ValueError`` on first use.
-
-    Example:
-        >>> q = FullGaussian.from_covariance(torch.zeros(2), torch.tensor([[2.0, 0.5], [0.5, 1.0]]))
-        >>> q.solve(torch.tensor([1.0, 0.0]))
-        tensor([2.0000, 0.5000])
     """
 
     precision: Tensor  # (D, D)
@@ -46,21 +41,6 @@ class FullGaussian(StructuredGaussian):
         self._check_param("precision", self.precision, (self.dim, self.dim))
         if not torch.allclose(self.precision, self.precision.mT, rtol=0.0, atol=_symmetry_tolerance(self.precision)):
             raise ValueError("precision must be symmetric")
-
-    @classmethod
-    def from_covariance(cls, mean: Tensor, cov: Tensor) -> FullGaussian:
-        r"""Build from a covariance :math:`\Sigma` (SPD, ``(D, D)``) as :math:`P = \Sigma^{-1}`.
-
-        Raises:
-            ValueError: if ``cov`` is not ``(D, D)`` or not positive definite.
-        """
-        if cov.ndim != 2 or cov.shape[0] != cov.shape[1]:
-            raise ValueError(f"cov must be square (D, D), got {tuple(cov.shape)}")
-        chol, info = torch.linalg.cholesky_ex(cov)
-        if int(info.item()) != 0:
-            raise ValueError(f"cov is not positive definite (leading minor {int(info.item())})")
-        precision = torch.cholesky_inverse(chol)
-        return cls(mean, 0.5 * (precision + precision.mT))
 
     @cached_property
     def _chol(self) -> Tensor:

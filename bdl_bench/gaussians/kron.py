@@ -43,13 +43,6 @@ class KroneckerGaussian(BlockGaussian):
     Raises:
         ValueError: on a bad layout, size, dtype or device, or an asymmetric factor; a factor
             that is not positive definite raises ``ValueError`` on first use.
-
-    Example:
-        >>> from bdl_bench.gaussians.blocks import pack
-        >>> q = KroneckerGaussian(torch.zeros(6), torch.arange(6), torch.tensor([[2, 3]]),
-        ...                       pack([torch.eye(2)]), pack([2 * torch.eye(3)]))
-        >>> q.variance()
-        tensor([0.5000, 0.5000, 0.5000, 0.5000, 0.5000, 0.5000])
     """
 
     prec_out: Tensor  # (sum m^2,)

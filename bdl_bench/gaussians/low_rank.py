@@ -113,12 +113,6 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
     Raises:
         ValueError: on a shape, dtype or device mismatch, a rank L outside 1 <= L < D, or a
             non-positive ``prec_diag``.
-
-    Example:
-        >>> g = torch.Generator().manual_seed(0)
-        >>> q = LowRankPlusDiagGaussian(torch.zeros(5), torch.randn(5, 2, generator=g), torch.ones(5))
-        >>> q.rsample(3, g).shape
-        torch.Size([3, 5])
     """
 
     prec_factor: Tensor  # (D, L)

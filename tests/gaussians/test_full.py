@@ -1,26 +1,13 @@
-"""FullGaussian: construction, from_covariance and errors (the shared methods are in test_base)."""
+"""FullGaussian: construction and errors (the shared methods are in test_base)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from bdl_bench.gaussians import FullGaussian
 
 from .conftest import DIM, MakeGaussian
-
-
-def test_from_covariance_round_trip(generator: torch.Generator) -> None:
-    root = torch.randn(DIM, DIM, generator=generator, dtype=torch.float64)
-    cov = root @ root.mT + torch.eye(DIM, dtype=torch.float64)
-    mean = torch.randn(DIM, generator=generator, dtype=torch.float64)
-    g = FullGaussian.from_covariance(mean, cov)
-    assert_close(g.precision, torch.linalg.inv(cov))
-    assert_close(g.covariance, cov)
-    assert_close(g.variance(), cov.diagonal())
-    v = torch.randn(DIM, 2, generator=generator, dtype=torch.float64)
-    assert_close(g.solve(v), cov @ v)
 
 
 def test_to_dense_is_itself(make_gaussian: MakeGaussian) -> None:
@@ -41,11 +28,3 @@ def test_rejects_bad_precision() -> None:
     g = FullGaussian(mean, indefinite)  # checked lazily, on the first factorisation
     with pytest.raises(ValueError, match="not positive definite"):
         g.logdet_precision()
-
-
-def test_from_covariance_rejects_bad_covariance() -> None:
-    mean = torch.zeros(DIM, dtype=torch.float64)
-    with pytest.raises(ValueError, match="square"):
-        FullGaussian.from_covariance(mean, torch.ones(DIM, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="not positive definite"):
-        FullGaussian.from_covariance(mean, -torch.eye(DIM, dtype=torch.float64))
