@@ -109,43 +109,50 @@ class KronLayout:
     n_params: int
 
 
-def kron_layout(model: nn.Module) -> KronLayout:
-    """Locate every ``nn.Linear`` and ``nn.Conv2d`` layer of ``model`` in the flat parameter vector.
+def kron_layout(model: nn.Module, *, convolutions: bool = True) -> KronLayout:
+    """Locate every ``nn.Linear`` and (with ``convolutions``) ``nn.Conv2d`` layer of ``model`` in the flat
+    parameter vector.
 
     Raises:
-        ValueError: if ``model`` is not an ``nn.Sequential``, holds another parametrised module or a
-            grouped / non-zero-padded / string-padded convolution, or has no weight layer.
+        ValueError: if ``model`` is not an ``nn.Sequential``, holds another parametrised module, uses one
+            layer twice, holds a grouped / non-zero-padded / string-padded convolution, or has no weight layer.
     """
+    what = "Kronecker factors" if convolutions else "per-example factors"
+    kinds = "nn.Linear or nn.Conv2d" if convolutions else "nn.Linear"
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"Kronecker curvature needs an nn.Sequential model, got {type(model).__name__}")
+        raise ValueError(f"{what} need an nn.Sequential model, got {type(model).__name__}")
     slots = []
+    seen: set[int] = set()
     for index, module, layer in sequential_layers(model):
-        bias_offset = None if layer is None else layer.offset("bias")
-        if isinstance(module, nn.Linear) and layer is not None:
-            slots.append(
-                KronSlot(index, module.in_features, module.out_features, layer.slices["weight"].start, bias_offset)
-            )
-        elif isinstance(module, nn.Conv2d) and layer is not None:
-            if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+        is_conv = convolutions and isinstance(module, nn.Conv2d)
+        if layer is None or not (isinstance(module, nn.Linear) or is_conv):
+            if any(True for _ in module.parameters()):
                 raise ValueError(
-                    f"module {index} ({module}): Kronecker curvature handles convolutions with groups=1, zero "
-                    "padding given as numbers"
+                    f"{what} handle {kinds} layers and parameter-free modules; module {index} is "
+                    f"{type(module).__name__}"
                 )
-            spec = ConvSpec(
-                tuple(module.kernel_size),
-                tuple(module.stride),
-                tuple(module.padding),
-                tuple(module.dilation),  # type: ignore[arg-type]
-            )
-            n_in = module.in_channels * spec.kernel_size[0] * spec.kernel_size[1]
-            slots.append(KronSlot(index, n_in, module.out_channels, layer.slices["weight"].start, bias_offset, spec))
-        elif any(True for _ in module.parameters()):
+            continue
+        if id(module) in seen:
+            raise ValueError(f"{what} need distinct layers; module {index} reuses an earlier {type(module).__name__}")
+        seen.add(id(module))
+        weight_offset, bias_offset = layer.slices["weight"].start, layer.offset("bias")
+        if not is_conv:
+            slots.append(KronSlot(index, module.in_features, module.out_features, weight_offset, bias_offset))
+            continue
+        if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise ValueError(
-                f"Kronecker curvature handles nn.Linear, nn.Conv2d and parameter-free modules; module {index} is "
-                f"{type(module).__name__}"
+                f"module {index} ({module}): {what} handle convolutions with groups=1, zero padding given as numbers"
             )
+        spec = ConvSpec(
+            tuple(module.kernel_size),
+            tuple(module.stride),
+            tuple(module.padding),
+            tuple(module.dilation),  # type: ignore[arg-type]
+        )
+        n_in = module.in_channels * spec.kernel_size[0] * spec.kernel_size[1]
+        slots.append(KronSlot(index, n_in, module.out_channels, weight_offset, bias_offset, spec))
     if not slots:
-        raise ValueError("Kronecker curvature needs at least one nn.Linear or nn.Conv2d layer")
+        raise ValueError(f"{what} need at least one {kinds} layer")
     return KronLayout(slots=tuple(slots), n_params=n_params(model))
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from bdl_bench.curvature.per_example import LinearLayout, LinearSlot
+from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.curvature.products import t_matmul_into, thin_matmul
+from bdl_bench.curvature.pseudo_grads import KronSlot
 from bdl_bench.likelihoods import Likelihood, stacked_nll
 
 __all__ = [
@@ -133,7 +134,7 @@ def gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | No
     return out
 
 
-def _layer_views(out: Tensor, slot: LinearSlot) -> tuple[Tensor, Tensor | None]:
+def _layer_views(out: Tensor, slot: KronSlot) -> tuple[Tensor, Tensor | None]:
     """A layer's weight ``(R, out, in)`` and bias ``(R, out)`` (or ``None``) as views of ``out`` ``(R, D)``."""
     weight = out[:, slot.weight_slice].view(out.shape[0], slot.out_features, slot.in_features)
     return weight, None if slot.bias_offset is None else out[:, slot.bias_slice]
