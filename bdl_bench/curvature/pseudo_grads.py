@@ -47,12 +47,11 @@ from bdl_bench.models.params import n_params, sequential_layers
 
 
 class CurvatureKind(str, Enum):
-    """Which per-example curvature the pseudo-gradients represent."""
+    """Which per-example curvature the pseudo-gradients represent: the GGN :math:`J^\\top\\Lambda J`, or the Monte
+    Carlo Fisher with labels sampled from the model's predictive (Lee et al., App. E)."""
 
     GGN = "ggn"
-    """Generalised Gauss-Newton :math:`J^\\top\\Lambda J` (deterministic; equals the exact Fisher here)."""
     FISHER = "fisher"
-    """Monte Carlo Fisher with labels sampled from the model's predictive (Lee et al., App. E)."""
 
 
 @dataclass(frozen=True)
@@ -67,23 +66,14 @@ class ConvSpec:
 
 @dataclass(frozen=True)
 class KronSlot:
-    """Where one ``nn.Linear`` or ``nn.Conv2d`` layer sits in the model and the flat parameter vector.
+    """Where one ``nn.Linear`` or ``nn.Conv2d`` layer sits in the model and the flat parameter vector."""
 
-    Attributes:
-        module_index: position of the layer in the ``nn.Sequential``.
-        in_features: n without the bias: inputs (linear) or C_in·k_h·k_w (conv).
-        out_features: m: outputs (linear) or output channels (conv).
-        weight_offset: index of the weight's first entry in the flat vector (row-major).
-        bias_offset: index of ``bias[0]``, or ``None`` for a layer without bias.
-        conv: the convolution's geometry, ``None`` for a linear layer.
-    """
-
-    module_index: int
-    in_features: int
-    out_features: int
-    weight_offset: int
-    bias_offset: int | None
-    conv: ConvSpec | None = None
+    module_index: int  # position in the nn.Sequential
+    in_features: int  # n without the bias: inputs (linear) or C_in·k_h·k_w (conv)
+    out_features: int  # m: outputs (linear) or output channels (conv)
+    weight_offset: int  # the (row-major) weight's first entry in the flat vector
+    bias_offset: int | None  # bias[0], or None without a bias
+    conv: ConvSpec | None = None  # None for a linear layer
 
     @property
     def weight_slice(self) -> slice:
@@ -158,18 +148,12 @@ def kron_layout(model: nn.Module, *, convolutions: bool = True) -> KronLayout:
 
 @dataclass(frozen=True)
 class LayerPseudoGrads:
-    """One weight layer's factors for a minibatch of M examples at T positions (T = 1: linear).
-
-    Attributes:
-        slot: where the layer sits in the flat parameter vector.
-        layer_input: the layer's input, ``(M, n_in)`` (linear) or the feature map ``(M, C, H, W)`` (conv);
-            :attr:`inputs` unfolds it into patches only when a consumer asks for them.
-        output_grads: :math:`\\delta_{ikt}`, ``(K, M, T, m)``.
-    """
+    """One weight layer's factors for a minibatch of M examples at T positions (T = 1: linear); :attr:`inputs`
+    unfolds a conv's input map into patches only when a consumer asks for them."""
 
     slot: KronSlot
-    layer_input: Tensor  # (M, n_in) or (M, C, H, W)
-    output_grads: Tensor  # (K, M, T, m)
+    layer_input: Tensor  # (M, n_in) or the feature map (M, C, H, W)
+    output_grads: Tensor  # delta_ikt, (K, M, T, m)
 
     @cached_property
     def inputs(self) -> Tensor:
@@ -178,7 +162,6 @@ class LayerPseudoGrads:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(m, n): rows and columns of the augmented weight :math:`\\tilde W`."""
         return self.slot.shape
 
     @property
@@ -199,14 +182,10 @@ class LayerPseudoGrads:
         )
 
     def per_example(self, width: int | None = None) -> Tensor:
-        """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``.
-
-        With ``width`` (>= n) the matrices are ``(K, M, m, width)``, zero after column n: GEMMs with a
-        width that is a multiple of the SIMD width run faster than with n = 801 or 3137.
-        A stride-1 convolution with at least ``_MIN_TAP_CHANNELS`` input channels forms them from the
-        input map (:func:`_conv_per_example`); one with fewer (thin tap GEMMs) by one batched GEMM with
-        the unfolded patches, as does any other convolution.
-        """
+        """The pseudo-gradients :math:`\\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` as matrices, ``(K, M, m, n)``, or
+        ``(K, M, m, width)`` zero after column n (GEMMs on a multiple of the SIMD width run faster). From the
+        input map (:func:`_conv_per_example`) where :attr:`uses_conv_taps`, else by one batched GEMM with the
+        unfolded patches."""
         n = self.shape[1]
         width = n if width is None else width
         if width < n:
@@ -223,7 +202,6 @@ _MIN_TAP_CHANNELS = 8  # input channels from which _conv_per_example beats unfol
 
 
 def _pad_columns(rows: Tensor, width: int) -> Tensor:
-    """``rows`` with zero columns appended up to ``width`` (``rows`` itself when already that wide)."""
     if rows.shape[-1] == width:
         return rows
     return F.pad(rows, (0, width - rows.shape[-1]))
@@ -236,13 +214,8 @@ def conv_taps(x: Tensor, deltas: Tensor, slot: KronSlot, out: Tensor | None = No
 
     For kernel row a, :math:`\sum_t\delta_t x^p_{t+(a,b)}` for all b is one GEMM of :math:`\delta` (zero-padded
     to the padded map's width, so that positions t are a flat range) with an overlapping strided view of
-    :math:`x^p` (rows: positions; columns: (b, c), contiguous). ``out``, when given, is filled and returned.
-
-    Args:
-        x: the layer's input map ``(M, C, H, W)``.
-        deltas: output gradients ``(K, M, T, m)``, T = out_h·out_w.
-        slot: the convolution's slot (kernel size and padding).
-        out: a contiguous ``(kh, K, M, m, kw·C)`` tensor of ``deltas``' dtype to write into.
+    :math:`x^p` (rows: positions; columns: (b, c), contiguous). ``x`` is the input map ``(M, C, H, W)``, ``deltas``
+    ``(K, M, T, m)``; ``out``, when given (contiguous, ``deltas``' dtype), is filled and returned.
     """
     spec = slot.conv
     assert spec is not None
@@ -303,19 +276,13 @@ def augmented_patches(layer_input: Tensor, slot: KronSlot) -> Tensor:
 
 @dataclass(frozen=True)
 class PseudoGrads:
-    """Pseudo-gradients of one minibatch: ``sum_k g_ik g_ik^T`` is example i's curvature.
+    """Pseudo-gradients of one minibatch: ``sum_k g_ik g_ik^T`` is example i's curvature. ``labels`` are the
+    sampled labels ``(S, M)`` behind ``fisher``'s pseudo-gradients (``None`` for the GGN): passing them back to
+    :func:`pseudo_grads` recomputes the same ones."""
 
-    Attributes:
-        layers: one entry per weight layer, in model order.
-        layout: the layers' places in the flat vector (and D).
-        n_examples: M.
-        labels: the sampled labels ``(S, M)`` behind ``curvature=fisher``'s pseudo-gradients (``None`` for
-            the GGN): passing them back to :func:`pseudo_grads` (``labels=``) recomputes the same ones.
-    """
-
-    layers: tuple[LayerPseudoGrads, ...]
+    layers: tuple[LayerPseudoGrads, ...]  # in model order
     layout: KronLayout
-    n_examples: int
+    n_examples: int  # M
     labels: Tensor | None = None
 
     def dense(self) -> Tensor:
@@ -343,11 +310,7 @@ def block_index(slot: KronSlot, device: torch.device | None = None) -> Tensor:
 
 
 def sample_labels(likelihood: Likelihood, f: Tensor, n_samples: int, generator: torch.Generator) -> Tensor:
-    """Labels drawn from the model's predictive :math:`p(y \\mid f)`, ``(S, M)``.
-
-    Raises:
-        ValueError: for a likelihood this module does not know.
-    """
+    """Labels drawn from the model's predictive :math:`p(y \\mid f)`, ``(S, M)``."""
     shape = (n_samples, *f.shape)
     if isinstance(likelihood, Gaussian):
         eps = torch.randn(shape, generator=generator, dtype=f.dtype, device=generator.device).to(f.device)
@@ -415,28 +378,11 @@ def pseudo_grads(
     labels: Tensor | None = None,
     layout: KronLayout | None = None,
 ) -> PseudoGrads:
-    """Layer inputs and backpropagated vectors of one minibatch (see the module docstring).
-
-    Args:
-        model: an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and parameter-free modules.
-        theta: flat parameters ``(D,)`` at which the curvature is taken (e.g. the MAP).
-        x: inputs ``(M, in)``.
-        y: targets ``(M,)`` (read only by a likelihood without a closed-form Hessian factor: neither the GGN
-            nor the model Fisher of the built-in ones depends on them).
-        likelihood: gives :math:`\\ell` and its Hessian / predictive.
-        kind: ``ggn`` or ``fisher``.
-        n_samples: S label draws per example for ``fisher``.
-        generator: source of the label draws (``fisher`` only).
-        labels: ``(S, M)`` labels to use instead of drawing them (``fisher`` only; e.g. an earlier pass's
-            :attr:`PseudoGrads.labels`, to recompute the same pseudo-gradients).
-        layout: ``kron_layout(model)``, to skip recomputing it.
-
-    Returns:
-        The :class:`PseudoGrads`; K = S for ``fisher``, K = the number of columns of
-        :math:`L_i` for ``ggn`` (1 for one output, C for C classes).
-
-    Raises:
-        ValueError: on an unknown ``kind``, a missing generator, or ``n_samples < 1``.
+    """Layer inputs and backpropagated vectors of one minibatch ``x`` ``(M, in)`` at ``theta`` ``(D,)`` (see the
+    module docstring); K = S label draws for ``fisher``, the number of columns of :math:`L_i` for ``ggn`` (1 for
+    one output, C for C classes). ``y`` is read only by a likelihood without a closed-form Hessian factor;
+    ``labels`` ``(S, M)`` (``fisher`` only) are used instead of drawing from ``generator``; ``layout`` is
+    ``kron_layout(model)``, to skip recomputing it.
     """
     kind = CurvatureKind(kind)
     layout = kron_layout(model) if layout is None else layout
@@ -482,16 +428,8 @@ def iter_pseudo_grads(
     generator: torch.Generator | None = None,
     labels: Sequence[Tensor | None] | None = None,
 ) -> Iterator[PseudoGrads]:
-    """:func:`pseudo_grads` over consecutive minibatches of ``batch_size`` rows of ``(x, y)``.
-
-    Args:
-        labels: for ``fisher``, one ``(S, M)`` tensor of labels per minibatch to use instead of drawing
-            them (e.g. an earlier pass's :attr:`PseudoGrads.labels`, to recompute the same pseudo-gradients);
-            ``None``: draw them from ``generator``.
-
-    Raises:
-        ValueError: if ``batch_size < 1`` or ``labels`` does not have one entry per minibatch.
-    """
+    """:func:`pseudo_grads` over consecutive minibatches of ``batch_size`` rows of ``(x, y)``; ``labels``: for
+    ``fisher``, one ``(S, M)`` tensor per minibatch (e.g. an earlier pass's :attr:`PseudoGrads.labels`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     n_chunks = -(-x.shape[0] // batch_size)
