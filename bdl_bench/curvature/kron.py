@@ -21,12 +21,11 @@ Per weight layer, in the augmented row-major order of :mod:`bdl_bench.curvature.
 * the exact diagonal :math:`\frac1N\sum_{i,k}g_{ik}\circ g_{ik}` (:func:`diagonal`), in flat parameter
   order (all layers at once); one GEMM per linear layer, the per-example matrices for a convolution.
 
-Cost: KFAC's factors are GEMMs over the minibatch, never per-example gradients; a stride-1 convolution's
-A comes from shifted products of its input map (:func:`~bdl_bench.curvature.conv_gram.add_shifted_products_`), 8.4x fewer multiply-adds
-than the patch GEMM for DEF's LeNet. EFB (and DEF) need a second pass in the fixed eigenbasis; a
-:class:`ChunkCache` keeps pass 1's layer inputs and output gradients for it, so that it does not recompute
-the network's forward and backward passes. The per-minibatch work runs in the pseudo-gradients' dtype
-(float32 for a float32 model); sums across minibatches are float64 (:class:`RunningSum`), and so are the results.
+KFAC's factors are GEMMs over the minibatch, never per-example gradients; a stride-1 convolution's A comes
+from shifted products of its input map (:mod:`bdl_bench.curvature.conv_gram`). EFB (and DEF) need a second
+pass in the fixed eigenbasis, for which a :class:`ChunkCache` keeps pass 1's layer inputs and output
+gradients. The per-minibatch work runs in the pseudo-gradients' dtype; sums across minibatches are float64
+(:class:`RunningSum`), and so are the results.
 """
 
 from __future__ import annotations
@@ -45,17 +44,11 @@ from bdl_bench.progress import delayed_bar
 
 @dataclass(frozen=True)
 class KronFactors:
-    """KFAC factors of one layer: :math:`\\mathbf I_l \\approx G \\otimes A` (augmented row-major order).
-
-    Attributes:
-        slot: the layer's place in the flat vector.
-        a_factor: A, ``(n, n)``, n = in_features (+1 with a bias).
-        g_factor: G, ``(m, m)``, m = out_features.
-    """
+    """KFAC factors of one layer: :math:`\\mathbf I_l \\approx G \\otimes A` (augmented row-major order)."""
 
     slot: KronSlot
-    a_factor: Tensor  # (n, n)
-    g_factor: Tensor  # (m, m)
+    a_factor: Tensor  # A, (n, n), n = in_features (+1 with a bias)
+    g_factor: Tensor  # G, (m, m), m = out_features
 
     def dense(self) -> Tensor:
         """:math:`G\\otimes A`, ``(m·n, m·n)``."""
@@ -64,21 +57,13 @@ class KronFactors:
 
 @dataclass(frozen=True)
 class KronEigenbasis:
-    """Eigendecompositions of one layer's KFAC factors, eigenvalues in descending order.
-
-    Attributes:
-        slot: the layer's place in the flat vector.
-        eigvecs_out: :math:`U_G`, ``(m, m)`` orthogonal.
-        eigvecs_in: :math:`U_A`, ``(n, n)`` orthogonal.
-        eigvals_out: :math:`S_G`, ``(m,)`` (clamped at 0).
-        eigvals_in: :math:`S_A`, ``(n,)`` (clamped at 0).
-    """
+    """Eigendecompositions of one layer's KFAC factors, eigenvalues descending and clamped at 0."""
 
     slot: KronSlot
-    eigvecs_out: Tensor  # (m, m)
-    eigvecs_in: Tensor  # (n, n)
-    eigvals_out: Tensor  # (m,)
-    eigvals_in: Tensor  # (n,)
+    eigvecs_out: Tensor  # U_G, (m, m)
+    eigvecs_in: Tensor  # U_A, (n, n)
+    eigvals_out: Tensor  # S_G, (m,)
+    eigvals_in: Tensor  # S_A, (n,)
 
 
 _FOLD_EVERY = 16  # minibatches summed in place in the compute dtype before folding into the float64 total
@@ -165,16 +150,7 @@ class _FactorSums:
 
 
 def kron_factors(batches: Iterable[PseudoGrads]) -> tuple[KronFactors, ...]:
-    """KFAC factors A and G of every layer, averaged over all examples of ``batches``.
-
-    Formed from the layer inputs and output gradients by GEMMs over the minibatch (no per-example
-    gradients); a stride-1 convolution's A from shifted products of its input map (:func:`~bdl_bench.curvature.conv_gram.add_shifted_products_`).
-    Sums are in the pseudo-gradients' dtype within a few minibatches and in float64 across them; the factors
-    are float64.
-
-    Raises:
-        ValueError: if ``batches`` is empty.
-    """
+    """KFAC factors A and G (float64) of every layer, averaged over all examples of ``batches``."""
     sums: list[_FactorSums] | None = None
     n_total = 0
     for batch in batches:
@@ -240,12 +216,9 @@ def _padded_width(n: int) -> int:
 
 
 class _EfbSums:
-    """One layer's running :math:`\\sum_{i,k}(U_G^\\top g_{ik}U_A)^{\\circ2}` and :math:`\\sum_{i,k}g_{ik}^{\\circ2}`.
-
-    Both are kept as ``(m, w)`` grids, w = n rounded up to a multiple of ``_WIDTH_MULTIPLE``: the
-    pseudo-gradients are formed with w - n zero columns and :math:`U_A` is padded with zeros to w x w, so
-    the rotation GEMMs run on aligned widths (faster for n = 801, 3137) and the extra columns stay 0.
-    """
+    """One layer's running :math:`\\sum_{i,k}(U_G^\\top g_{ik}U_A)^{\\circ2}` and :math:`\\sum_{i,k}g_{ik}^{\\circ2}`,
+    as ``(m, w)`` grids, w = n rounded up to a multiple of ``_WIDTH_MULTIPLE``: the pseudo-gradients get w - n
+    zero columns and :math:`U_A` is zero-padded to w x w, so the rotation GEMMs run on aligned widths."""
 
     def __init__(self, slot: KronSlot, basis: KronEigenbasis, like: Tensor) -> None:
         m, n = slot.shape
@@ -284,8 +257,7 @@ class _EfbSums:
         self.step()
 
     def _buffer(self, name: str, numel: int) -> Tensor:
-        """A flat scratch tensor of ``numel`` elements, reused (and grown when needed) across minibatches, so
-        that the large per-minibatch temporaries do not fault in fresh pages every time."""
+        """A flat scratch tensor of ``numel`` elements, reused (and grown when needed) across minibatches."""
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[name] = self.eig.partial.new_empty(numel)
@@ -297,9 +269,8 @@ class _EfbSums:
 
         :math:`g_{ik}U_A = \\sum_a T_{aik}U_A^{(a)}` over the kernel rows a, with :math:`U_A^{(a)}` the rows of
         :math:`U_A` in the taps' (b, c) column order (permuted once). The kh GEMMs write it transposed,
-        ``(w, K·M·m)``, so that :math:`U_G^\\top` applies to all examples as one GEMM rather than a batch of
-        m x m products; the taps are squared in place for the diagonal. Same multiply-adds as :meth:`add_grads`
-        on :meth:`LayerPseudoGrads.per_example`, without its permuting copy and fresh temporaries.
+        ``(w, K·M·m)``, so that :math:`U_G^\\top` applies to all examples as one GEMM; the taps are squared in
+        place for the diagonal. Same multiply-adds as :meth:`add_grads`, without the permuting copy.
         """
         slot, x, deltas = layer.slot, layer.layer_input, layer.output_grads
         spec = slot.conv
@@ -331,8 +302,8 @@ class _EfbSums:
             self.diag.partial[:, n_in] += bias_sums.view(-1, m).square().sum(0)
 
     def add_grads(self, grads: Tensor) -> None:
-        """Add a stack of pseudo-gradients ``(K, M, m, w)`` (zero after column n): :math:`U_G^\\top(g\\,U_A)`,
-        m·w² multiply-adds per example instead of T·n² for rotating its T patches (no :meth:`step`)."""
+        """Add a stack of pseudo-gradients ``(K, M, m, w)`` (zero after column n): :math:`U_G^\\top(g\\,U_A)`
+        (no :meth:`step`)."""
         grads = grads.flatten(0, 1)
         self.diag.partial += grads.square().sum(0)
         self.eig.partial += (self.u_out.mT @ (grads @ self.u_in)).square_().sum(0)
@@ -342,7 +313,6 @@ class _EfbSums:
         self.diag.step()
 
     def results(self) -> tuple[Tensor, Tensor]:
-        """The float64 sums, ``(m, n)`` each."""
         return self.eig.result()[:, : self.n], self.diag.result()[:, : self.n]
 
 
@@ -356,25 +326,13 @@ class _CachedLayer:
 
 
 class ChunkCache:
-    """Pass 1's minibatches, kept for the EFB pass so that it need not recompute the network's forward
-    and backward passes (Lee et al.'s second pass over the data), under a memory budget.
+    """Pass 1's minibatches, kept under a memory budget for the EFB pass (Lee et al.'s second pass over the
+    data) so that it need not recompute the network's forward and backward passes.
 
-    :meth:`record` passes pass 1's pseudo-gradients through unchanged (to :func:`kron_factors`) and keeps,
-    for the leading minibatches that fit in ``budget_bytes`` together, what :func:`efb_eigenvalues` needs of
-    each layer, in the smaller of two forms: the layer's input (the feature map, not unfolded patches) and
-    output gradients, or, where that is smaller (a first convolution with one input channel and a large
-    output map), its per-example pseudo-gradients, formed right away. It keeps every minibatch's sampled
-    labels (:attr:`labels`) too, so that the minibatches beyond the budget are recomputed on the same
-    Fisher sample: either way the EFB eigenvalues and the diagonal are those of pass 1's pseudo-gradients.
-    DEF's LeNet on MNIST (Fisher, one label draw, float32) keeps about 100 kB per example (4.7 GiB for
-    50,000).
-
-    Attributes:
-        budget_bytes: the most bytes of tensors kept.
-        nbytes: the bytes kept so far.
-        labels: per minibatch seen, its :attr:`PseudoGrads.labels` (``None`` for the GGN).
-        n_cached: the number of leading minibatches kept.
-        n_cached_rows: the examples in them.
+    :meth:`record` passes pass 1's pseudo-gradients through unchanged and keeps, for the leading minibatches
+    that fit in ``budget_bytes`` together, each layer's input map and output gradients or, where smaller (a
+    first convolution with one input channel), its pseudo-gradients. It keeps every minibatch's sampled
+    :attr:`labels` too, so that the minibatches beyond the budget are recomputed on the same Fisher sample.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -437,24 +395,13 @@ def efb_eigenvalues(
     cache: ChunkCache | None = None,
     progress: bool = False,
 ) -> tuple[tuple[Tensor, ...], Tensor]:
-    """EFB eigenvalues in each layer's Kronecker eigenbasis and the exact diagonal, in one pass.
+    """EFB eigenvalues in each layer's Kronecker eigenbasis ``bases`` and the exact diagonal, in one pass.
 
-    Args:
-        batches: pseudo-gradients of the whole training set, or with ``cache`` of the minibatches after
-            the ``cache.n_cached`` it kept (recomputed with ``cache.labels``).
-        bases: :func:`eigenbasis` of the same layers, in the same order.
-        cache: pass 1's minibatches kept by :meth:`ChunkCache.record`, used before ``batches``.
-        progress: show a bar over the kept minibatches when they take long (:func:`bdl_bench.progress.delayed_bar`).
-
-    Returns:
-        ``(eigenvalues, diagonal)``: per layer the ``(m, n)`` grid
-        :math:`\\Lambda_{\\beta\\zeta} = \\operatorname{mean}_i\\sum_k((U_G^\\top\\delta_{ik})_\\beta
-        (U_A^\\top\\tilde a_i)_\\zeta)^2` (Lee et al., Sec. 2.2), and the exact diagonal ``(D,)`` in flat
-        order, both from the same pseudo-gradients (so DEF's diagonal correction is exact for them); float64,
-        computed in the pseudo-gradients' dtype (:class:`_EfbSums`).
-
-    Raises:
-        ValueError: if there is no minibatch.
+    ``batches`` are the pseudo-gradients of the whole training set, or with ``cache`` (pass 1's minibatches,
+    used first) of the minibatches after the ``cache.n_cached`` it kept. Returns ``(eigenvalues, diagonal)``:
+    per layer the ``(m, n)`` grid :math:`\\Lambda_{\\beta\\zeta} = \\operatorname{mean}_i\\sum_k((U_G^\\top
+    \\delta_{ik})_\\beta(U_A^\\top\\tilde a_i)_\\zeta)^2` (Lee et al., Sec. 2.2) and the exact diagonal ``(D,)``
+    in flat order, both from the same pseudo-gradients (so DEF's diagonal correction is exact for them).
     """
     sums: list[_EfbSums] | None = None
     n_total = 0
@@ -494,11 +441,7 @@ def efb_eigenvalues(
 
 
 def diagonal(batches: Iterable[PseudoGrads]) -> Tensor:
-    """The exact diagonal of the mean curvature, ``(D,)`` in flat order (Lee et al., eq. 5's E[δθ²]); float64.
-
-    Raises:
-        ValueError: if ``batches`` is empty.
-    """
+    """The exact diagonal of the mean curvature, ``(D,)`` in flat order (Lee et al., eq. 5's E[δθ²]); float64."""
     diag: Tensor | None = None
     n_total = 0
     for batch in batches:
