@@ -21,17 +21,7 @@ from torch import Tensor, nn
 
 from bdl_bench.curvature.per_example import LinearLayout
 from bdl_bench.curvature.products import t_matmul_into, thin_matmul
-from bdl_bench.curvature.pseudo_grads import KronSlot
 from bdl_bench.likelihoods import Likelihood, stacked_nll
-
-__all__ = [
-    "StackedFactors",
-    "gradient_columns",
-    "gradient_sum",
-    "gram",
-    "squared_gradient_sum",
-    "stacked_factors",
-]
 
 
 @dataclass(frozen=True)
@@ -68,11 +58,9 @@ def stacked_factors(
 ) -> StackedFactors:
     """Layer inputs and output gradients of :math:`\\sum_{s,i}\\ell_r(f(x_{r,i};\\theta_{r,s}), y_{r,i})`.
 
-    Args:
-        thetas: ``(R, S, D)``; x: ``(R, M, in)``; y: ``(R, M)``; likelihoods: one per copy.
-        share_first_input: the first layer takes the data as it is (one GEMM per copy for all S samples)
-            and :attr:`StackedFactors.inputs` ``[0]`` is not repeated S times (a wide input, e.g. USPS's 257
-            features with S·M = 768, made that copy the slowest part of a logistic-regression step).
+    ``thetas`` ``(R, S, D)``, ``x`` ``(R, M, in)``, ``y`` ``(R, M)``, one likelihood per copy. With
+    ``share_first_input`` the first layer takes the data as it is (one GEMM per copy for all S samples) and
+    :attr:`StackedFactors.inputs` ``[0]`` is not repeated S times (cheaper for a wide input).
     """
     n_copies, n_samples = thetas.shape[:2]
     n_examples = x.shape[1]
@@ -92,20 +80,14 @@ def stacked_factors(
             weight = thetas[..., slot.weight_slice].view(n_copies, n_samples, slot.out_features, slot.in_features)
             if h is None:  # the data, before the first layer: (R, M, in) x (R, in, S·out)
                 z = (data @ weight.flatten(1, 2).mT).view(n_copies, n_examples, n_samples, -1).transpose(1, 2)
-                if slot.bias_slice is not None:
-                    z = z + thetas[..., slot.bias_slice].unsqueeze(2)
-                if not z.requires_grad:
-                    z.requires_grad_(True)
                 inputs.append(data)
-                pre_activations.append(z)
-                h = z
-                continue
-            z = thin_matmul(h, weight.mT)
+            else:
+                z = thin_matmul(h, weight.mT)
+                inputs.append(h.reshape(n_copies, n_samples * n_examples, slot.in_features))
             if slot.bias_slice is not None:
                 z = z + thetas[..., slot.bias_slice].unsqueeze(2)
             if not z.requires_grad:
                 z.requires_grad_(True)
-            inputs.append(h.reshape(n_copies, n_samples * n_examples, slot.in_features))
             pre_activations.append(z)
             h = z
         losses = stacked_nll(likelihoods, h, y)  # (R, S, M)
@@ -122,37 +104,26 @@ def stacked_factors(
 def gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | None = None) -> Tensor:
     r""":math:`\sum_p g_p` of every copy, ``(R, D)`` (into ``out`` if given): per layer :math:`\Delta^\top A` and
     the summed deltas."""
-    if out is None:
-        out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
-    for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
-        if layer == 0 and factors.first_input_shared:  # sum over the samples first
-            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        weight, bias = _layer_views(out, slot)
-        t_matmul_into(d, a, weight)
-        if bias is not None:
-            torch.sum(d, 1, out=bias)
-    return out
-
-
-def _layer_views(out: Tensor, slot: KronSlot) -> tuple[Tensor, Tensor | None]:
-    """A layer's weight ``(R, out, in)`` and bias ``(R, out)`` (or ``None``) as views of ``out`` ``(R, D)``."""
-    weight = out[:, slot.weight_slice].view(out.shape[0], slot.out_features, slot.in_features)
-    return weight, None if slot.bias_offset is None else out[:, slot.bias_slice]
+    return _layer_sums(factors, layout, out, squared=False)
 
 
 def squared_gradient_sum(factors: StackedFactors, layout: LinearLayout, out: Tensor | None = None) -> Tensor:
     r""":math:`\sum_p g_p\circ g_p` of every copy, ``(R, D)`` (into ``out`` if given): per layer
     :math:`(\Delta^{\circ2})^\top A^{\circ2}` (no per-example gradient is formed)."""
+    return _layer_sums(factors, layout, out, squared=True)
+
+
+def _layer_sums(factors: StackedFactors, layout: LinearLayout, out: Tensor | None, squared: bool) -> Tensor:
     if out is None:
         out = factors.output_grads[0].new_empty(factors.losses.shape[0], layout.n_params)
     for layer, (slot, a, d) in enumerate(zip(layout.slots, factors.inputs, factors.output_grads)):
-        d2 = d.square()
+        if squared:
+            a, d = a.square(), d.square()
         if layer == 0 and factors.first_input_shared:  # sum over the samples first
-            d2 = d2.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
-        weight, bias = _layer_views(out, slot)
-        t_matmul_into(d2, a.square(), weight)
-        if bias is not None:
-            torch.sum(d2, 1, out=bias)
+            d = d.view(d.shape[0], factors.losses.shape[1], -1, d.shape[-1]).sum(1)
+        t_matmul_into(d, a, out[:, slot.weight_slice].view(out.shape[0], slot.out_features, slot.in_features))
+        if slot.bias_slice is not None:
+            torch.sum(d, 1, out=out[:, slot.bias_slice])
     return out
 
 
