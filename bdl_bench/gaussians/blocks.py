@@ -32,9 +32,7 @@ import torch
 from torch import Tensor
 
 from bdl_bench.gaussians.base import StructuredGaussian
-from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.gaussians.full import FullGaussian, _symmetry_tolerance
-from bdl_bench.gaussians.kl import register_kl
 
 
 def pack(matrices: Sequence[Tensor]) -> Tensor:
@@ -240,12 +238,3 @@ class BlockDiagGaussian(BlockGaussian):
 
     def _block_dense(self, b: int) -> Tensor:
         return self._blocks[b]
-
-
-@register_kl(BlockGaussian, DiagGaussian)
-def _kl_block_to_diag(p: BlockGaussian, q: DiagGaussian) -> Tensor:
-    r"""KL to a diagonal q: :math:`\operatorname{tr}(P_q\Sigma_p) = \sum_i d_{q,i}\Sigma_{p,ii}` blockwise."""
-    trace = (q.prec_diag * p.variance()).sum()
-    delta = q.mean - p.mean
-    maha = delta @ q.precision_matvec(delta)
-    return 0.5 * (trace + maha - p.dim + p.logdet_precision() - q.logdet_precision())

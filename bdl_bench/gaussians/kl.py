@@ -34,24 +34,12 @@ KLFn = Callable[[StructuredGaussian, StructuredGaussian], Tensor]
 
 _KL_REGISTRY: dict[tuple[type[StructuredGaussian], type[StructuredGaussian]], KLFn] = {}
 
-#: Largest D for which the dense fallback forms D x D matrices (O(D^3) time, O(D^2) memory).
-_DENSE_KL_MAX_DIM = 5000
+_DENSE_KL_MAX_DIM = 5000  # largest D for which the dense fallback forms D x D matrices
 
 
 def register_kl(type_p: type[StructuredGaussian], type_q: type[StructuredGaussian]) -> Callable[[KLFn], KLFn]:
-    """Decorator registering ``fn(p, q) -> KL(p || q)`` for the pair ``(type_p, type_q)``.
-
-    Args:
-        type_p: class of the first argument (subclasses match too).
-        type_q: class of the second argument (subclasses match too).
-
-    Returns:
-        A decorator that registers and returns the function unchanged (so decorators stack).
-
-    Raises:
-        TypeError: if either is not a subclass of ``StructuredGaussian``.
-        ValueError: (from the decorator) if the pair is already registered.
-    """
+    """Decorator registering ``fn(p, q) -> KL(p || q)`` for the pair ``(type_p, type_q)`` (subclasses match
+    too); it returns ``fn`` unchanged, so decorators stack. A pair registered twice raises ``ValueError``."""
     for t in (type_p, type_q):
         if not (isinstance(t, type) and issubclass(t, StructuredGaussian)):
             raise TypeError(f"register_kl expects StructuredGaussian subclasses, got {t!r}")
@@ -70,11 +58,7 @@ def register_kl(type_p: type[StructuredGaussian], type_q: type[StructuredGaussia
 
 
 def _lookup(registry: Mapping[tuple[type, type], KLFn], type_p: type, type_q: type) -> KLFn:
-    """The registered function of the most specific matching pair (p's MRO first, then q's).
-
-    Raises:
-        NotImplementedError: if no registered pair matches.
-    """
+    """The registered function of the most specific matching pair (p's MRO first, then q's)."""
     best: KLFn | None = None
     best_rank: tuple[int, int] | None = None
     for (reg_p, reg_q), fn in registry.items():
@@ -96,20 +80,7 @@ def _dispatch(type_p: type, type_q: type) -> KLFn:
 
 
 def kl(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
-    r""":math:`\mathrm{KL}(p\,\|\,q)` by the most specific registered pair (module docstring).
-
-    Args:
-        p: a ``StructuredGaussian`` of dimension D.
-        q: a ``StructuredGaussian`` of dimension D (same dtype and device as ``p``).
-
-    Returns:
-        A scalar tensor.
-
-    Raises:
-        TypeError: if ``p`` or ``q`` is not a ``StructuredGaussian``.
-        ValueError: if their dimensions differ.
-        NotImplementedError: if only the dense fallback applies and D > ``_DENSE_KL_MAX_DIM``.
-    """
+    r""":math:`\mathrm{KL}(p\,\|\,q)` by the most specific registered pair (module docstring), a scalar."""
     for name, g in (("p", p), ("q", q)):
         if not isinstance(g, StructuredGaussian):
             raise TypeError(f"{name} must be a StructuredGaussian, got {type(g).__name__}")
@@ -124,32 +95,23 @@ def sym_kl(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
 
 
 def _assemble(p: StructuredGaussian, q: StructuredGaussian, trace: Tensor, maha: Tensor) -> Tensor:
-    """0.5 [trace + maha - D + log|P_p| - log|P_q|]."""
     return 0.5 * (trace + maha - p.dim + p.logdet_precision() - q.logdet_precision())
 
 
 def _mahalanobis_q(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
-    r""":math:`(\mu_q-\mu_p)^\top P_q(\mu_q-\mu_p)` via ``q.precision_matvec``."""
     delta = q.mean - p.mean
     return delta @ q.precision_matvec(delta)
 
 
-@register_kl(DiagGaussian, DiagGaussian)
-@register_kl(LowRankPlusDiagGaussian, DiagGaussian)
-@register_kl(FullGaussian, DiagGaussian)
+@register_kl(StructuredGaussian, DiagGaussian)
 def _kl_to_diag(p: StructuredGaussian, q: DiagGaussian) -> Tensor:
-    r"""KL to a diagonal q: :math:`\operatorname{tr}(P_q\Sigma_p) = \sum_i d_{q,i}\,\Sigma_{p,ii}`.
-
-    Cost is that of ``p.variance()`` and ``p.logdet_precision()``: O(D) for a diagonal p; O(D L^2)
-    for a low-rank-plus-diagonal p (Woodbury diagonal, matrix determinant lemma); O(D^3) for full.
-    """
+    r"""KL to a diagonal q: :math:`\operatorname{tr}(P_q\Sigma_p) = \sum_i d_{q,i}\,\Sigma_{p,ii}`, at the cost of
+    ``p.variance()`` and ``p.logdet_precision()`` (O(D L^2) for a low-rank p, blockwise for a block p)."""
     trace = (q.prec_diag * p.variance()).sum()
     return _assemble(p, q, trace, _mahalanobis_q(p, q))
 
 
-@register_kl(DiagGaussian, LowRankPlusDiagGaussian)
-@register_kl(LowRankPlusDiagGaussian, LowRankPlusDiagGaussian)
-@register_kl(FullGaussian, LowRankPlusDiagGaussian)
+@register_kl(StructuredGaussian, LowRankPlusDiagGaussian)
 def _kl_to_low_rank(p: StructuredGaussian, q: LowRankPlusDiagGaussian) -> Tensor:
     r"""KL to :math:`P_q = U_qU_q^\top + \operatorname{diag}(d_q)`.
 
@@ -173,11 +135,7 @@ def _kl_full_full(p: FullGaussian, q: FullGaussian) -> Tensor:
 
 @register_kl(StructuredGaussian, StructuredGaussian)
 def _kl_dense(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
-    """Fallback for any pair: ``_kl_full_full(p.to_dense(), q.to_dense())``, O(D^3).
-
-    Raises:
-        NotImplementedError: naming the pair and D, if D > ``_DENSE_KL_MAX_DIM``.
-    """
+    """Fallback for any pair: ``_kl_full_full(p.to_dense(), q.to_dense())``, O(D^3), up to ``_DENSE_KL_MAX_DIM``."""
     if p.dim > _DENSE_KL_MAX_DIM:
         raise NotImplementedError(
             f"no closed-form KL for ({type(p).__name__}, {type(q).__name__}) and D={p.dim} "

@@ -42,23 +42,12 @@ def _alg3_core(gram: Tensor) -> Tensor | None:
     :math:`W^{-\top} = I - V(C^{-\top} + V^\top V)^{-1}V^\top` is a factor of
     :math:`(I + VV^\top)^{-1}`, and ``K`` :math:`= (C^{-\top} + G)^{-1} = (I + C^\top G)^{-1}C^\top`.
 
-    This follows the authors' reference code (``torchutils/low_rank.py``: ``factCore``,
-    ``invFactMult``). The listing as printed in the paper's text differs in three places -- line 4
-    takes :math:`\operatorname{Cholesky}(I + V^\top V)` instead of :math:`I + A^\top A`, line 6
-    takes :math:`(C + V^\top V)^{-1}` instead of :math:`(C^{-\top} + V^\top V)^{-1}`, and line 7
-    applies :math:`d^{-1/2}` to the first term only -- and, checked numerically, none of those
-    variants gives :math:`AA^\top = \Sigma`; this form does, to rounding.
+    This follows the authors' reference code (``torchutils/low_rank.py``: ``factCore``, ``invFactMult``);
+    the listing printed in the paper differs in lines 4, 6 and 7 and does not give :math:`AA^\top = \Sigma`.
 
-    Step 3 needs :math:`G = V^\top V` positive definite, i.e. U of full column rank (it is not,
-    e.g., at an initialisation with zero columns). This returns ``None`` when the Cholesky of G
-    fails or its diagonal ratio signals a condition number above about 1/sqrt(eps) of the dtype,
-    and the caller falls back to ``_eigh_core``.
-
-    Args:
-        gram: :math:`G = V^\top V`, shape ``(L, L)``.
-
-    Returns:
-        K, shape ``(L, L)`` (not symmetric in general), or ``None``.
+    Step 3 needs :math:`G` positive definite (U of full column rank; not so at an initialisation with zero
+    columns): ``None`` when its Cholesky fails or signals a condition number above about 1/sqrt(eps), and
+    the caller falls back to ``_eigh_core``. K is not symmetric in general.
     """
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     a, info = torch.linalg.cholesky_ex(gram)  # line 3: A A^T = V^T V
@@ -82,12 +71,6 @@ def _eigh_core(gram: Tensor) -> Tensor:
     :math:`1 - \lambda_j/(s_j(s_j+1)) = 1/s_j`. Unlike Alg. 3 it needs no inverse of G, so it is
     exact for rank-deficient U (a zero eigenvalue gives a finite weight 1/2 on a direction that
     V maps to zero).
-
-    Args:
-        gram: :math:`G = V^\top V`, shape ``(L, L)``.
-
-    Returns:
-        K, shape ``(L, L)``, symmetric.
     """
     evals, evecs = torch.linalg.eigh(gram)
     s = evals.clamp_min(0.0).add(1.0).sqrt()
@@ -101,22 +84,10 @@ class _SampleCore(NamedTuple):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class LowRankPlusDiagGaussian(StructuredGaussian):
-    r""":math:`\mathcal N(\mu, (UU^\top + \operatorname{diag}(d))^{-1})`, SLANG's posterior.
+    r""":math:`\mathcal N(\mu, (UU^\top + \operatorname{diag}(d))^{-1})`, SLANG's posterior (module docstring)."""
 
-    See the module docstring for the identities used; every method is O(D L^2) or better.
-
-    Args:
-        mean: :math:`\mu`, shape ``(D,)``.
-        prec_factor: U, shape ``(D, L)`` with 1 <= L < D (columns may be zero or dependent).
-        prec_diag: d > 0, shape ``(D,)``.
-
-    Raises:
-        ValueError: on a shape, dtype or device mismatch, a rank L outside 1 <= L < D, or a
-            non-positive ``prec_diag``.
-    """
-
-    prec_factor: Tensor  # (D, L)
-    prec_diag: Tensor  # (D,)
+    prec_factor: Tensor  # U, (D, L), 1 <= L < D (columns may be zero or dependent)
+    prec_diag: Tensor  # d > 0, (D,)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,13 +109,10 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
 
     @property
     def rank(self) -> int:
-        """L, the number of columns of ``prec_factor``."""
         return self.prec_factor.shape[1]
 
-    # ------------------------------------------------------------------ cached factorisations
     @cached_property
     def _rsqrt_diag(self) -> Tensor:
-        r""":math:`d^{-1/2}`, ``(D,)``."""
         return self.prec_diag.rsqrt()
 
     @cached_property
@@ -171,7 +139,6 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
             return _SampleCore(core, "alg3")
         return _SampleCore(_eigh_core(self._gram), "eigh")
 
-    # ---------------------------------------------------------------------------- interface
     def precision_matvec(self, v: Tensor) -> Tensor:
         r""":math:`U(U^\top v) + d\odot v`, O(D L) per column."""
         self._check_rhs(v)
@@ -203,13 +170,8 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         return (1.0 - z.square().sum(0)) * self.prec_diag.reciprocal()
 
     def _sample_transform(self, eps: Tensor) -> Tensor:
-        r"""Rows :math:`\mu + D^{-1/2}(\epsilon - VKV^\top\epsilon)` (Alg. 3), O(D L) per row.
-
-        K comes from ``_alg3_core`` (the paper's two L x L Choleskys) when
-        :math:`V^\top V` is well conditioned and from ``_eigh_core`` (an L x L eigendecomposition,
-        exact for rank-deficient U, e.g. zero columns at initialisation) otherwise. Both give
-        :math:`AA^\top = \Sigma` for :math:`A = D^{-1/2}(I - VKV^\top)`.
-        """
+        r"""Rows :math:`\mu + D^{-1/2}(\epsilon - VKV^\top\epsilon)` (Alg. 3), O(D L) per row, K from
+        :attr:`_sample_core`."""
         v_mat = self._scaled_factor
         core = self._sample_core.core
         # Row form of eps - V K V^T eps: eps - eps V K^T V^T.

@@ -163,6 +163,6 @@ def test_register_kl_guards() -> None:
         register_kl(DiagGaussian, int)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="StructuredGaussian subclasses"):
         register_kl(DiagGaussian(torch.zeros(1), torch.ones(1)), DiagGaussian)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"\(DiagGaussian, DiagGaussian\) is already registered"):
-        register_kl(DiagGaussian, DiagGaussian)(_f_diag)
+    with pytest.raises(ValueError, match=r"\(StructuredGaussian, DiagGaussian\) is already registered"):
+        register_kl(StructuredGaussian, DiagGaussian)(_f_diag)
     assert kl_module._KL_REGISTRY == before
