@@ -48,20 +48,10 @@ def _check_long(name: str, value: Tensor, ndim: int) -> None:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class BlockGaussian(StructuredGaussian):
-    """Abstract block-diagonal precision in a permuted order (see the module docstring).
+    """Abstract block-diagonal precision in a permuted order (see the module docstring)."""
 
-    Args:
-        mean: :math:`\\mu`, ``(D,)``.
-        index: the permutation, ``(D,)`` long.
-        shapes: block shapes ``(B, 2)`` long, :math:`\\sum_b m_b n_b = D`.
-
-    Raises:
-        ValueError: if ``index`` is not a permutation of ``0..D-1`` on ``mean``'s device, or the
-            shapes are not positive or do not add up to D.
-    """
-
-    index: Tensor  # (D,)
-    shapes: Tensor  # (B, 2)
+    index: Tensor  # (D,) long, a permutation of 0..D-1
+    shapes: Tensor  # (B, 2) long, sum_b m_b n_b = D
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,7 +70,6 @@ class BlockGaussian(StructuredGaussian):
                 f"blocks of shapes {self.shapes.tolist()} cover {int(self.shapes.prod(1).sum())} != D={self.dim}"
             )
 
-    # ------------------------------------------------------------------ layout helpers
     @cached_property
     def block_shapes(self) -> list[tuple[int, int]]:
         """``[(m_b, n_b), ...]`` as Python ints."""
@@ -92,7 +81,6 @@ class BlockGaussian(StructuredGaussian):
         return list(torch.split(self.index, [m * n for m, n in self.block_shapes]))
 
     def _unpack(self, flat: Tensor, sizes: Sequence[tuple[int, ...]]) -> list[Tensor]:
-        """Split a packed field into per-block tensors of the given shapes."""
         counts = [math.prod(s) for s in sizes]
         if flat.ndim != 1 or flat.shape[0] != sum(counts):
             raise ValueError(f"packed field has {flat.numel()} entries, blocks {list(sizes)} need {sum(counts)}")
@@ -116,7 +104,6 @@ class BlockGaussian(StructuredGaussian):
         out = self._join([getattr(self, fn_name)(b, x) for b, x in enumerate(self._split(cols))])
         return out if v.ndim == 2 else out[:, 0]
 
-    # ------------------------------------------------------------ per-block pieces
     @abstractmethod
     def _block_matvec(self, b: int, x: Tensor) -> Tensor:
         """:math:`P_b x` for ``x`` ``(K, m, n)``."""
@@ -141,21 +128,16 @@ class BlockGaussian(StructuredGaussian):
     def _block_dense(self, b: int) -> Tensor:
         """:math:`P_b` as a dense ``(m·n, m·n)`` matrix (for tests)."""
 
-    # ------------------------------------------------------------ the interface, blockwise
     def precision_matvec(self, v: Tensor) -> Tensor:
-        """Blockwise :math:`P_b x`; see ``StructuredGaussian.precision_matvec``."""
         return self._map_blocks(v, "_block_matvec")
 
     def solve(self, v: Tensor) -> Tensor:
-        """Blockwise :math:`P_b^{-1} x`; see ``StructuredGaussian.solve``."""
         return self._map_blocks(v, "_block_solve")
 
     def logdet_precision(self) -> Tensor:
-        """:math:`\\sum_b \\log|P_b|`."""
         return torch.stack([self._block_logdet(b) for b in range(len(self.block_shapes))]).sum()
 
     def variance(self) -> Tensor:
-        """The blocks' marginal variances, scattered to flat order, ``(D,)``."""
         return self._join([self._block_variance(b)[None] for b in range(len(self.block_shapes))])[:, 0]
 
     def _sample_transform(self, eps: Tensor) -> Tensor:
@@ -169,7 +151,6 @@ class BlockGaussian(StructuredGaussian):
         return out
 
     def to_dense(self) -> FullGaussian:
-        """``FullGaussian`` with the blocks scattered into a D x D precision."""
         precision = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
         for b, idx in enumerate(self._block_index):
             precision[idx[:, None], idx[None, :]] = self._block_dense(b)
@@ -185,20 +166,10 @@ def _cholesky(matrix: Tensor, what: str) -> Tensor:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class BlockDiagGaussian(BlockGaussian):
-    """Dense precision blocks :math:`P_b` (exact block-diagonal Laplace, "FB" in Lee et al.).
+    """Dense precision blocks :math:`P_b` (exact block-diagonal Laplace, "FB" in Lee et al.); a block that is not
+    positive definite raises ``ValueError`` on first use."""
 
-    Args:
-        mean: :math:`\\mu`, ``(D,)``.
-        index: the permutation, ``(D,)`` long.
-        shapes: ``(B, 2)`` long; block b is :math:`P_b` of size :math:`m_bn_b`.
-        blocks: the :math:`P_b` flattened and concatenated (:func:`pack`), SPD.
-
-    Raises:
-        ValueError: as ``BlockGaussian``, or on a badly sized or asymmetric block; a block that is
-            not positive definite raises ``ValueError`` on first use.
-    """
-
-    blocks: Tensor  # (sum (m n)^2,)
+    blocks: Tensor  # (sum (m n)^2,): the symmetric P_b, packed (:func:`pack`)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -22,11 +22,9 @@ Cholesky :math:`RR^\top = I_L + H`:
   :math:`V_s = D^{-1/2}W` (so :math:`V_s^\top V_s = H`) and the L x L core K of Ambikasaran &
   O'Neil's symmetric factor :math:`I + V_sCV_s^\top` of :math:`I + V_sV_s^\top`, computed by
   ``low_rank._alg3_core`` (two L x L Choleskys; an L x L eigendecomposition when H is singular,
-  e.g. zero eigenvalues). Cost O(L³) once per block, as the paper states. The paper's eq. 18 writes
-  the core as :math:`(C^{-1} + V_s^\top V_s)^{-1}`, i.e. the factor :math:`W^{-1}` of :math:`I+V_sV_s^\top`
-  rather than :math:`W^{-\top}`; since :math:`W` is not symmetric that factor does not reproduce
-  the covariance, while :math:`(C^{-\top} + H)^{-1}` does (the same correction as SLANG's Alg. 3 in
-  ``low_rank.py``; ``tests/gaussians/test_def_lowrank.py`` checks :math:`AA^\top = \Sigma`).
+  e.g. zero eigenvalues). Cost O(L³) once per block. The core is :math:`(C^{-\top} + H)^{-1}`, not eq. 18's
+  :math:`(C^{-1} + V_s^\top V_s)^{-1}`, which does not reproduce the covariance (as SLANG's Alg. 3 in
+  ``low_rank.py``; the tests check :math:`AA^\top = \Sigma`).
 
 ``prec_diag`` is stored in *flat* order (so a per-parameter prior precision is just added to it);
 the Kronecker parts are in blocked order.
@@ -47,28 +45,14 @@ from bdl_bench.gaussians.low_rank import _alg3_core, _eigh_core
 
 @dataclass(frozen=True, eq=False, repr=False)
 class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
-    """DEF precision :math:`(U_B\\otimes U_C)\\Lambda(U_B\\otimes U_C)^\\top + \\operatorname{diag}(d)` per block.
+    """DEF precision :math:`(U_B\\otimes U_C)\\Lambda(U_B\\otimes U_C)^\\top + \\operatorname{diag}(d)` per block
+    (orthonormality of the factors is not checked)."""
 
-    Args:
-        mean: :math:`\\mu`, ``(D,)``.
-        index: the permutation to blocked order, ``(D,)`` long.
-        shapes: ``(B, 2)`` long block shapes (m, n).
-        ranks: ``(B, 2)`` long kept ranks (g, a), 1 <= g <= m, 1 <= a <= n.
-        factor_out: :math:`U_B` (m x g, orthonormal columns), packed.
-        factor_in: :math:`U_C` (n x a, orthonormal columns), packed.
-        eigenvalues: the grids :math:`\\Lambda \\ge 0` (g x a), packed.
-        prec_diag: d > 0, ``(D,)`` in flat order.
-
-    Raises:
-        ValueError: on a bad layout, rank, size, dtype or device, a negative eigenvalue or a
-            non-positive ``prec_diag``. (Orthonormality of the factors is not checked.)
-    """
-
-    ranks: Tensor  # (B, 2)
-    factor_out: Tensor  # (sum m g,)
-    factor_in: Tensor  # (sum n a,)
-    eigenvalues: Tensor  # (sum g a,)
-    prec_diag: Tensor  # (D,) flat order
+    ranks: Tensor  # (B, 2) long: kept ranks (g, a), 1 <= g <= m, 1 <= a <= n
+    factor_out: Tensor  # (sum m g,): U_B (m x g), packed
+    factor_in: Tensor  # (sum n a,): U_C (n x a), packed
+    eigenvalues: Tensor  # (sum g a,): the grids Lambda >= 0 (g x a), packed
+    prec_diag: Tensor  # (D,): d > 0, in flat order
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,11 +88,9 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
         return [e.sqrt() for e in self._unpack(self.eigenvalues, [r for _, r in self._pairs])]
 
     @cached_property
-    def _diags(self) -> list[Tensor]:
-        """d of every block as an (m, n) grid."""
+    def _diags(self) -> list[Tensor]:  # d of every block as an (m, n) grid
         return [self.prec_diag[idx].view(m, n) for idx, (m, n) in zip(self._block_index, self.block_shapes)]
 
-    # -------------------------------------------------------------- W products and H
     def _w_t(self, b: int, x: Tensor) -> Tensor:
         """:math:`W^\\top x` for ``x`` (K, m, n) → (K, g, a)."""
         return self._sqrt_eigs[b] * (self._outs[b].mT @ x @ self._ins[b])
@@ -148,7 +130,6 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
             cores.append(_eigh_core(gram) if core is None else core)
         return cores
 
-    # ---------------------------------------------------------------- per-block pieces
     def _block_matvec(self, b: int, x: Tensor) -> Tensor:
         return self._w(b, self._w_t(b, x)) + self._diags[b] * x
 

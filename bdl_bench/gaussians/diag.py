@@ -19,17 +19,9 @@ def _check_positive(name: str, value: Tensor) -> None:
 
 @dataclass(frozen=True, eq=False, repr=False)
 class DiagGaussian(StructuredGaussian):
-    r""":math:`\mathcal N(\mu, \operatorname{diag}(d)^{-1})`; every operation is O(D).
+    r""":math:`\mathcal N(\mu, \operatorname{diag}(d)^{-1})`; every operation is O(D)."""
 
-    Args:
-        mean: :math:`\mu`, shape ``(D,)``.
-        prec_diag: the precision diagonal :math:`d > 0`, shape ``(D,)``.
-
-    Raises:
-        ValueError: on a shape, dtype or device mismatch, or a non-positive ``prec_diag``.
-    """
-
-    prec_diag: Tensor  # (D,)
+    prec_diag: Tensor  # d > 0, (D,)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,19 +33,15 @@ class DiagGaussian(StructuredGaussian):
         return scale * v if v.ndim == 1 else scale[:, None] * v
 
     def precision_matvec(self, v: Tensor) -> Tensor:
-        r""":math:`d \odot v`; see ``StructuredGaussian.precision_matvec``."""
         return self._diag_times(self.prec_diag, v)
 
     def solve(self, v: Tensor) -> Tensor:
-        r""":math:`v / d`; see ``StructuredGaussian.solve``."""
         return self._diag_times(self.prec_diag.reciprocal(), v)
 
     def logdet_precision(self) -> Tensor:
-        r""":math:`\sum_i \log d_i`."""
         return self.prec_diag.log().sum()
 
     def variance(self) -> Tensor:
-        r""":math:`1 / d`, shape ``(D,)``."""
         return self.prec_diag.reciprocal()
 
     def _sample_transform(self, eps: Tensor) -> Tensor:
@@ -66,5 +54,4 @@ class DiagGaussian(StructuredGaussian):
         return LinearMoments(x @ self.mean, x.square() @ self.prec_diag.reciprocal())
 
     def to_dense(self) -> FullGaussian:
-        """``FullGaussian(mean, diag(prec_diag))``."""
         return FullGaussian(self.mean, torch.diag(self.prec_diag))

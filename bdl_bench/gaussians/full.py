@@ -23,18 +23,11 @@ class FullGaussian(StructuredGaussian):
 
     Every operation goes through the lower Cholesky factor :math:`P = LL^\top`, computed once on
     first use (O(D^3)); afterwards ``solve`` and sampling cost O(D^2) per vector. The covariance is
-    :math:`\Sigma = L^{-\top}L^{-1}` and samples are :math:`\mu + L^{-\top}\epsilon`.
-
-    Args:
-        mean: :math:`\mu`, shape ``(D,)``.
-        precision: :math:`P`, shape ``(D, D)``, symmetric positive definite.
-
-    Raises:
-        ValueError: on a shape, dtype or device mismatch, or an asymmetric ``precision``; a
-            precision that is not positive definite raises ``ValueError`` on first use.
+    :math:`\Sigma = L^{-\top}L^{-1}` and samples are :math:`\mu + L^{-\top}\epsilon`. A precision that is not
+    positive definite raises ``ValueError`` on first use.
     """
 
-    precision: Tensor  # (D, D)
+    precision: Tensor  # (D, D), symmetric
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,7 +37,6 @@ class FullGaussian(StructuredGaussian):
 
     @cached_property
     def _chol(self) -> Tensor:
-        """Lower Cholesky factor L of the precision, ``(D, D)``."""
         chol, info = torch.linalg.cholesky_ex(self.precision)
         if int(info.item()) != 0:
             raise ValueError(f"precision is not positive definite (leading minor {int(info.item())})")
@@ -56,7 +48,6 @@ class FullGaussian(StructuredGaussian):
         return torch.cholesky_inverse(self._chol)
 
     def precision_matvec(self, v: Tensor) -> Tensor:
-        r""":math:`P v`; see ``StructuredGaussian.precision_matvec``."""
         self._check_rhs(v)
         return self.precision @ v
 
@@ -93,5 +84,4 @@ class FullGaussian(StructuredGaussian):
         return LinearMoments(x @ self.mean, z.square().sum(0))
 
     def to_dense(self) -> FullGaussian:
-        """Itself."""
         return self

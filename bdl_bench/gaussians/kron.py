@@ -31,22 +31,11 @@ from bdl_bench.gaussians.full import _symmetry_tolerance
 
 @dataclass(frozen=True, eq=False, repr=False)
 class KroneckerGaussian(BlockGaussian):
-    """KFAC precision :math:`P_b = B_b\\otimes C_b` per block (see the module docstring).
+    """KFAC precision :math:`P_b = B_b\\otimes C_b` per block (see the module docstring); a factor that is not
+    positive definite raises ``ValueError`` on first use."""
 
-    Args:
-        mean: :math:`\\mu`, ``(D,)``.
-        index: the permutation to blocked order, ``(D,)`` long.
-        shapes: ``(B, 2)`` long block shapes (m, n).
-        prec_out: the :math:`B_b` (m x m, SPD), packed (``blocks.pack``).
-        prec_in: the :math:`C_b` (n x n, SPD), packed.
-
-    Raises:
-        ValueError: on a bad layout, size, dtype or device, or an asymmetric factor; a factor
-            that is not positive definite raises ``ValueError`` on first use.
-    """
-
-    prec_out: Tensor  # (sum m^2,)
-    prec_in: Tensor  # (sum n^2,)
+    prec_out: Tensor  # (sum m^2,): the symmetric B_b (m x m), packed (``blocks.pack``)
+    prec_in: Tensor  # (sum n^2,): the symmetric C_b (n x n), packed
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,25 +90,12 @@ class KroneckerGaussian(BlockGaussian):
 
 @dataclass(frozen=True, eq=False, repr=False)
 class EigenKroneckerGaussian(BlockGaussian):
-    """EFB precision :math:`(Q_B\\otimes Q_C)\\operatorname{diag}(\\Lambda)(Q_B\\otimes Q_C)^\\top` per block.
+    """EFB precision :math:`(Q_B\\otimes Q_C)\\operatorname{diag}(\\Lambda)(Q_B\\otimes Q_C)^\\top` per block (the
+    factors' orthogonality is not checked: that would cost O(m³ + n³) per block)."""
 
-    Args:
-        mean: :math:`\\mu`, ``(D,)``.
-        index: the permutation to blocked order, ``(D,)`` long.
-        shapes: ``(B, 2)`` long block shapes (m, n).
-        eigvecs_out: the orthogonal :math:`Q_B` (m x m), packed.
-        eigvecs_in: the orthogonal :math:`Q_C` (n x n), packed.
-        eigenvalues: the grids :math:`\\Lambda_b > 0` (m x n), packed, i.e. ``(D,)`` in blocked order.
-
-    Raises:
-        ValueError: on a bad layout, size, dtype or device, or a non-positive eigenvalue. (The
-            factors' orthogonality is the caller's promise: it is not checked, since that costs
-            O(m³ + n³) per block.)
-    """
-
-    eigvecs_out: Tensor  # (sum m^2,)
-    eigvecs_in: Tensor  # (sum n^2,)
-    eigenvalues: Tensor  # (D,) blocked order
+    eigvecs_out: Tensor  # (sum m^2,): the orthogonal Q_B (m x m), packed
+    eigvecs_in: Tensor  # (sum n^2,): the orthogonal Q_C (n x n), packed
+    eigenvalues: Tensor  # (D,): the grids Lambda_b > 0 (m x n), packed, i.e. in blocked order
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,16 +152,9 @@ class ScaledEigenKroneckerGaussian(EigenKroneckerGaussian):
     above with :math:`s = t^{1/2}` and :math:`\\Lambda = Ns_Gs_{A'}^\\top + 1`, exactly. Since :math:`(SQ_C)^{-\\top}
     = S^{-1}Q_C`: :math:`P_b^{-1}` is the same form with :math:`1/s` and :math:`1/\\Lambda`,
     :math:`\\log|P_b| = \\sum\\log\\Lambda + 2m\\sum\\log s`, samples :math:`Q_B(\\Lambda^{-1/2}\\circ E)Q_C^\\top S^{-1}`.
-
-    Args:
-        mean, index, shapes, eigvecs_out, eigvecs_in, eigenvalues: as :class:`EigenKroneckerGaussian`.
-        in_scale: the :math:`s_b > 0` (n per block), packed.
-
-    Raises:
-        ValueError: as :class:`EigenKroneckerGaussian`, or on a non-positive scale.
     """
 
-    in_scale: Tensor  # (sum n,)
+    in_scale: Tensor  # (sum n,): the s_b > 0 (n per block), packed
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -185,6 +185,5 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         return LinearMoments(x @ self.mean, xs.square().sum(1) - z.square().sum(0))
 
     def to_dense(self) -> FullGaussian:
-        r"""``FullGaussian(mean, U U^T + diag(d))``."""
         precision = self.prec_factor @ self.prec_factor.mT + torch.diag(self.prec_diag)
         return FullGaussian(self.mean, precision)
