@@ -32,23 +32,14 @@ from bdl_bench.curvature.pseudo_grads import KronSlot
 
 @dataclass(frozen=True)
 class KronLowRank:
-    """One layer's kept eigen-structure :math:`(U_{G,1:g}\\otimes U_{A,1:a})\\Lambda_{1:L}(\\cdot)^\\top`.
-
-    Attributes:
-        slot: the layer's place in the flat vector.
-        factor_out: :math:`U_{G,1:g}`, ``(m, g)`` orthonormal columns.
-        factor_in: :math:`U_{A,1:a}`, ``(n, a)`` orthonormal columns.
-        eigenvalues: :math:`\\Lambda_{1:L}`, ``(g, a)`` grid, L = g·a.
-        rows: indices of the kept columns of :math:`U_G`, ``(g,)``.
-        cols: indices of the kept columns of :math:`U_A`, ``(a,)``.
-    """
+    """One layer's kept eigen-structure :math:`(U_{G,1:g}\\otimes U_{A,1:a})\\Lambda_{1:L}(\\cdot)^\\top`."""
 
     slot: KronSlot
-    factor_out: Tensor  # (m, g)
-    factor_in: Tensor  # (n, a)
-    eigenvalues: Tensor  # (g, a)
-    rows: Tensor  # (g,)
-    cols: Tensor  # (a,)
+    factor_out: Tensor  # U_{G,1:g}, (m, g)
+    factor_in: Tensor  # U_{A,1:a}, (n, a)
+    eigenvalues: Tensor  # Lambda_{1:L}, (g, a)
+    rows: Tensor  # indices of the kept columns of U_G, (g,)
+    cols: Tensor  # indices of the kept columns of U_A, (a,)
 
     @property
     def rank(self) -> int:
@@ -64,23 +55,9 @@ class KronLowRank:
 def sparsify(
     slot: KronSlot, eigvecs_out: Tensor, eigvecs_in: Tensor, eigenvalues: Tensor, rank: int | None
 ) -> KronLowRank:
-    """Lee et al., Alg. 1: keep the top-``rank`` eigenvalues with their Kronecker structure.
-
-    Args:
-        slot: the layer's place in the flat vector.
-        eigvecs_out: :math:`U_G`, ``(m, m)``.
-        eigvecs_in: :math:`U_A`, ``(n, n)``.
-        eigenvalues: :math:`\\Lambda`, ``(m, n)`` grid.
-        rank: K, the number of top eigenvalues to preserve (>= 1), or ``None`` for all of them.
-
-    Returns:
-        The :class:`KronLowRank` with L = g·a >= K (= m·n for ``None`` or K >= m·n). Rows and
-        columns keep the order of first appearance in the descending sort, so
-        :math:`\\Lambda_{1:L}` starts with the largest eigenvalue.
-
-    Raises:
-        ValueError: if ``rank < 1``.
-    """
+    """Lee et al., Alg. 1: keep the top K = ``rank`` eigenvalues of the ``(m, n)`` grid :math:`\\Lambda` (all for
+    ``None``) with their Kronecker structure, L = g·a >= K. Rows and columns keep the order of first appearance
+    in the descending sort, so :math:`\\Lambda_{1:L}` starts with the largest eigenvalue."""
     m, n = eigenvalues.shape
     if rank is not None and rank < 1:
         raise ValueError(f"rank must be >= 1 or None, got {rank}")
@@ -105,21 +82,12 @@ def _unique_in_order(values: Tensor) -> Tensor:
 
 
 def kron_diag(factor_out: Tensor, factor_in: Tensor, eigenvalues: Tensor) -> Tensor:
-    """Diagonal of :math:`(U_G\\otimes U_A)\\Lambda(U_G\\otimes U_A)^\\top` as an ``(m, n)`` grid (eq. 14).
-
-    Args:
-        factor_out: ``(m, g)``.
-        factor_in: ``(n, a)``.
-        eigenvalues: ``(g, a)``.
-    """
+    """Diagonal of :math:`(U_G\\otimes U_A)\\Lambda(U_G\\otimes U_A)^\\top` as an ``(m, n)`` grid (eq. 14), for
+    :math:`U_G` ``(m, g)``, :math:`U_A` ``(n, a)``, :math:`\\Lambda` ``(g, a)``."""
     return factor_out.square() @ eigenvalues @ factor_in.square().mT
 
 
 def diagonal_correction(exact_diag: Tensor, low_rank: KronLowRank) -> Tensor:
-    """Eq. 5: :math:`D = \\operatorname{diag}(\\mathbf I) - \\operatorname{diag}(\\text{low rank})`, ``(m, n)``.
-
-    Args:
-        exact_diag: the layer's exact diagonal as an ``(m, n)`` grid (augmented order).
-        low_rank: the kept eigen-structure.
-    """
+    """Eq. 5: :math:`D = \\operatorname{diag}(\\mathbf I) - \\operatorname{diag}(\\text{low rank})`, ``(m, n)``, from the
+    layer's exact diagonal as an ``(m, n)`` grid (augmented order)."""
     return exact_diag - kron_diag(low_rank.factor_out, low_rank.factor_in, low_rank.eigenvalues)

@@ -28,26 +28,16 @@ from bdl_bench.curvature.products import thin_matmul
 @dataclass(frozen=True)
 class PrecisionCache:
     """Quantities of a state's precision that the next step reuses instead of recomputing them, for R
-    stacked copies (R = 1 for a single run).
+    stacked copies: with them every solve and sample costs O(D L) per vector (Alg. 2, :func:`sample_noise`)."""
 
-    With :math:`K = U^\\top D^{-1} U` and :math:`C = I_L + K = RR^\\top` (the Woodbury capacitance,
-    Alg. 2), every solve and sample costs O(D L) per vector (Alg. 2 and :func:`sample_noise`).
-
-    Attributes:
-        factor_gram: :math:`U^\\top U` ``(R, L, L)`` (after an update: ``diag`` of its eigenvalues).
-        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)`, ``(R, D)``.
-        capacitance: K, ``(R, L, L)``.
-        capacitance_chol: R, the lower Cholesky factor of :math:`I + K`, ``(R, L, L)``.
-    """
-
-    factor_gram: Tensor  # (R, L, L)
-    factor_sqnorms: Tensor  # (R, D)
-    capacitance: Tensor  # (R, L, L)
-    capacitance_chol: Tensor  # (R, L, L)
+    factor_gram: Tensor  # U^T U, (R, L, L) (after an update: diag of its eigenvalues)
+    factor_sqnorms: Tensor  # diag(U U^T), (R, D)
+    capacitance: Tensor  # K = U^T D^{-1} U, (R, L, L)
+    capacitance_chol: Tensor  # R, the lower Cholesky factor of I + K, (R, L, L)
 
 
-# multiply-adds (L² x columns) per block of the weighted Gram matrix on CPU: 64k columns (2 MB) at L = 8,
-# 4k (512 KB) at L = 32; MKL's L x n x L products run fastest at about these sizes
+# multiply-adds (L² x columns) per block of the weighted Gram matrix on CPU, where MKL's L x n x L products
+# run fastest: 64k columns at L = 8, 4k at L = 32
 _GRAM_BLOCK_WORK = 1 << 22
 
 
@@ -57,9 +47,8 @@ def weighted_gram(
     """:math:`U^\\top\\operatorname{diag}(w)U` ``(R, L, L)`` and, if given, :math:`U^\\top(w \\circ v)` ``(R, L)``, for
     ``factor`` U ``(R, D, L)`` and ``weights``, ``rhs`` ``(R, D)``.
 
-    U is read column-major (as SLANG stores it), on CPU in blocks of rows of D (:data:`_GRAM_BLOCK_WORK`),
-    so that no D x L temporary is allocated (the block buffer is taken from ``workspace`` if given:
-    :func:`bdl_bench.curvature.gram.workspace_buffer`).
+    U is read column-major (as SLANG stores it), on CPU in blocks of rows of D (:data:`_GRAM_BLOCK_WORK`) so that
+    no D x L temporary is allocated (the block buffer from ``workspace`` if given).
     """
     rows = factor.mT.contiguous()  # (R, L, D): free for a column-major U
     n_copies, rank, n_params = rows.shape
@@ -104,11 +93,6 @@ def build_cache(prec_factor: Tensor, prec_diag: Tensor) -> PrecisionCache:
     )
 
 
-def _chol_solve_rows(rows: Tensor, chol: Tensor) -> Tensor:
-    """:math:`x C^{-1}` for rows x ``(R, K, L)`` and :math:`C = RR^\\top` (C symmetric)."""
-    return torch.cholesky_solve(rows.mT, chol).mT
-
-
 def sample_noise(
     prec_factor: Tensor,
     prec_diag: Tensor,
@@ -126,10 +110,8 @@ def sample_noise(
     :math:`U^\\top D^{-1} z = U^\\top(d^{-1/2}\\circ\\epsilon_1) + K\\epsilon_2`,
     :math:`P^{-1}z = d^{-1/2}\\circ\\epsilon_1 + D^{-1}U(\\epsilon_2 - C^{-1}U^\\top D^{-1} z)`: two
     passes over U for all n samples (as Alg. 3). One ``(n, D + L)`` draw of normals on the generator's device
-    is shared by the copies, as a single run draws it.
-
-    With ``workspace`` (:func:`bdl_bench.curvature.gram.workspace_buffer`) the draws and temporaries
-    reuse its buffers, and the result lives in it (valid until the next call with the same workspace).
+    is shared by the copies, as a single run draws it. With ``workspace`` the draws and temporaries reuse its
+    buffers, and the result lives in it (valid until the next call with the same workspace).
     """
     n_copies, n_params, rank = prec_factor.shape
     shape = (n_samples, n_params + rank)
@@ -144,7 +126,7 @@ def sample_noise(
     torch.mul(eps[:, :n_params], inv_sqrt[:, None], out=white)  # d^{-1/2} e1
     low = eps[:, n_params:]  # (n, L) e2
     proj = thin_matmul(white, prec_factor) + thin_matmul(low, cache.capacitance)  # (R, n, L) rows of U^T D^{-1} z
-    coeffs = low - _chol_solve_rows(proj, cache.capacitance_chol)  # (R, n, L)
+    coeffs = low - torch.cholesky_solve(proj.mT, cache.capacitance_chol).mT  # (R, n, L): rows of proj C^{-1}
     back = workspace_buffer(workspace, "noise_back", white.shape, white)
     if rank == 1:
         torch.mul(coeffs, prec_factor.mT, out=back)
