@@ -38,15 +38,9 @@ def add_shifted_products_(products: Tensor, sums: Tensor, x: Tensor, spec: ConvS
     convolution's patch Gram :math:`\\sum_{i,t}\\tilde a_{it}\\tilde a_{it}^\\top` has the entry
     :math:`\\sum_{u\\in W_k}Q_{k'-k,u,c,c'}` at taps (c, k), (c', k') (k' not above k), with :math:`W_k` the
     window of positions that tap k reads: :math:`C^2k_h(2k_w-1)H_pW_p` multiply-adds per example instead of
-    the patch GEMM's :math:`T(Ck_hk_w)^2` (15 M instead of 126 M for DEF's second LeNet conv). One GEMM
-    (C x M x (2k_w-1)C) per position row and row offset, on strided views of one copy of the map.
-
-    Args:
-        products: Q, ``(k_h, H_p, W_p, C, (2k_w-1)·C)`` (row offset; position; c; column offset, c'),
-            added to in place.
-        sums: S, ``(H_p, W_p, C)``, added to in place.
-        x: the layer's input map.
-        spec: the convolution's geometry (stride 1, no dilation).
+    the patch GEMM's :math:`T(Ck_hk_w)^2`. One GEMM (C x M x (2k_w-1)C) per position row and row offset, on
+    strided views of one copy of the map. ``products`` Q is ``(k_h, H_p, W_p, C, (2k_w-1)·C)`` (row offset;
+    position; c; column offset, c'), ``sums`` S ``(H_p, W_p, C)``; both are added to in place.
     """
     (kh, kw), (ph, pw) = spec.kernel_size, spec.padding
     n_rows, channels = x.shape[:2]
@@ -77,14 +71,8 @@ def shifted_gram(products: Tensor, sums: Tensor, n_rows: int, input_hw: tuple[in
     """The patch Gram ``(n, n)`` from :func:`add_shifted_products_`'s Q and S, by window sums.
 
     The block of taps k = (a, b), k' = (a', b') is :math:`\\sum_{u\\in W_k}Q_{k'-k,u}` for a' >= a and the
-    transpose of the block (k', k) for a' < a.
-
-    Args:
-        products: Q summed over the data, ``(k_h, H_p, W_p, C, (2k_w-1)·C)``.
-        sums: S summed over the data, ``(H_p, W_p, C)``.
-        n_rows: the number of examples M summed (the bias entry is M·T).
-        input_hw: the input map's (H, W).
-        slot: the layer.
+    transpose of the block (k', k) for a' < a. Q and S are summed over the M = ``n_rows`` examples (the bias
+    entry is M·T).
     """
     spec = slot.conv
     assert spec is not None

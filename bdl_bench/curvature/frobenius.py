@@ -25,7 +25,7 @@ from torch import Tensor
 from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks
 from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
-from bdl_bench.curvature.pseudo_grads import CurvatureKind, iter_pseudo_grads
+from bdl_bench.curvature.pseudo_grads import CurvatureKind, pseudo_grads
 
 ERRORS = ("err_diag", "err_offdiag", "err_total")
 
@@ -66,22 +66,10 @@ def layer_approximations(
     approximation and the exact block describe the same matrix.
     """
     theta = theta.detach().double()
-    batch = next(
-        iter_pseudo_grads(
-            model,
-            theta,
-            x.double(),
-            y,
-            likelihood,
-            batch_size=x.shape[0],
-            kind=kind,
-            n_samples=n_samples,
-            generator=generator,
-        )
-    )
+    batch = pseudo_grads(model, theta, x.double(), y, likelihood, kind=kind, n_samples=n_samples, generator=generator)
     exact = exact_blocks([batch])[layer]
-    factors = kron_factors([batch])[layer]
-    bases = eigenbasis(kron_factors([batch]))
+    all_factors = kron_factors([batch])
+    factors, bases = all_factors[layer], eigenbasis(all_factors)
     eigs, diag = efb_eigenvalues([batch], bases)
     basis, lam = bases[layer], eigs[layer]
     vectors = torch.kron(basis.eigvecs_out, basis.eigvecs_in)

@@ -1,15 +1,10 @@
 """Batched matrix products in the form the CPU's batched GEMM runs fastest, for R stacked copies of small
 matrices (:mod:`bdl_bench.orchestration.stacked`), each the same value as the plain product up to rounding.
 
-A batched GEMM runs one product per matrix; for thin shapes (a dimension of 1, or a transposed left factor
-against a few columns) its kernel is slower than an equivalent form, at the UCI networks' shapes:
-
-- ``(R, P, 1) @ (R, 1, n)`` (outer products), ``(R, D, 1) @ (R, 1, 1)`` and ``(R, 4, D) @ (R, D, 1)``: as
-  broadcast products;
-- ``x^T y`` for ``x`` ``(R, 200, 50)``, ``y`` ``(R, 200, 8)`` (a layer's output gradients against its
-  inputs): as ``(y.mT @ x).mT`` rather than ``x.mT @ y``;
-- a one-output layer ``(R, 32, 50) -> (R, 32, 1)`` (:func:`stacked_linear`) and the two products of its
-  backward: broadcast.
+A batched GEMM runs one product per matrix; for thin shapes its kernel is slower than an equivalent form:
+products with an inner dimension or a column count of 1 (outer products, matrix-vector products, a one-output
+layer and its backward) run as broadcast products, and ``x^T y`` against a few columns of y as
+``(y.mT @ x).mT``.
 """
 
 from __future__ import annotations
