@@ -231,15 +231,17 @@ class _EfbSums:
         self._u_in_taps: Tensor | None = None  # U_A's rows in conv_taps' column order (kh, kw·C, w), made once
         self._buffers: dict[str, Tensor] = {}  # flat scratch tensors reused across minibatches
 
-    def add(self, layer: LayerPseudoGrads) -> None:
-        """Add one minibatch of the layer.
+    def add(self, layer: LayerPseudoGrads | Tensor) -> None:
+        """Add one minibatch of the layer: its factors, or its pseudo-gradients as :class:`ChunkCache` keeps them.
 
         A linear layer's :math:`g_{ik} = \\delta_{ik}\\tilde a_i^\\top` is rank 1, so both sums are one GEMM
         of squared projections: :math:`\\sum_i(\\sum_k(U_G^\\top\\delta_{ik})^{\\circ2})((U_A^\\top\\tilde
         a_i)^{\\circ2})^\\top`. A convolution's :math:`g_{ik} = \\sum_t\\delta_{ikt}\\tilde a_{it}^\\top` is
         formed once (:meth:`LayerPseudoGrads.per_example`) and rotated as a stack (:meth:`add_grads`).
         """
-        if layer.n_positions == 1:
+        if isinstance(layer, Tensor):
+            self.add_grads(layer)
+        elif layer.n_positions == 1:
             deltas = layer.output_grads[:, :, 0]  # (K, M, m)
             if layer.slot.conv is None:  # (M, w): [a, 1, 0...], in one copy
                 inputs = layer.layer_input.new_zeros(layer.layer_input.shape[0], self.width)
@@ -302,8 +304,7 @@ class _EfbSums:
             self.diag.partial[:, n_in] += bias_sums.view(-1, m).square().sum(0)
 
     def add_grads(self, grads: Tensor) -> None:
-        """Add a stack of pseudo-gradients ``(K, M, m, w)`` (zero after column n): :math:`U_G^\\top(g\\,U_A)`
-        (no :meth:`step`)."""
+        """Add a stack of pseudo-gradients ``(K, M, m, w)`` (zero after column n): :math:`U_G^\\top(g\\,U_A)`."""
         grads = grads.flatten(0, 1)
         self.diag.partial += grads.square().sum(0)
         self.eig.partial += (self.u_out.mT @ (grads @ self.u_in)).square_().sum(0)
@@ -316,22 +317,14 @@ class _EfbSums:
         return self.eig.result()[:, : self.n], self.diag.result()[:, : self.n]
 
 
-@dataclass(frozen=True)
-class _CachedLayer:
-    """What :class:`_EfbSums` needs of one layer of one minibatch: either ``layer`` (its input and output
-    gradients, as pass 1 gave them) or ``grads``, its pseudo-gradients ``(K, M, m, w)`` formed in pass 1."""
-
-    layer: LayerPseudoGrads | None
-    grads: Tensor | None
-
-
 class ChunkCache:
     """Pass 1's minibatches, kept under a memory budget for the EFB pass (Lee et al.'s second pass over the
     data) so that it need not recompute the network's forward and backward passes.
 
     :meth:`record` passes pass 1's pseudo-gradients through unchanged and keeps, for the leading minibatches
-    that fit in ``budget_bytes`` together, each layer's input map and output gradients or, where smaller (a
-    first convolution with one input channel), its pseudo-gradients. It keeps every minibatch's sampled
+    that fit in ``budget_bytes`` together, each layer's input map and output gradients (a
+    :class:`LayerPseudoGrads`) or, where smaller (a first convolution with one input channel), its
+    pseudo-gradients ``(K, M, m, w)``. It keeps every minibatch's sampled
     :attr:`labels` too, so that the minibatches beyond the budget are recomputed on the same Fisher sample.
     """
 
@@ -343,7 +336,7 @@ class ChunkCache:
         self.labels: list[Tensor | None] = []
         self.n_cached_rows = 0
         self.layout: KronLayout | None = None
-        self._chunks: list[tuple[int, tuple[_CachedLayer, ...]]] = []
+        self._chunks: list[tuple[int, tuple[LayerPseudoGrads | Tensor, ...]]] = []
         self._full = budget_bytes == 0
 
     @property
@@ -364,16 +357,16 @@ class ChunkCache:
                 self._full = True  # keep a prefix only: the rest is recomputed in order
                 continue
             layers = tuple(
-                _CachedLayer(None, layer.per_example(_padded_width(layer.shape[1])))
+                layer.per_example(_padded_width(layer.shape[1]))
                 if as_grads
-                else _CachedLayer(LayerPseudoGrads(layer.slot, layer.layer_input, layer.output_grads), None)
+                else LayerPseudoGrads(layer.slot, layer.layer_input, layer.output_grads)
                 for layer, (as_grads, _) in zip(batch.layers, plans)
             )
             self._chunks.append((batch.n_examples, layers))
             self.nbytes += size
             self.n_cached_rows += batch.n_examples
 
-    def chunks(self) -> Iterator[tuple[int, tuple[_CachedLayer, ...]]]:
+    def chunks(self) -> Iterator[tuple[int, tuple[LayerPseudoGrads | Tensor, ...]]]:
         """The kept minibatches in order: ``(M, per-layer entries)``."""
         return iter(self._chunks)
 
@@ -413,16 +406,10 @@ def efb_eigenvalues(
     )
     for n_rows, entries in kept:
         if sums is None:
-            like = entries[0].grads if entries[0].layer is None else entries[0].layer.output_grads
-            assert like is not None
+            like = entries[0] if isinstance(entries[0], Tensor) else entries[0].output_grads
             sums = [_EfbSums(b.slot, b, like) for b in bases]
         for acc, entry in zip(sums, entries):
-            if entry.layer is not None:
-                acc.add(entry.layer)
-            else:
-                assert entry.grads is not None
-                acc.add_grads(entry.grads)
-                acc.step()
+            acc.add(entry)
         n_total += n_rows
     for batch in batches:
         if sums is None:
