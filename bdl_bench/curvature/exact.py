@@ -26,23 +26,16 @@ def _check_size(size: int, what: str) -> None:
 
 
 def exact_blocks(batches: Iterable[PseudoGrads]) -> tuple[Tensor, ...]:
-    """Each layer's mean curvature block, ``(m·n, m·n)`` in augmented row-major order.
-
-    Raises:
-        ValueError: if ``batches`` is empty or a block exceeds ``MAX_EXACT_DIM``.
-    """
+    """Each layer's mean curvature block, ``(m·n, m·n)`` in augmented row-major order."""
     sums: list[Tensor] | None = None
     n_total = 0
     for batch in batches:
         if sums is None:
-            for layer in batch.layers:
-                _check_size(layer.shape[0] * layer.shape[1], "layer block")
-            sums = [
-                torch.zeros(
-                    size := layer.shape[0] * layer.shape[1], size, dtype=torch.float64, device=layer.output_grads.device
-                )
-                for layer in batch.layers
-            ]
+            sizes = [layer.shape[0] * layer.shape[1] for layer in batch.layers]
+            for size in sizes:
+                _check_size(size, "layer block")
+            device = batch.layers[0].output_grads.device
+            sums = [torch.zeros(size, size, dtype=torch.float64, device=device) for size in sizes]
         for acc, layer in zip(sums, batch.layers):
             rows = layer.per_example().flatten(2).flatten(0, 1)  # (K·M, m·n)
             acc += rows.mT @ rows
@@ -53,11 +46,7 @@ def exact_blocks(batches: Iterable[PseudoGrads]) -> tuple[Tensor, ...]:
 
 
 def exact_matrix(batches: Iterable[PseudoGrads]) -> Tensor:
-    """The whole mean curvature ``(D, D)`` in flat parameter order.
-
-    Raises:
-        ValueError: if ``batches`` is empty or D exceeds ``MAX_EXACT_DIM``.
-    """
+    """The whole mean curvature ``(D, D)`` in flat parameter order."""
     total: Tensor | None = None
     n_total = 0
     for batch in batches:

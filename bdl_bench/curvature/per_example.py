@@ -1,15 +1,7 @@
-r"""Per-example gradient factors of ``nn.Linear`` networks, without per-example gradients.
-
-For a linear layer :math:`z = W a + b` the gradient of example i's loss :math:`\ell_i` is
-:math:`\delta_i a_i^\top` for W and :math:`\delta_i` for b, where :math:`a_i` is the layer input and
-:math:`\delta_i = \partial \ell_i / \partial z_i` the gradient at the layer's pre-activation output
-(Goodfellow 2015, "Efficient per-example gradient computations"; Mishkin et al. 2018, App. C.1).
-One batched forward and one backward of :math:`\sum_i \ell_i` give every :math:`a_i` and
-:math:`\delta_i` (the loss of example i depends on its own row only):
-:func:`bdl_bench.curvature.stacked.stacked_factors`. Products with the D x P matrix
-:math:`G = [g_1 \dots g_P]` are then formed layer by layer (:mod:`bdl_bench.curvature.gram`); G itself is
-never built. This module locates the layers in the flat parameter vector (the slots of
-:func:`~bdl_bench.curvature.pseudo_grads.kron_layout`, without convolutions).
+r"""Where the ``nn.Linear`` layers of a network sit in the flat parameter vector, for per-example gradient
+factors: example i's gradient is :math:`\delta_i a_i^\top` for W and :math:`\delta_i` for b of a layer
+:math:`z = Wa + b` (Goodfellow 2015; Mishkin et al. 2018, App. C.1), whose :math:`a_i`, :math:`\delta_i`
+:func:`bdl_bench.curvature.stacked.stacked_factors` computes.
 """
 
 from __future__ import annotations

@@ -101,12 +101,8 @@ class KronLayout:
 
 def kron_layout(model: nn.Module, *, convolutions: bool = True) -> KronLayout:
     """Locate every ``nn.Linear`` and (with ``convolutions``) ``nn.Conv2d`` layer of ``model`` in the flat
-    parameter vector.
-
-    Raises:
-        ValueError: if ``model`` is not an ``nn.Sequential``, holds another parametrised module, uses one
-            layer twice, holds a grouped / non-zero-padded / string-padded convolution, or has no weight layer.
-    """
+    parameter vector; ``ValueError`` unless ``model`` is an ``nn.Sequential`` of such layers, each used once
+    (convolutions with groups=1 and numeric zero padding), and parameter-free modules."""
     what = "Kronecker factors" if convolutions else "per-example factors"
     kinds = "nn.Linear or nn.Conv2d" if convolutions else "nn.Linear"
     if not isinstance(model, nn.Sequential):
@@ -239,11 +235,8 @@ def conv_taps(x: Tensor, deltas: Tensor, slot: KronSlot, out: Tensor | None = No
 
 
 def _conv_per_example(x: Tensor, deltas: Tensor, slot: KronSlot, n_cols: int | None = None) -> Tensor:
-    r"""A stride-1 convolution's :math:`\sum_t\delta_{ikt}\tilde a_{it}^\top`, ``(K, M, m, n)``, from
-    :func:`conv_taps` (no unfolded patches).
-
-    With ``n_cols`` (>= n): ``(K, M, m, n_cols)``, zero after column n (:meth:`LayerPseudoGrads.per_example`).
-    """
+    r"""A stride-1 convolution's :math:`\sum_t\delta_{ikt}\tilde a_{it}^\top`, ``(K, M, m, n)`` (or ``n_cols``
+    columns, zero after n), from :func:`conv_taps` (no unfolded patches)."""
     spec = slot.conv
     assert spec is not None
     kh, kw = spec.kernel_size
@@ -356,10 +349,8 @@ def _forward(
 
 
 def _backward(f: Tensor, roots: list[Tensor], cotangents: Tensor) -> tuple[Tensor, ...]:
-    """:math:`\\delta` at every root for each of the K cotangents ``(K, M, out)``: ``(K, M, ...)`` per root.
-
-    One vectorised backward pass for K > 1; a plain one (no vmap) for K = 1 (one sampled label).
-    """
+    """:math:`\\delta` at every root for each of the K cotangents ``(K, M, out)``: ``(K, M, ...)`` per root, by one
+    vectorised backward pass (a plain one for K = 1)."""
     if cotangents.shape[0] == 1:
         return tuple(g.unsqueeze(0) for g in torch.autograd.grad(f, roots, grad_outputs=cotangents[0]))
     return torch.autograd.grad(f, roots, grad_outputs=cotangents, is_grads_batched=True)

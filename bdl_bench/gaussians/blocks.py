@@ -14,10 +14,7 @@ every operation of ``StructuredGaussian`` is the blockwise operation (:math:`\lo
 :math:`\Sigma = \Pi^\top\operatorname{blockdiag}(P_b^{-1})\Pi`, samples blockwise). Subclasses give
 the per-block pieces on right-hand sides shaped ``(K, m, n)``. ``BlockDiagGaussian`` (dense blocks)
 is the exact block-diagonal Laplace ("FB" in Lee et al., Fig. 4); ``kron.py`` and ``def_lowrank.py``
-hold the Kronecker structures.
-
-Every field is a tensor (per-block matrices are flattened and concatenated), so ``io.save_gaussian``
-stores them as they are.
+hold the Kronecker structures. Per-block matrices are stored flattened and concatenated (:func:`pack`).
 """
 
 from __future__ import annotations
