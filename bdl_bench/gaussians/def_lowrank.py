@@ -21,7 +21,7 @@ Cholesky :math:`RR^\top = I_L + H`:
 * sampler (App. B.2): :math:`\theta = \mu + D^{-1/2}(\epsilon - V_sKV_s^\top\epsilon)` with
   :math:`V_s = D^{-1/2}W` (so :math:`V_s^\top V_s = H`) and the L x L core K of Ambikasaran &
   O'Neil's symmetric factor :math:`I + V_sCV_s^\top` of :math:`I + V_sV_s^\top`, computed by
-  ``low_rank._alg3_core`` (two L x L Choleskys; an L x L eigendecomposition when H is singular,
+  ``low_rank.sample_core`` (two L x L Choleskys; an L x L eigendecomposition when H is singular,
   e.g. zero eigenvalues). Cost O(L³) once per block. The core is :math:`(C^{-\top} + H)^{-1}`, not eq. 18's
   :math:`(C^{-1} + V_s^\top V_s)^{-1}`, which does not reproduce the covariance (as SLANG's Alg. 3 in
   ``low_rank.py``; the tests check :math:`AA^\top = \Sigma`).
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from bdl_bench.gaussians.blocks import BlockGaussian, _check_long, _cholesky
 from bdl_bench.gaussians.diag import _check_positive
-from bdl_bench.gaussians.low_rank import _alg3_core, _eigh_core
+from bdl_bench.gaussians.low_rank import sample_core
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -124,11 +124,7 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
     @cached_property
     def _sample_cores(self) -> list[Tensor]:
         """The App. B.2 core K of every block: Alg. 3's when H is well conditioned, else eigh's."""
-        cores = []
-        for gram in self._grams:
-            core = _alg3_core(gram)
-            cores.append(_eigh_core(gram) if core is None else core)
-        return cores
+        return [sample_core(gram).core for gram in self._grams]
 
     def _block_matvec(self, b: int, x: Tensor) -> Tensor:
         return self._w(b, self._w_t(b, x)) + self._diags[b] * x

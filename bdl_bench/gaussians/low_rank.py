@@ -82,6 +82,12 @@ class _SampleCore(NamedTuple):
     method: str  # "alg3" or "eigh"
 
 
+def sample_core(gram: Tensor) -> _SampleCore:
+    """Alg. 3's core K of :math:`G = V^\\top V` when G is well conditioned, else the eigendecomposition fallback."""
+    core = _alg3_core(gram)
+    return _SampleCore(_eigh_core(gram), "eigh") if core is None else _SampleCore(core, "alg3")
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class LowRankPlusDiagGaussian(StructuredGaussian):
     r""":math:`\mathcal N(\mu, (UU^\top + \operatorname{diag}(d))^{-1})`, SLANG's posterior (module docstring)."""
@@ -133,11 +139,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
 
     @cached_property
     def _sample_core(self) -> _SampleCore:
-        """Alg. 3's core K when G is well conditioned, else the eigendecomposition fallback."""
-        core = _alg3_core(self._gram)
-        if core is not None:
-            return _SampleCore(core, "alg3")
-        return _SampleCore(_eigh_core(self._gram), "eigh")
+        return sample_core(self._gram)
 
     def precision_matvec(self, v: Tensor) -> Tensor:
         r""":math:`U(U^\top v) + d\odot v`, O(D L) per column."""
