@@ -1,17 +1,10 @@
 r"""The precision :math:`P = UU^\top + \operatorname{diag}(d)` of SLANG, with U (D x L) stored column-major, for R
 stacked copies (U ``(R, D, L)``, d ``(R, D)``; a single run is R = 1).
 
-Everything SLANG needs from P besides its update costs O(D L) per vector once the L x L
-*capacitance* :math:`K = U^\top D^{-1} U` and the Cholesky factor R of :math:`I + K` are known
-(Mishkin et al. 2018, Algs. 2-3):
-
-* Woodbury (Alg. 2): :math:`P^{-1}v = D^{-1}v - D^{-1}U(I+K)^{-1}U^\top D^{-1}v`;
-* determinant lemma: :math:`\log|P| = \sum_i \log d_i + 2\sum_j \log R_{jj}`;
-* exact samples of :math:`\mathcal N(0, P^{-1})` (:func:`sample_noise`, two passes over U).
-
-:func:`weighted_gram` forms K (and :math:`U^\top D^{-1} v`) in blocks of about 1 MB on CPU, so no D x L
-temporary is allocated. ``bdl_bench.gaussians.LowRankPlusDiagGaussian`` is the same distribution as
-an object; these functions serve the training loop, which keeps U column-major and K across steps.
+Everything SLANG needs from P besides its update (Woodbury solves, the determinant lemma, exact samples:
+Mishkin et al. 2018, Algs. 2-3, written out in ``bdl_bench.gaussians.low_rank``) costs O(D L) per vector
+once the L x L *capacitance* :math:`K = U^\top D^{-1} U` and the Cholesky factor R of :math:`I + K` are
+known. These functions serve the training loop, which keeps U column-major and K across steps.
 """
 
 from __future__ import annotations

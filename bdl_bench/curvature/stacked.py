@@ -7,8 +7,8 @@ and output gradients :math:`\Delta`, so that :math:`g_p = \operatorname{vec}(\de
 for the P = S·M columns (sample-major: column ``s * M + i`` is example i at :math:`\theta_s`). Products with
 the per-example gradient matrix G are per-layer GEMMs of those factors: :func:`gradient_sum`
 (:math:`\sum_pg_p`), :func:`squared_gradient_sum` (:math:`\sum_pg_p\circ g_p`) and :func:`gram`
-(:math:`\sum_pg_pg_p^\top`, the only one that forms G); SLANG's update multiplies with G through them and
-:mod:`bdl_bench.curvature.gram`. Used by SLANG and VOGN (whose single runs are stacks of one copy).
+(:math:`\sum_pg_pg_p^\top`, the only one that forms G), used by SLANG (with :mod:`bdl_bench.curvature.gram`)
+and VOGN.
 """
 
 from __future__ import annotations
