@@ -36,21 +36,13 @@ Their UCI setting ("Adam-like", Table 2): :math:`\alpha = 0.01`, :math:`\beta = 
 in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay; logistic regression
 (Table 1): :math:`\alpha = \beta = 0.05`, :math:`\gamma = 0.51`.
 
-Implementation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.orchestration.stacked`):
-the mean is ``(R, D)``, U ``(R, D, L)``, and a single run is the stack of one copy. Copy r draws exactly the
-standard normals a single run of the same seed draws (one ``(S, D + L)`` draw shared by the copies), so a
-stacked fit equals R single runs up to rounding. U is stored column-major (``torch.zeros(R, L, D).mT``: each
-column contiguous), so that every product with the per-example gradients is a GEMM of a training step's
-shape (:mod:`bdl_bench.curvature.gram`, blocked in cache for large D, batched over the copies for small
-ones); the state's tensors are updated in place by ``train_step`` (the new U,
-:math:`\sqrt{1-\beta}\,UW_U + \sqrt{\beta c}\,GW_G`, is formed in one pass, chunk by chunk, over the old
-one: no second D x L buffer), so ``posterior()`` and ``state_dict()`` return copies. :math:`U^\top U` (the
-last eigenvalues), :math:`\operatorname{diag}(UU^\top)` and the Cholesky factor of :math:`I + U^\top D^{-1}U`
-are carried from one step to the next (:class:`bdl_bench.curvature.low_rank.PrecisionCache`) instead of
-being recomputed, and every D-sized temporary of a step lives in a workspace kept between steps
-(:func:`bdl_bench.curvature.gram.workspace_buffer`: fresh memory would cost a page fault per 4 KB at
-every step). Samples of q (for training and ``predict``) are exact:
-:math:`\mu + P^{-1}(d^{1/2}\circ\epsilon_1 + U\epsilon_2)`.
+Implementation: the step is written once for R stacked copies (one per data split): the mean is ``(R, D)``,
+U ``(R, D, L)`` stored column-major (each column contiguous, for :mod:`bdl_bench.curvature.gram`), and a single
+run is the stack of one copy. The copies share one ``(S, D + L)`` draw of standard normals, so copy r draws
+what a single run of its seed draws. The state's tensors are updated in place (``posterior()`` and
+``state_dict()`` return copies); :math:`U^\top U`, :math:`\operatorname{diag}(UU^\top)` and the Cholesky
+factor of :math:`I + U^\top D^{-1}U` are carried between steps (:class:`bdl_bench.curvature.low_rank.PrecisionCache`),
+and D-sized temporaries live in a workspace kept between steps (:func:`bdl_bench.curvature.gram.workspace_buffer`).
 
 ``train_step`` reports ``nll`` (the minibatch mean of :math:`-\log p(y_i\mid\theta_s)`) and ``loss`` =
 ``nll`` + KL/N, the per-example negative ELBO estimate, where KL(:math:`q_t\,\|\,p`) is exact except
@@ -91,27 +83,13 @@ class NonFiniteGradientError(NonFiniteLossError):
 
 @dataclass(frozen=True)
 class SlangState:
-    """Everything that changes while SLANG fits (Mishkin et al. 2018, Alg. 1), plus momentum, for R stacked
-    copies (R = 1 for a single run).
+    """What changes while SLANG fits (Alg. 1), for R stacked copies; overwritten by each ``train_step``."""
 
-    The method overwrites these tensors at each ``train_step`` (copy a state, or use
-    ``Slang.state_dict()``, to keep it).
-
-    Attributes:
-        mean: :math:`\\mu`, ``(R, D)``.
-        prec_factor: U, ``(R, D, L)``: precision :math:`UU^\\top + \\operatorname{diag}(d)`; column-major
-            (``U.mT`` contiguous) in the method.
-        prec_diag: d, ``(R, D)``.
-        step: number of updates taken so far (t of the last update).
-        momentum: :math:`m`, the EMA of the scaled data gradient :math:`\\hat g` (before bias
-            correction), ``(R, D)``.
-    """
-
-    mean: Tensor  # (R, D)
-    prec_factor: Tensor  # (R, D, L)
-    prec_diag: Tensor  # (R, D)
-    step: int
-    momentum: Tensor  # (R, D)
+    mean: Tensor  # mu, (R, D)
+    prec_factor: Tensor  # U, (R, D, L): precision U U^T + diag(d)
+    prec_diag: Tensor  # d, (R, D)
+    step: int  # t of the last update
+    momentum: Tensor  # m, the EMA of the scaled data gradient before bias correction, (R, D)
 
 
 def slang_update(
@@ -128,26 +106,11 @@ def slang_update(
     inplace: bool = False,
     workspace: dict[str, Tensor] | None = None,
 ) -> tuple[SlangState, PrecisionCache]:
-    """One SLANG update of every copy (module docstring, items 3-6) from factors evaluated at samples of q.
-
-    Args:
-        state: the state :math:`(\\mu_t, U_t, d_t, m_{t-1}, t-1)`; ``cache`` its :class:`PrecisionCache`.
-        factors: per-example factors at the S samples of :math:`q_t` on each copy's minibatch of M examples
-            (:func:`bdl_bench.curvature.stacked.stacked_factors`); ``layout`` the network's.
-        n_data: N, the number of training examples.
-        prior_precision: :math:`\\lambda`, ``(R, D)``.
-        lr: :math:`\\alpha_t` (already scheduled).
-        beta: :math:`\\beta_t` (already scheduled).
-        momentum: :math:`\\rho`.
-        inplace: overwrite the tensors of ``state`` (which then holds the new values) and the
-            ``factor_sqnorms`` of ``cache`` (the new cache's) instead of allocating new ones; saves a
-            D x L buffer and its first-touch cost per step.
-        workspace: scratch buffers kept by the caller from one step to the next
-            (:func:`bdl_bench.curvature.gram.workspace_buffer`), so that no D-sized temporary is
-            fresh memory (a page fault per 4 KB on first touch) at every step.
-
-    Returns:
-        The new state and its cache.
+    """One SLANG update of every copy (module docstring, items 3-6) from ``factors`` evaluated at S samples of
+    :math:`q_t` on each copy's minibatch (:func:`bdl_bench.curvature.stacked.stacked_factors`); ``cache`` is the
+    state's, ``prior_precision`` :math:`\\lambda` ``(R, D)``, ``lr`` and ``beta`` already scheduled. With
+    ``inplace`` the tensors of ``state`` and the ``factor_sqnorms`` of ``cache`` are overwritten (no new D x L
+    buffer); ``workspace`` holds scratch buffers kept between steps.
 
     Raises:
         NonFiniteGradientError: if a per-example gradient (or its Gram matrix) is not finite, naming the step
@@ -217,22 +180,10 @@ def _row_dots(a: Tensor, b: Tensor) -> Tensor:
 
 @register_method("slang")
 class Slang(StackedMethod):
-    """SLANG (Mishkin et al. 2018, Alg. 1); the exact update is in the module docstring. Splits can be stacked
-    (:meth:`setup_replicas`) for networks of ``nn.Linear`` layers.
-
-    Args:
-        rank: L, columns of the precision factor U (1 <= L < D).
-        lr: :math:`\\alpha`, the mean step size.
-        beta: :math:`\\beta` in (0, 1], the weight of the new curvature in the precision average.
-        decay: :math:`\\gamma \\ge 0`, exponent of the schedules :math:`\\alpha/(1+t^\\gamma)`,
-            :math:`\\beta/(1+t^\\gamma)` (0: constant rates).
-        momentum: :math:`\\rho` in [0, 1), EMA weight of the gradient momentum (0: none).
-        n_train_mc_samples: S, posterior samples per step.
-        init_prec_diag: :math:`d_0 > 0`, the initial precision diagonal (:math:`U_0 = 0`).
-
-    Raises:
-        ValueError: on a value outside the ranges above.
-    """
+    """SLANG (Mishkin et al. 2018, Alg. 1; the update is in the module docstring) for networks of ``nn.Linear``
+    layers: ``rank`` L (1 <= L < D), ``lr`` :math:`\\alpha`, ``beta`` :math:`\\beta`, ``decay`` :math:`\\gamma`
+    (0: constant rates), ``momentum`` :math:`\\rho` (0: none), ``n_train_mc_samples`` S and ``init_prec_diag``
+    :math:`d_0`, each checked against ``option_ranges``."""
 
     option_ranges = MappingProxyType(
         {
@@ -320,10 +271,8 @@ class Slang(StackedMethod):
     # ---------------------------------------------------------------------------- fitting
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """One update of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``; module docstring);
-        the state's tensors are updated in place. The reported losses are ``(R,)`` tensors on the parameters'
-        device; the step reads the device twice, both times before its eigendecomposition (which waits for
-        the device anyway): the finite-gradient checks that keep a diverged step from overwriting the state.
+        """One update of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``; module docstring),
+        in place; the reported losses are ``(R,)`` tensors on the parameters' device.
 
         Raises:
             NonFiniteGradientError: naming the step (and the copy of a stack), if a per-example gradient is
