@@ -333,29 +333,20 @@ def low_rank_update(
     workspace: dict[str, Tensor] | None = None,
     grad_sum: Tensor | None = None,
 ) -> LowRankUpdate:
-    """Top-L eigenpairs of :math:`w_0 UU^\\top + w_1 GG^\\top` of every copy by the Gram trick (module docstring).
+    """Top-L eigenpairs of :math:`w_0 UU^\\top + w_1 GG^\\top` of every copy by the Gram trick (module docstring),
+    for U ``prec_factor`` ``(R, D, L)`` (fastest column-major) and G given by ``factors``.
 
     Args:
-        factors: per-example factors defining each copy's G (D x P); ``layout`` their network's layout.
-        prec_factor: U, shape ``(R, D, L)`` (fastest stored column by column).
-        old_weight: :math:`w_0 \\ge 0` (SLANG: :math:`1-\\beta`).
-        new_weight: :math:`w_1 \\ge 0` (SLANG: :math:`\\beta N / (M S)`).
-        factor_gram: :math:`U^\\top U` ``(R, L, L)`` if known (SLANG keeps it: it is the previous
-            update's ``diag(eigenvalues)``); computed (O(D L²)) when ``None``.
-        factor_sqnorms: :math:`\\operatorname{diag}(UU^\\top)` ``(R, D)`` if known; computed when ``None``.
-        path: ``"gram"`` (eigenpairs of the (L+P) x (L+P) matrices :math:`B^\\top B`), ``"dense"``
-            (materialise G and decompose the D x D matrices :math:`BB^\\top`: cheaper when D <= L + P, e.g.
-            logistic regression) or ``"auto"`` (the smaller of the two). From P = 128 columns on, the Gram
-            path forms only the lower blocks of :math:`B^\\top B` (:class:`LowerStored`).
-        out: an ``(R, D, L)`` tensor to write :math:`U_{new}` into, or ``None`` for a new one (column-major).
-            It may be ``prec_factor`` itself: U is then overwritten in place, chunk by chunk (each chunk of U is
-            read before it is written), so no second D x L buffer is needed.
-        sqnorms_out: an ``(R, D)`` tensor for :math:`\\operatorname{diag}(U_{new}U_{new}^\\top)`, or
-            ``None`` for a new one; it may be ``factor_sqnorms`` itself (read before it is written).
-        workspace: scratch buffers kept by the caller between calls (a training loop's dict;
-            :func:`workspace_buffer`). The returned ``diag_residual`` then lives in it: valid until
-            the next call with the same workspace.
-        grad_sum: :math:`G\\mathbf 1` ``(R, D)`` if at hand (computed when needed: for merged columns).
+        factor_gram, factor_sqnorms: :math:`U^\\top U` ``(R, L, L)`` and :math:`\\operatorname{diag}(UU^\\top)`
+            ``(R, D)`` if known (SLANG carries them); computed when ``None``.
+        path: ``"gram"`` (eigenpairs of the (L+P) x (L+P) matrices :math:`B^\\top B`, from P = 128 columns on
+            only their lower blocks: :class:`LowerStored`), ``"dense"`` (the D x D matrices :math:`BB^\\top`,
+            with G formed) or ``"auto"`` (the smaller).
+        out, sqnorms_out: tensors for :math:`U_{new}` and its squared row norms, or ``None`` for new ones; they
+            may be ``prec_factor`` and ``factor_sqnorms`` themselves (each chunk is read before it is written).
+        workspace: scratch buffers kept between calls (:func:`workspace_buffer`); the returned
+            ``diag_residual`` then lives in it until the next call.
+        grad_sum: :math:`G\\mathbf 1` ``(R, D)`` if at hand (needed for merged columns).
 
     Raises:
         FloatingPointError: if a copy's :math:`B^\\top B` is not finite (a non-finite or overflowing gradient).
