@@ -44,14 +44,10 @@ only (enough for L-BFGS).
     \mathbb 1\{t_{r-1} \le g < t_r\}\big], \qquad g = -f \sim \mathcal N(-m, v),
 
 each term a truncated-Gaussian moment in closed form (:math:`\Phi`, :math:`\varphi`), so the bound
-is exact to rounding and differentiable. The table used here is *not* Marlin et al.'s published
-one (their coefficients are not in this repository); it was built by :func:`fit_softplus_bound`
-along the same lines: R = 20 pieces, a constant first piece and a linear (slope 1) last piece,
-every interior piece the minimax quadratic upper bound on its interval (a small linear program),
-intervals grown greedily so each piece's maximum gap is ``1.5e-4``, then every interior ``c_r``
-raised by ``1e-7`` to cover the grid on which the linear program was solved. The maximum gap
-:math:`\max_x \bar\ell(x) - \ell(x)` is therefore ≤ 1.502e-4, so the bound is within 1.502e-4 of
-the quadrature value, per example.
+is exact to rounding and differentiable. The table (R = 20 pieces) is not Marlin et al.'s published one but
+built along the same lines by ``scripts/fit_softplus_bound.py``; its maximum gap
+:math:`\max_x \bar\ell(x) - \ell(x)` is ≤ 1.502e-4, so the bound is within 1.502e-4 of the quadrature
+value, per example.
 """
 
 from __future__ import annotations
@@ -64,24 +60,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = [
-    "Expectation",
-    "expected_log_sigmoid",
-    "expected_log_sigmoid_with",
-    "fit_softplus_bound",
-    "piecewise_expected_log_sigmoid",
-    "softplus_upper_bound",
-    "PIECEWISE_MAX_GAP",
-]
-
 
 class Expectation(str, Enum):
     """How :math:`\\mathbb E[\\log\\sigma(f)]` is computed."""
 
-    QUADRATURE = "quadrature"
-    """Gauss–Hermite / Gauss–Laguerre quadrature (accurate; see the module docstring)."""
-    PIECEWISE = "piecewise"
-    """Marlin et al. (2011)-style piecewise quadratic bound (a lower bound on the expectation)."""
+    QUADRATURE = "quadrature"  # Gauss–Hermite / Gauss–Laguerre (accurate)
+    PIECEWISE = "piecewise"  # Marlin et al. (2011)-style piecewise quadratic bound (a lower bound)
 
 
 _VAR_SWITCH = 2.0
@@ -91,7 +75,7 @@ PIECEWISE_MAX_GAP = 1.502e-4
 """Upper bound on ``softplus_upper_bound(x) - log(1 + exp(x))`` over all real x."""
 
 # Breakpoints t_1 < ... < t_{R-1} of the piecewise quadratic upper bound on log(1 + e^x), and the
-# coefficients (a_r, b_r, c_r) of a_r x^2 + b_r x + c_r on [t_{r-1}, t_r): fit_softplus_bound(1.5e-4).
+# coefficients (a_r, b_r, c_r) of a_r x^2 + b_r x + c_r on [t_{r-1}, t_r): scripts/fit_softplus_bound.py.
 _PW_BREAKS = (
     -8.804800262930518,
     -6.047137591626729,
@@ -138,7 +122,6 @@ _PW_COEFFS = (
 # The outermost "infinite" breakpoints: far enough that the Gaussian mass beyond is exactly 0 in
 # float64 for any sane (m, v), finite so that no inf * 0 reaches autograd.
 _PW_FAR = 1e15
-_PW_LIFT = 1e-7
 _STD_CLAMP = 1e4
 
 
@@ -223,15 +206,8 @@ def expected_log_sigmoid(mean: Tensor, var: Tensor, *, n_points: int = 32) -> Te
     r""":math:`\mathbb E[\log\sigma(f)]` for :math:`f \sim \mathcal N(\text{mean}, \text{var})`, elementwise.
 
     Gauss–Hermite for ``var <= 2``, closed-form kink plus Gauss–Laguerre above (module docstring);
-    differentiable once in ``mean`` and ``var`` (also at ``var = 0``).
-
-    Args:
-        mean: broadcastable with ``var``, floating point.
-        var: non-negative.
-        n_points: quadrature nodes per rule (32 gives ~1e-9 absolute accuracy in float64).
-
-    Returns:
-        The broadcast shape of ``mean`` and ``var``, ``mean``'s dtype.
+    differentiable once in ``mean`` and ``var`` (also at ``var = 0``). ``n_points`` nodes per rule (32 gives
+    ~1e-9 absolute accuracy in float64). The broadcast shape of ``mean`` and ``var``, ``mean``'s dtype.
 
     Raises:
         ValueError: on a negative variance, a non-float mean or ``n_points < 2``.
@@ -249,14 +225,8 @@ def _softplus_table(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def softplus_upper_bound(x: Tensor) -> Tensor:
-    r"""The piecewise quadratic :math:`\bar\ell(x) \ge \log(1 + e^x)` used by the piecewise bound.
-
-    Args:
-        x: any shape, floating point.
-
-    Returns:
-        Same shape as ``x``; ``0 <= result - softplus(x) <= PIECEWISE_MAX_GAP``.
-    """
+    r"""The piecewise quadratic :math:`\bar\ell(x) \ge \log(1 + e^x)` of the piecewise bound, elementwise:
+    ``0 <= result - softplus(x) <= PIECEWISE_MAX_GAP``."""
     lo, _, coeffs = _softplus_table(x)
     piece = torch.searchsorted(lo[1:].contiguous(), x.detach().contiguous(), right=True)
     a, b, c = coeffs[piece].unbind(-1)
@@ -272,14 +242,8 @@ def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
     :math:`\mathbb E[\mathbb 1] = Z`, :math:`\mathbb E[g\mathbb 1] = \mu Z + s(\varphi(\alpha)-\varphi(\beta))`,
     :math:`\mathbb E[g^2\mathbb 1] = (\mu^2+s^2)Z + 2\mu s(\varphi(\alpha)-\varphi(\beta))
     + s^2(\alpha\varphi(\alpha)-\beta\varphi(\beta))`. ``var`` is floored at 1e-24 (a point mass
-    is then a very narrow Gaussian); within :data:`PIECEWISE_MAX_GAP` of the exact value.
-
-    Args:
-        mean: broadcastable with ``var``, floating point.
-        var: non-negative.
-
-    Returns:
-        The broadcast shape, ``mean``'s dtype; differentiable in ``mean`` and ``var``.
+    is then a very narrow Gaussian); within :data:`PIECEWISE_MAX_GAP` of the exact value. The broadcast
+    shape, ``mean``'s dtype; differentiable in ``mean`` and ``var``.
 
     Raises:
         ValueError: on a negative variance or a non-float mean.
@@ -312,86 +276,11 @@ def expected_log_sigmoid_with(mean: Tensor, var: Tensor, *, expectation: Expecta
     Raises:
         ValueError: on an unknown ``expectation`` (listing the choices).
     """
-    kind = parse_expectation(expectation)
+    try:
+        kind = Expectation(expectation)
+    except ValueError:
+        choices = ", ".join(e.value for e in Expectation)
+        raise ValueError(f"unknown expectation {expectation!r}; choices: {choices}") from None
     if kind is Expectation.PIECEWISE:
         return piecewise_expected_log_sigmoid(mean, var)
     return expected_log_sigmoid(mean, var, n_points=n_points)
-
-
-def parse_expectation(value: Expectation | str) -> Expectation:
-    """``Expectation(value)`` with an error that lists the choices."""
-    try:
-        return Expectation(value)
-    except ValueError:
-        choices = ", ".join(e.value for e in Expectation)
-        raise ValueError(f"unknown expectation {value!r}; choices: {choices}") from None
-
-
-def fit_softplus_bound(max_gap: float, *, n_grid: int = 300) -> tuple[list[float], list[tuple[float, float, float]]]:
-    r"""Build a piecewise quadratic upper bound on :math:`\log(1+e^x)` with every gap ≤ ``max_gap``.
-
-    How the table in this module was made (``max_gap = 1.5e-4`` gives R = 20 pieces): the first
-    piece is the constant :math:`\ell(t_1)` on :math:`(-\infty, t_1]` with :math:`\ell(t_1) =`
-    ``max_gap``; each next piece starts where the last ended and is stretched (bisection on its
-    right end) as far as the minimax quadratic upper bound on it — a linear program over
-    ``n_grid`` points solved by ``scipy.optimize.linprog`` — keeps its gap ≤ ``max_gap``; once
-    :math:`-t_1` is reached the last piece is :math:`x + \ell(-t_{R-1})` on :math:`[t_{R-1}, \infty)`.
-    Each interior piece is checked on a 20,001-point grid, lifted by the worst violation there and
-    then by ``1e-7`` more, which covers the space between grid points (the gap bends slowly).
-    Takes a few seconds (scipy is imported here only).
-
-    Args:
-        max_gap: the largest allowed :math:`\bar\ell(x) - \ell(x)`, in (0, 0.7).
-        n_grid: points per interval in the linear program.
-
-    Returns:
-        ``(breaks, coeffs)``: the R-1 interior breakpoints and R ``(a, b, c)`` triples; every gap
-        is at most ``max_gap + 1e-7``.
-    """
-    from scipy.optimize import linprog
-
-    if not 0 < max_gap < math.log(2):
-        raise ValueError(f"max_gap must be in (0, log 2), got {max_gap}")
-
-    def softplus(x: np.ndarray) -> np.ndarray:
-        return np.logaddexp(0.0, x)
-
-    def piece(lo: float, hi: float) -> tuple[tuple[float, float, float], float]:
-        mid, half = (lo + hi) / 2, (hi - lo) / 2
-        x = np.linspace(lo, hi, n_grid)
-        z = (x - mid) / half
-        y = softplus(x)
-        design = np.stack([z * z, z, np.ones_like(z)], 1)
-        a_ub = np.vstack([np.hstack([-design, np.zeros((n_grid, 1))]), np.hstack([design, -np.ones((n_grid, 1))])])
-        res = linprog([0, 0, 0, 1], A_ub=a_ub, b_ub=np.concatenate([-y, y]), bounds=[(None, None)] * 4)
-        az, bz, cz, _ = res.x
-        a = az / half**2
-        b = bz / half - 2 * az * mid / half**2
-        c = az * mid**2 / half**2 - bz * mid / half + cz
-        xd = np.linspace(lo, hi, 20001)
-        gap = a * xd**2 + b * xd + c - softplus(xd)
-        c -= min(gap.min(), 0.0)
-        return (float(a), float(b), float(c) + _PW_LIFT), float(gap.max() - min(gap.min(), 0.0))
-
-    t1 = math.log(math.expm1(max_gap))
-    breaks: list[float] = [t1]
-    coeffs: list[tuple[float, float, float]] = [(0.0, 0.0, float(softplus(np.array(t1))))]
-    left = t1
-    while left < -t1:
-        if piece(left, -t1)[1] <= max_gap:
-            coeffs.append(piece(left, -t1)[0])
-            left = -t1
-            break
-        lo, hi = left, -t1
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if piece(left, mid)[1] <= max_gap:
-                lo = mid
-            else:
-                hi = mid
-        coeffs.append(piece(left, lo)[0])
-        breaks.append(lo)
-        left = lo
-    breaks.append(left)
-    coeffs.append((0.0, 1.0, float(softplus(np.array(-left)))))
-    return breaks, coeffs
