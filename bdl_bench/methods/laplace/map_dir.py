@@ -17,20 +17,10 @@ from bdl_bench.results import CHECKPOINT_FILE, PARAMS_FILE
 
 
 def load_map_parameters(map_dir: str | Path, model: nn.Module) -> Tensor:
-    """:math:`\\theta_{MAP}` from a finished run folder, after checking its model matches ``model``.
-
-    The folder must hold the run's ``config.yaml`` and, in order of preference, ``params.pt`` (the
-    final flat parameters every finished run of ``map``, ``dropout``, ``laplace`` or a VI method
-    keeps: :func:`bdl_bench.checkpoint.save_params`), ``checkpoint.pt`` (a method state dict with
-    ``theta``, as ``MAP.state_dict`` writes it, optionally under a ``"method"`` key: an unfinished
-    run, or one from before ``params.pt`` existed) or ``posterior.pt`` (a saved Gaussian; its mean is
-    used: a Laplace run's posterior is centred at the MAP it trained). The folder's ``model`` config
-    is rebuilt with ``model``'s input and output widths and must give the same modules.
-
-    Raises:
-        ValueError: if the folder holds none of these files, or its model config differs from
-            ``model`` (both are named).
-    """
+    """:math:`\\theta_{MAP}` from a finished run folder whose ``model`` config, rebuilt with ``model``'s input and
+    output widths, gives the same modules: from, in order of preference, ``params.pt``
+    (:func:`bdl_bench.checkpoint.save_params`), ``checkpoint.pt`` (a method state dict with ``theta``, optionally
+    under ``"method"``) or ``posterior.pt`` (a saved Gaussian, centred at its MAP)."""
     folder = Path(map_dir)
     cfg_path = folder / "config.yaml"
     if not cfg_path.is_file():

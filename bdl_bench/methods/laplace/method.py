@@ -51,46 +51,18 @@ _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": to
 
 @register_method("laplace")
 class Laplace(GaussianPredictive, PostHocMethod):
-    """Post-hoc Laplace approximation (see the package docstring).
+    """Post-hoc Laplace approximation (the package docstring; the options in ``docs/laplace.md``).
 
-    Args:
-        structure: ``diag``, ``kfac``, ``efb``, ``def``, ``block`` or ``full``.
-        curvature: ``ggn`` or ``fisher`` (labels sampled from the model).
-        n_curvature_samples: label draws per example for ``curvature=fisher``.
-        prior_precision: :math:`\\tau` > 0 of the posterior, or ``None`` for the run's prior.
-        dataset_scale: the paper's N > 0, or ``None`` for the number of training examples.
-        rank: ``def`` only: the number K of top eigenvalues kept per layer, or ``None`` for all.
-        predictive: ``sample``, ``linearised`` or ``auto`` (linearised for regression, sample for classification).
-        lr: Adam learning rate of the MAP fit.
-        map_dir: a finished run folder to take the MAP from instead of training, or ``None``.
-        curvature_batch_size: examples per chunk when accumulating the curvature.
-        curvature_dtype: ``model`` (the model's dtype), ``float32`` or ``float64``: the dtype of the
-            per-chunk curvature work (sums across chunks are float64 either way).
-        curvature_subset: estimate the curvature on this many training examples, drawn without
-            replacement (``None``: all of them).
-        curvature_cache_mib: ``efb`` and ``def``: MiB of pass 1's per-chunk tensors (layer inputs and output
-            gradients) kept for the second pass over the data (EFB eigenvalues and the exact diagonal), which
-            then skips the network's forward and backward passes; chunks beyond it are recomputed, on the same
-            sampled labels. 0: recompute them all. DEF's MNIST LeNet (Fisher, float32) needs about 4.7 GiB
-            for 50,000 images (:class:`~bdl_bench.curvature.kron.ChunkCache`).
-        search: a :class:`~.search.SearchSettings` mapping: choose N and τ on the validation set given by
-            :meth:`use_validation` (overrides ``dataset_scale`` and ``prior_precision``), ``marglik`` or
-            ``{marglik: {...}}`` (:class:`~.search.MarglikSettings`), or ``None``.
-        kfac_prior: ``kfac`` only: ``damped`` (eq. 3; exact for a layer with a bias prior of its own) or
-            ``exact`` (:math:`NG\\otimes A + \\operatorname{diag}(\tau)` in every layer).
+    ``prior_precision``/``dataset_scale``: τ and N, ``None`` for the run's prior and the training-set size;
+    ``rank``: DEF's K top eigenvalues per layer (``None``: all); ``curvature_subset``: estimate the curvature on
+    that many training examples drawn without replacement; ``curvature_cache_mib``: EFB/DEF's MiB of pass 1's
+    per-chunk tensors kept for the second pass (:class:`~bdl_bench.curvature.kron.ChunkCache`; 0 recomputes);
+    ``search``: a :class:`~.search.SearchSettings` mapping (choose N and τ on the validation set of
+    :meth:`use_validation`), ``marglik`` or ``{marglik: {...}}`` (:class:`~.search.MarglikSettings`).
 
-    Attributes (after a fit):
-        fit_info: what the curvature pass and the assembly report (``n_curvature_examples``, EFB/DEF's cached
-            chunks, DEF's ``kept_rank`` and ``n_clipped``).
-        extra_metrics: the ``metrics.json`` entries of the search (the chosen hyperparameters, its time).
-        search_rows: the grid search's points (``laplace_search.csv``).
-        fitted_likelihood: the Gaussian likelihood at the noise ``search=marglik`` chose (the runner scores the
-            run with it), else ``None``.
-        last_evidence: ``search=marglik``'s objective (:class:`~.search.LaplaceEvidence`), for inspection.
-
-    Raises:
-        ValueError: on an unknown structure, curvature or predictive (the choices are listed), or a numeric
-            option outside its range (:attr:`option_ranges`).
+    After a fit: ``fit_info`` (what the curvature pass and the assembly report), ``extra_metrics`` (the search's
+    ``metrics.json`` entries), ``search_rows`` (``laplace_search.csv``), ``fitted_likelihood`` (the Gaussian at the
+    noise ``search=marglik`` chose, which the runner scores with) and ``last_evidence`` (marglik's objective).
     """
 
     option_ranges = MappingProxyType(
@@ -147,21 +119,16 @@ class Laplace(GaussianPredictive, PostHocMethod):
         self.search = parse_search(search)
         self._posterior: StructuredGaussian | None = None
         self.fit_info: dict[str, float] = {}
-        self.extra_metrics: dict[str, float] = {}  # metrics.json entries of the search (runner: finish_run)
+        self.extra_metrics: dict[str, float] = {}
         self.search_rows: list[dict[str, Any]] = []
         self._val: tuple[Tensor, Tensor] | None = None
         self._run_dir: Path | None = None
-        self.fitted_likelihood: Gaussian | None = None  # the noise method.search=marglik chose (runner: final metrics)
+        self.fitted_likelihood: Gaussian | None = None
         self.last_evidence: LaplaceEvidence | None = None
 
     # ------------------------------------------------------------------ MAP part
     def setup(self, problem: Problem) -> None:
-        """Start the MAP fit from the model's parameters (or load them from ``map_dir``).
-
-        Raises:
-            ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear``, ``nn.Conv2d`` and
-                parameter-free modules, or ``map_dir`` does not match it.
-        """
+        """Start the MAP fit from the model's parameters (or load them from ``map_dir``)."""
         super().setup(problem)
         if self.predictive is Predictive.AUTO:
             regression = isinstance(problem.likelihood, Gaussian)
@@ -182,12 +149,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
         return map_step(self.problem, self.theta, self.optimizer, x, y)
 
     def fit(self, x: Tensor, y: Tensor, **options: Any) -> None:
-        """MAP epochs (unless ``map_dir``), then the Laplace posterior on all of ``(x, y)`` right before the last
-        epoch's callback, so that the last ``history.csv`` row is the Laplace predictive (:class:`PostHocMethod`).
-
-        Raises:
-            ValueError: if ``search`` is on and there is no validation set (before any training).
-        """
+        """:class:`PostHocMethod`'s fit, refused before any training when ``search`` has no validation set."""
         self._check_validation()
         super().fit(x, y, **options)
 
@@ -275,7 +237,6 @@ class Laplace(GaussianPredictive, PostHocMethod):
         return x[keep], y[keep]
 
     def _assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        """The float64 posterior of precision N·I + diag(τ) from the curvature pass's output (no data pass)."""
         return self._structure.assemble(theta, curvature, scale, tau)
 
     def _cast(self, posterior: StructuredGaussian) -> StructuredGaussian:

@@ -27,19 +27,14 @@ _PREDICT_BUDGET = 2**21  # activation entries (samples x examples x widest layer
 class Predictive(str, Enum):
     """How ``predict`` turns parameter samples into output samples."""
 
-    SAMPLE = "sample"
-    """Evaluate the network at sampled parameters."""
-    LINEARISED = "linearised"
-    """Evaluate the network's first-order Taylor expansion around the MAP."""
-    AUTO = "auto"
-    """``linearised`` for regression (a Gaussian likelihood: laplace-torch's default there, and a closed-form
-    predictive), ``sample`` for classification (the DEF paper's predictive); resolved at ``setup``."""
+    SAMPLE = "sample"  # the network at sampled parameters
+    LINEARISED = "linearised"  # its first-order Taylor expansion around the MAP
+    AUTO = "auto"  # at setup: linearised for regression (laplace-torch's default), sample for classification (DEF's)
 
 
 class GaussianPredictive(Method):
     """Base of a method whose posterior is a ``StructuredGaussian`` centred at its parameters ``theta``: the
-    predictives (module docstring), chosen by ``predictive``. Before the posterior exists (``_posterior`` is
-    ``None``) every sample is the MAP's output."""
+    predictives (module docstring). Before the posterior exists every sample is the MAP's output."""
 
     theta: Tensor
     predictive: Predictive
@@ -73,15 +68,10 @@ class GaussianPredictive(Method):
         r"""Outputs ``(n_samples, N, out)`` per set at ``n_samples`` draws of ``posterior`` from ``generator``
         (``None``: the MAP's outputs, repeated).
 
-        The samples are drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries (one (S, D) tensor per
-        chunk, no model copies: the network is evaluated functionally at each row of it), and each chunk is
-        evaluated on every set before the next is drawn, writing into the preallocated ``(n_samples, N, out)``
-        outputs. Forward passes are sliced so that no activation exceeds ``_PREDICT_BUDGET`` entries (large fresh
-        tensors cost more in page faults than in arithmetic on the CPU): a small set takes several samples per
-        pass (vmapped), a large one is cut into row slices; the linearised predictive then evaluates all of the
-        chunk's samples on a slice at once, so :math:`f(x;\theta_{MAP})` and the activations it linearises around
-        are computed once per slice, not once per sample. Image inputs are evaluated channels-last (the faster
-        convolution layout on the CPU; same numbers up to rounding).
+        Samples are drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries, each evaluated functionally on
+        every set before the next is drawn. Forward passes are sliced so that no activation exceeds
+        ``_PREDICT_BUDGET`` entries (large fresh tensors cost more in page faults than in arithmetic on the CPU);
+        images are evaluated channels-last (the faster convolution layout on the CPU).
         """
         model, theta = self.problem.model, self.theta.detach()
         probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
@@ -144,10 +134,8 @@ class GaussianPredictive(Method):
         :math:`\mathcal N(f, \operatorname{diag}(J\Sigma J^\top) + \gamma^{-1})`; the runner scores it beside
         the MC mixture of ``trainer.n_test_mc_samples`` samples, which underestimates its spread when γ⁻¹ is
         small against the function variance. ``None`` for ``predictive: sample`` or before the posterior exists.
-
-        The Jacobian rows :math:`J(x_i)` are formed per example (vmapped) in slices of at most ``_SAMPLE_BUDGET``
-        entries (a Jacobian of the whole slice would hold slice² activations), and
-        :math:`\Sigma J^\top` comes from the posterior's ``solve`` (Kronecker, low-rank or dense alike).
+        The Jacobian rows are formed per example (vmapped; a Jacobian of a whole slice would hold slice²
+        activations), :math:`\Sigma J^\top` by the posterior's ``solve``.
         """
         if self.predictive is not Predictive.LINEARISED or self._posterior is None:
             return None

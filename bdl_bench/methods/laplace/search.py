@@ -7,9 +7,7 @@ Two searches, both cheap because N and τ enter only the assembly of :math:`P = 
 * the Laplace marginal likelihood, maximised over τ and the noise (:class:`MarglikSettings`, :class:`LaplaceEvidence`,
   :func:`maximise_evidence`; MacKay 1992, Immer et al. 2021).
 
-Each returns a :class:`SearchResult`: the chosen posterior and what a run reports of the choice; neither writes a
-file. :func:`write_search_table` writes a grid's rows (``laplace_search.csv``; the method calls it for the run folder
-the runner gives it).
+Each returns a :class:`SearchResult`: the chosen posterior and what a run reports of the choice.
 """
 
 from __future__ import annotations
@@ -49,16 +47,10 @@ class SearchSettings:
     """``method.search``: choose N and τ on the validation set (Lee et al. 2020, App. E.3.1: N in
     {1, 50000, 100000}, 100 values of τ, the minimum-ECE point with accuracy like the MAP's).
 
-    Attributes:
-        dataset_scale: the grid of N (> 0).
-        prior_precision: the grid of τ (> 0).
-        n_samples: posterior samples per grid point.
-        max_val_examples: use the first this many validation examples (``None``: all).
-        criterion: the validation metric to minimise (``ece``, ``nll``, ``brier``; ``nll``/``rmse`` for regression).
-        accuracy_tolerance: eligible points keep validation accuracy >= the MAP's minus this
-            (``None``: all points; ignored for regression).
-        prune_accuracy_drop: per N, skip the smaller τ once accuracy is this far below the MAP's
-            (``None``: evaluate every point).
+    ``max_val_examples``: the first this many validation examples (``None``: all); ``criterion``: the validation
+    metric minimised; ``accuracy_tolerance``: eligible points keep validation accuracy >= the MAP's minus this
+    (``None``: all; ignored for regression); ``prune_accuracy_drop``: per N, skip the smaller τ once accuracy is
+    this far below the MAP's (``None``: evaluate every point).
     """
 
     dataset_scale: tuple[float, ...]
@@ -71,16 +63,8 @@ class SearchSettings:
 
     @classmethod
     def parse(cls, cfg: Mapping[str, Any]) -> SearchSettings:
-        """Settings from the config mapping.
-
-        Raises:
-            ValueError: on an unknown key (the keys are listed), an empty or non-positive grid, or a bad count.
-        """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ConfigError(f"laplace: unknown method.search keys {unknown}; known: {', '.join(sorted(known))}")
-        out = {k: v for k, v in cfg.items()}
+        _check_keys(cls, cfg, "method.search")
+        out = dict(cfg)
         for key in ("dataset_scale", "prior_precision"):
             values = out.get(key)
             if isinstance(values, Mapping):
@@ -107,22 +91,16 @@ class MarglikSettings:
         \\log p(\\mathcal D\\mid\\tau,\\gamma) \\approx \\log p(\\mathcal D\\mid\\theta_*,\\gamma)
         - \\tfrac12\\textstyle\\sum_d\\tau_d\\theta_{*d}^2 + \\tfrac12\\sum_d\\log\\tau_d - \\tfrac12\\log|P(\\tau,\\gamma)|
 
-    over the prior precision τ (one per layer, weights and bias alike, or one scalar) and, for a Gaussian
-    likelihood, the noise precision γ, at the MAP :math:`\\theta_*`, with the posterior's own precision
+    over the prior precision τ (``prior``: one per weight layer, weights and bias alike, or one ``scalar``) and, for a
+    Gaussian likelihood, the noise precision γ, at the MAP :math:`\\theta_*`, with the posterior's own precision
     :math:`P = N(\\gamma/\\gamma_0)\\mathbf I + \\operatorname{diag}(\\tau)` in the chosen ``structure``: the curvature of a
     Gaussian likelihood is linear in γ (GGN and Fisher alike), so its eigenvalues scale with it and the gradient
-    of :math:`\\log|P|` in γ is exact (KFAC's included, through its factors' eigenvalues or Choleskys). Adam on
-    :math:`\\log\\tau`, :math:`\\log\\gamma` from the run's values, one curvature pass; no validation data.
+    of :math:`\\log|P|` in γ is exact. ``n_steps`` of Adam (``lr``) on :math:`\\log\\tau`, :math:`\\log\\gamma` from the
+    run's values, one curvature pass; no validation data.
 
-    Attributes:
-        prior: ``layer`` (one τ per weight layer) or ``scalar``.
-        noise: regression only (ignored for classification): ``true`` fits γ jointly with τ; ``false`` keeps the
-            run's γ; ``residual`` (the default) fixes :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the inverse mean squared
-            training residual of the MAP, and fits τ only (laplace-torch's usual recipe: ``sigma_noise`` from the
-            residuals, then ``optimize_prior_precision``). A MAP that fits its training set closely gives a γ above
-            the joint optimum: on UCI boston/yacht the residual γ is ≈ 3× the joint one and scores a higher test LL.
-        n_steps: Adam steps.
-        lr: Adam learning rate (on the logarithms).
+    ``noise`` (regression only): ``true`` fits γ jointly with τ; ``false`` keeps the run's γ; ``residual`` fixes
+    :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the MAP's inverse mean squared training residual, and fits τ only
+    (laplace-torch's usual recipe).
     """
 
     prior: str = "layer"
@@ -132,18 +110,8 @@ class MarglikSettings:
 
     @classmethod
     def parse(cls, cfg: Mapping[str, Any] | None) -> MarglikSettings:
-        """Settings from ``method.search.marglik`` (``None``: the defaults).
-
-        Raises:
-            ValueError: on an unknown key or a bad value (named).
-        """
         cfg = dict(cfg or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ConfigError(
-                f"laplace: unknown method.search.marglik keys {unknown}; known: {', '.join(sorted(known))}"
-            )
+        _check_keys(cls, cfg, "method.search.marglik")
         settings = cls(**cfg)
         if settings.noise not in (True, False, "residual"):
             raise ConfigError(
@@ -173,12 +141,15 @@ def parse_search(search: Mapping[str, Any] | str | None) -> SearchSettings | Mar
     return SearchSettings.parse(search)
 
 
-def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
-    """``{logspace: [a, b, n]}``: n values from 10^a to 10^b, evenly spaced in the logarithm.
+def _check_keys(cls: type, cfg: Mapping[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ConfigError(f"laplace: unknown {where} keys {unknown}; known: {', '.join(sorted(known))}")
 
-    Raises:
-        ValueError: on another mapping or a bad triple (naming ``method.search.<key>``).
-    """
+
+def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
+    """``{logspace: [a, b, n]}``: n values from 10^a to 10^b, evenly spaced in the logarithm."""
     triple = spec.get("logspace") if set(spec) == {"logspace"} else None
     if not isinstance(triple, list | tuple) or len(triple) != 3 or int(triple[2]) != triple[2] or triple[2] < 1:
         raise ConfigError(
@@ -190,14 +161,9 @@ def _logspace(key: str, spec: Mapping[str, Any]) -> list[float]:
 
 @dataclasses.dataclass
 class SearchResult:
-    """What a search chose.
-
-    Attributes:
-        posterior: the posterior at the chosen hyperparameters (in the model's dtype).
-        metrics: the ``metrics.json`` entries that report the choice (``chosen_*``, ``search_*``, ``marglik*``).
-        rows: the grid search's points, one dict per (N, τ) (:func:`write_search_table`); empty for marglik.
-        likelihood: the Gaussian likelihood at the noise marglik fitted or fixed, else ``None``.
-    """
+    """What a search chose: the posterior (model dtype), the ``metrics.json`` entries reporting the choice, the
+    grid's points (:func:`write_search_table`; empty for marglik) and the Gaussian likelihood at the noise marglik
+    fitted or fixed."""
 
     posterior: StructuredGaussian
     metrics: dict[str, float]
@@ -221,12 +187,8 @@ def grid_search(
     validation ``criterion`` among points whose validation accuracy is within ``accuracy_tolerance``
     of the MAP's. For each N, τ goes from large to small and, once accuracy falls more than
     ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``). Every point is scored on the
-    same posterior noise (one seed drawn from ``generator``: common random numbers).
-
-    Args:
-        theta: the MAP ``(D,)`` (τ is a constant vector like it).
-        assemble: the posterior at (N, τ), in the model's dtype.
-        outputs: validation outputs at posterior samples (:data:`Outputs`).
+    same posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
+    posterior in the model's dtype.
 
     Raises:
         ValueError: if ``criterion`` is not a metric of the likelihood, or no point gives a finite one.
@@ -320,22 +282,10 @@ def prior_groups(prior: str, slots: Sequence[KronSlot], theta: Tensor) -> Tensor
 
 class LaplaceEvidence:
     """:class:`MarglikSettings`' log marginal likelihood at a fitted MAP and curvature, differentiable in
-    (log τ per group, log γ).
-
-    Args:
-        assemble: the float64 posterior at (N, τ), differentiable in both.
-        theta: the float64 MAP ``(D,)`` (kept as ``theta``).
-        groups: ``(D,)`` the prior group of each parameter (:func:`prior_groups`; kept as ``groups``).
-        f: ``(n, out)`` the MAP's outputs on the training set (float64).
-        y: the training targets.
-        likelihood: the run's likelihood (Gaussian: γ enters; else it is ignored).
-        scale: the N the curvature is scaled by at the run's noise.
-
-    Attributes:
-        n_data: the number of training examples in the data term.
-        gaussian: whether the likelihood is Gaussian.
-        noise0: the noise precision γ₀ the curvature was computed at (1 for classification).
-        data_term: Σ (f_* − y)² for a Gaussian likelihood (standardised targets), else the summed NLL at θ_*.
+    (log τ per group, log γ). ``assemble``: the float64 posterior at (N, τ), differentiable in both; ``groups``:
+    :func:`prior_groups`; ``f``: the MAP's float64 outputs on the training set ``(n, out)``; ``scale``: the N of the
+    curvature at the run's noise γ₀ (``noise0``, 1 for classification). ``data_term``: Σ (f_* − y)² for a Gaussian
+    likelihood (standardised targets), else the summed NLL at θ_*.
     """
 
     def __init__(

@@ -46,13 +46,11 @@ logger = logging.getLogger(__name__)
 DEF_RANKS_FILE = "def_ranks.csv"  # DEF's per-layer reduction in the run folder (bdl_bench.report.def_ranks)
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 
-Batches = Callable[..., Iterable[PseudoGrads]]
-"""``batches(start=0, labels=None)``: the curvature pass's pseudo-gradients of the chunks of rows ``start:``, on
-``labels`` (one entry per chunk, the Fisher's sampled labels of an earlier pass) or on new draws."""
+Batches = Callable[..., Iterable[PseudoGrads]]  # batches(start=0, labels=None): Laplace.fit_posterior's
 
 
 class Structure(str, Enum):
-    """The approximation of the curvature (``method.structure``): its class in :data:`STRUCTURES` says which."""
+    """``method.structure``: its class in :data:`STRUCTURES`."""
 
     DIAG = "diag"
     KFAC = "kfac"
@@ -72,16 +70,9 @@ class KfacPrior(str, Enum):
 
 
 class LaplaceStructure(ABC):
-    """One structure's curvature pass and assembly (module docstring).
-
-    Args:
-        layout: the network's weight layers (:func:`~bdl_bench.curvature.pseudo_grads.kron_layout`).
-        info: the dict that receives what the fit reports (module docstring).
-        rank: ``def``: the number K of top eigenvalues kept per layer (``None``: all).
-        kfac_prior: ``kfac``: how the prior enters (:class:`KfacPrior`).
-        cache_mib: ``efb``, ``def``: MiB of pass 1's chunks kept for the second pass.
-        progress: ``efb``, ``def``: show a bar for a long second pass.
-    """
+    """One structure's curvature pass and assembly (module docstring), for the weight layers of ``layout``
+    (:func:`~bdl_bench.curvature.pseudo_grads.kron_layout`); ``rank``, ``kfac_prior``, ``cache_mib`` (pass 1's
+    MiB kept for the second pass) and ``progress`` matter to the structures that name them."""
 
     name: ClassVar[Structure]
     gaussian: ClassVar[type[StructuredGaussian]]
@@ -114,7 +105,7 @@ class LaplaceStructure(ABC):
         return cls.gaussian
 
     def layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The flat index of every layer's augmented grid, and the grids' shapes."""
+        """The flat index of every layer's grid (bias column included), and the grids' shapes."""
         index = torch.cat([block_index(slot, device) for slot in self.layout.slots])
         shapes = torch.tensor([list(slot.shape) for slot in self.layout.slots], device=device)
         return index, shapes
@@ -239,14 +230,9 @@ class Efb(LaplaceStructure):
     name, gaussian = Structure.EFB, EigenKroneckerGaussian
 
     def second_pass(self, batches: Batches) -> tuple[tuple[KronEigenbasis, ...], tuple[Tensor, ...], Tensor]:
-        """KFAC factors and their eigenbasis from pass 1, then the eigenvalues in that basis and the exact diagonal
-        from pass 2. Pass 2 runs over pass 1's layer inputs and output gradients, kept up to ``cache_mib`` MiB, and
-        recomputes only the chunks beyond that, on pass 1's sampled labels: KFAC factors, EFB eigenvalues and the
-        diagonal all come from the same Fisher sample.
-
-        Returns:
-            The eigenbases, the eigenvalues (one grid per layer) and the exact diagonal ``(D,)``.
-        """
+        """The KFAC eigenbases of pass 1, then the eigenvalues in them (one grid per layer) and the exact diagonal
+        ``(D,)`` from pass 2, which runs over pass 1's layer inputs and output gradients kept up to ``cache_mib``
+        MiB and recomputes the chunks beyond on pass 1's sampled labels: all from the same Fisher sample."""
         cache = ChunkCache(self.cache_mib * 2**20)
         factors = kron_factors(cache.record(batches()))
         bases = eigenbasis(factors)
