@@ -1,11 +1,6 @@
 """DEF Table 2 (Lee et al. 2020): per layer, the parameter dimension N and the rank L that DEF's low-rank reduction
-keeps, from each DEF run's ``def_ranks.csv`` (written by the Laplace method, ``structure=def``), beside the paper's.
-
-The paper's N counts a layer's weights only (its CNN-1, 5x5 kernels of 32 channels, has N = 800); our block
-also holds the bias column (``n_block`` = m x (inputs + 1)), and L = g x a is the kept grid of Alg. 1 over it. The
-paper does not say how it chose L per layer (its L are neither one K nor one fraction of N); ours follow from one
-``method.rank`` K for every layer (L >= K: Alg. 1 keeps whole rows and columns of the top-K eigenvalue grid).
-"""
+keeps, from each DEF run's ``def_ranks.csv`` (``structure=def``), beside the paper's. The paper's N counts a
+layer's weights only; our block also holds the bias column, and L = g x a is Alg. 1's kept grid over it."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ import yaml
 from bdl_bench.errors import ResultsError
 from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE
 from bdl_bench.report.paper import read_paper_csv
+from bdl_bench.report.tables import markdown
 from bdl_bench.results import find_run_dirs
 
 
@@ -55,21 +51,28 @@ def def_ranks_table(folder: Path, in_domain: str = "mnist") -> tuple[pd.DataFram
     if not frames:
         raise ResultsError(f"no run below {folder} has {DEF_RANKS_FILE} (DEF runs, structure=def)")
     table = pd.concat(frames, ignore_index=True)
-    lines = [
-        "| layer | K | N (weights) | block m x n | kept g x a | L | L / N % | paper N | paper L | paper % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    headers = [
+        "layer",
+        "K",
+        "N (weights)",
+        "block m x n",
+        "kept g x a",
+        "L",
+        "L / N %",
+        "paper N",
+        "paper L",
+        "paper %",
     ]
-    for r in table.to_dict("records"):
-        paper_cells = [_int(r["paper_n"]), _int(r["paper_l"]), _num(r["paper_percent"])]
-        lines.append(
-            f"| {r['layer']} | {_int(r['rank_k'])} | {r['n_weights']} | {r['m']} x {r['n']} | {r['g']} x {r['a']} | "
-            f"{r['kept_rank']} | {r['percent']:.2f} | " + " | ".join(paper_cells) + " |"
-        )
+    rows = [
+        [r["layer"], _int(r["rank_k"]), str(r["n_weights"]), f"{r['m']} x {r['n']}", f"{r['g']} x {r['a']}"]
+        + [str(r["kept_rank"]), f"{r['percent']:.2f}", _int(r["paper_n"]), _int(r["paper_l"]), _num(r["paper_percent"])]
+        for r in table.to_dict("records")
+    ]
     note = (
         "\n\nDEF Table 2: N the layer's weights (the paper's count; our block adds the bias column), L = g x a the "
         "kept rank of Alg. 1 for the run's K = method.rank per layer; the paper does not say how it chose its L."
     )
-    return table, "\n".join(lines) + note
+    return table, markdown(headers, rows) + note
 
 
 def _int(value: object) -> str:

@@ -1,29 +1,6 @@
-"""The figures an experiment's ``reproduce`` draws beside its table (the experiment's ``figures`` list).
-
-Each entry names a PNG and one of ``bdl-bench plot``'s kinds with its options, e.g. SLANG Fig. 4 (left)::
-
-    figures:
-      - {name: fig4_left, kind: convergence, methods: [slang_L1, slang_L5, slang_L10, mf_hess, full_hess]}
-      - {name: fig1, kind: covariance, dataset: usps_3vs5, split: 0, methods: [full_exact, slang_L1, mf_exact]}
-      - {name: def_toy, kind: def_toy}   # DEF Fig. 4 from the runs' predictive.npz (bdl_bench.studies.def_toy)
-      - {name: def_frobenius, kind: frobenius, layer: 0, curvature: ggn, table: true, criterion: "..."}
-
-``frobenius`` (DEF Fig. 5, :mod:`bdl_bench.report.frobenius`) computes its numbers from the finished runs'
-parameters (``method``: which runs, default ``map``; ``layer``; ``curvature``: ``ggn`` or ``fisher``;
-``n_samples``: Fisher label samples) and hands them back with the PNG (:class:`Drawn`). ``table: true`` makes
-them the reproduction's table (``reproduce.md`` and ``reproduce.csv``: the paper prints no numbers for such a
-figure, so its runs' metrics are not what is compared), and ``criterion`` is printed under it: how agreement
-with the paper's figure is judged.
-
-The k-tied kinds (:mod:`bdl_bench.report.ktied`): ``std_spectra`` (Fig. 3), ``weight_samples`` (Table 2 with
-``ranks: [1, 2, 3]`` and ``paper: table2``; Fig. 6 left with ``ranks: []`` and ``paper: fig6_left``; a table, no
-PNG) and ``step_records`` (Fig. 6 right's table at ``steps``, Fig. 7's curve as the PNG). ``def_ranks`` (DEF Table 2,
-:mod:`bdl_bench.report.def_ranks`) is a table without a PNG too. The table of a figure without ``table: true`` is
-printed after the runs' table.
-
-A figure whose runs are not there yet (a sweep restricted to some datasets) is skipped with its reason, so a
-partial reproduction still gets its table.
-"""
+"""The figures (and computed tables) an experiment's ``reproduce`` draws beside its table: its ``figures`` list,
+each entry a name and one of :data:`KINDS` with its options (``docs/reproducing.md``). A figure whose runs are not
+there yet is skipped with its reason."""
 
 from __future__ import annotations
 

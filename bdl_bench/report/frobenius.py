@@ -1,12 +1,7 @@
 """DEF Fig. 5 (Lee et al. 2020, Sec. 4.1) from finished MAP runs: the normalised Frobenius errors of one layer's
-Diag, KFAC, EFB and DEF(K) information matrices against its exact block, and the block's eigenvalue histogram.
-
-``bdl-bench reproduce def_frobenius`` draws it through the figure kind ``frobenius``
-(:mod:`bdl_bench.report.figures`): :func:`errors_from_runs` rebuilds each finished run's network, training set
-and likelihood from its ``config.yaml`` and takes its parameters from ``params.pt``, then computes
-:func:`bdl_bench.curvature.frobenius.layer_approximations`; :func:`plot` draws the figure. Over several runs
-(seeds) the table and the curves are the mean, with the standard error in the table.
-"""
+Diag, KFAC, EFB and DEF(K) information matrices against its exact block, and the block's eigenvalue histogram
+(the figure kind ``frobenius``, :mod:`bdl_bench.report.figures`). Over several runs the table and the curves are
+the mean, with the standard error in the table."""
 
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ from torch import Tensor  # noqa: E402
 from bdl_bench.checkpoint import load_params  # noqa: E402
 from bdl_bench.curvature.frobenius import ERRORS, layer_approximations  # noqa: E402
 from bdl_bench.errors import ResultsError  # noqa: E402
+from bdl_bench.report.tables import markdown  # noqa: E402
 from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, find_run_dirs  # noqa: E402
 
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
@@ -160,8 +156,7 @@ def plot_runs(
 
 def markdown_table(table: pd.DataFrame, columns: Sequence[str] = ERRORS) -> str:
     """The figure's table as Markdown: one row per approximation, K and L where they apply, mean ± SE."""
-    headers = ["approximation", "K", "L", "n", *columns]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    rows = []
     for _, row in table.iterrows():
         cells = [str(row["method"])]
         cells += ["–" if pd.isna(row[k]) else str(int(row[k])) for k in ("rank", "kept")]
@@ -169,5 +164,5 @@ def markdown_table(table: pd.DataFrame, columns: Sequence[str] = ERRORS) -> str:
         for c in columns:
             se = row.get(f"{c}_se")
             cells.append(f"{row[c]:.4f}" + ("" if se is None or pd.isna(se) else f" ± {se:.4f}"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown(["approximation", "K", "L", "n", *columns], rows)

@@ -1,22 +1,7 @@
-"""k-tied Normal figures and tables computed from finished runs (Swiatkowski et al. 2020), the ``figures`` kinds of
-``ktied_table2`` and ``ktied_fig6`` (:mod:`bdl_bench.report.figures`):
-
-- ``std_spectra`` (Fig. 3, MNIST MLP): the fraction of variance explained by each singular value of every layer's
-  matrix of posterior standard deviations, against that of the posterior means
-  (:func:`bdl_bench.studies.low_rank_std.spectra`), from each finished GMFVI run's ``posterior.pt``.
-- ``weight_samples`` (Table 2 with ``ranks: [1, 2, 3]``; Fig. 6 left with ``ranks: []``): per run, the negative
-  ELBO, NLL and accuracy of its posterior (and of the posterior with every weight std matrix replaced by its
-  rank-k approximation), each the mean and SEM over ``samples`` weight samples as the paper reports them
-  (:func:`bdl_bench.studies.low_rank_std.low_rank_study`), with the number of variational parameters, beside
-  the paper's numbers. The paper's -ELBO is compared with ours on the test set (``test_neg_elbo``: test NLL plus
-  KL / N), as Fig. 6 left says of its own; the training set's is shown beside it.
-- ``step_records`` (Fig. 6 right and Fig. 7's MLP panel): the runs' ``steps.csv`` (``method.record_every``,
-  :mod:`bdl_bench.methods._step_records`): the mean gradient SNR of the Dense 2 layer's std parameters and the
-  validation -ELBO at the paper's steps, mean and SEM over the seeds, beside the paper's; the PNG draws both
-  along training (Fig. 7: the validation -ELBO).
-
-Agreement is the project's rounding-aware two-SE rule (:data:`bdl_bench.report.paper.ROUNDING_RULE`).
-"""
+"""k-tied Normal figures and tables from finished runs (Swiatkowski et al. 2020), the ``figures`` kinds
+``std_spectra`` (Fig. 3), ``weight_samples`` (Table 2, Fig. 6 left) and ``step_records`` (Fig. 6 right, Fig. 7)
+(``docs/reproducing.md``; the studies in :mod:`bdl_bench.studies.low_rank_std`). Agreement is the project's
+rounding-aware two-SE rule (:data:`bdl_bench.report.paper.ROUNDING_RULE`)."""
 
 from __future__ import annotations
 
@@ -29,7 +14,8 @@ import torch
 import yaml
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.report.paper import PaperValue, half_unit, read_paper_csv_text
+from bdl_bench.report.paper import PaperValue, read_paper_csv_text
+from bdl_bench.report.tables import markdown, mean_se
 from bdl_bench.results import METRICS_FILE, find_run_dirs
 
 PAPER_TABLES = {"table2": "ktied_table2_low_rank.csv", "fig6_left": "ktied_table3_training.csv"}
@@ -67,8 +53,7 @@ def _paper(csv: str, model_dataset: str = "mnist_mlp") -> dict[tuple[str, str], 
     out = {}
     for row in frame[frame["model_dataset"] == model_dataset].to_dict("records"):
         for metric in ("neg_elbo", "nll", "accuracy"):
-            value, se = row[f"{metric}_mean"], row[f"{metric}_sem"]
-            out[(row["method"], metric)] = PaperValue(float(value), float(se), half_unit(value), half_unit(se))
+            out[(row["method"], metric)] = PaperValue.printed(row[f"{metric}_mean"], row[f"{metric}_sem"])
     return out
 
 
@@ -76,12 +61,6 @@ def _verdict(ours: float, se: float, paper: PaperValue | None) -> bool | None:
     if paper is None or math.isnan(ours):
         return None
     return abs(ours - paper.value) <= paper.band(se)
-
-
-def _cell(mean: float, se: float | None, digits: int = 3) -> str:
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-        return "–"
-    return f"{mean:.{digits}f}" if se is None or math.isnan(se) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
 def _yes_no(value: bool | None) -> str:
@@ -103,11 +82,13 @@ def std_spectra(folder: Path, out: Path, max_k: int = 10) -> tuple[Path, pd.Data
     table = table.reset_index()
     table["top2"] = table["k1"] + table.get("k2", 0.0)
     table = table.assign(dataset="mnist", method=table["parameter"], n_runs=1)
-    lines = ["| layer | shape | matrix | k = 1 | k = 2 | k = 3 | k <= 2 |", "|---|---|---|---|---|---|---|"]
-    for r in table.itertuples():
-        cells = [f"{getattr(r, c):.3f}" if hasattr(r, c) else "–" for c in ("k1", "k2", "k3", "top2")]
-        lines.append(f"| dense {r.layer} | {r.shape} | {r.parameter}s | " + " | ".join(cells) + " |")
-    return png, table, "\n".join(lines) + f"\n\nfraction of variance per singular value; run {run.name}"
+    headers = ["layer", "shape", "matrix", "k = 1", "k = 2", "k = 3", "k <= 2"]
+    rows = [
+        [f"dense {r.layer}", str(r.shape), f"{r.parameter}s"]
+        + [f"{getattr(r, c):.3f}" if hasattr(r, c) else "–" for c in ("k1", "k2", "k3", "top2")]
+        for r in table.itertuples()
+    ]
+    return png, table, markdown(headers, rows) + f"\n\nfraction of variance per singular value; run {run.name}"
 
 
 # ---------------------------------------------------------------------------------------------- Table 2, Fig. 6 left
@@ -183,21 +164,20 @@ def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
     for label in ("-ELBO (test)", "NLL", "accuracy %"):
         headers += [f"{label} (ours)", f"{label} (paper)", "agrees"]
     headers += ["-ELBO (train)", "mixture NLL", "mixture accuracy %", "ECE"]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    rows = []
     for r in frame.to_dict("records"):
         cells = [str(r["method"]), str(r["seed"]), f"{r['n_variational_params'] / 1000:.0f}"]
         for metric, digits in (("neg_elbo", 3), ("nll", 3), ("accuracy", 1)):
             cells += [
-                _cell(r[metric], r[f"{metric}_se"], digits + 1),
-                _cell(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
+                mean_se(r[metric], r[f"{metric}_se"], digits + 1),
+                mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
                 _yes_no(r[f"agrees_{metric}"]),
             ]
-        cells += [_cell(r["train_neg_elbo"], None), _cell(r["ensemble_nll"], None)]
-        cells += [_cell(r["ensemble_accuracy"], None, 2), _cell(r["ece"], None)]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells += [mean_se(r["train_neg_elbo"], None), mean_se(r["ensemble_nll"], None)]
+        rows.append(cells + [mean_se(r["ensemble_accuracy"], None, 2), mean_se(r["ece"], None)])
     n = int(frame["n_samples"].iloc[0]) if len(frame) else 0
     source = "Table 2 (MNIST MLP)" if paper == "table2" else "Fig. 6 left (MNIST MLP)"
-    return "\n".join(lines) + (
+    return markdown(headers, rows) + (
         f"\n\nPaper: {source}. Ours: mean ± SEM over {n} weight samples of each run (the paper's 100); -ELBO per "
         "example, the test NLL plus KL / N (N = 50,000 training images); the mixture columns score the predictive "
         "average of the samples. agrees: the rounding-aware two-SE rule stated under the runs' table."
@@ -205,10 +185,6 @@ def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- Fig. 6 right, Fig. 7
-def _paper_steps() -> pd.DataFrame:
-    return read_paper_csv_text("ktied_fig6_right.csv")
-
-
 def step_records(
     folder: Path, out: Path, steps: Sequence[int], snr_column: str = "grad_snr_l2"
 ) -> tuple[Path, pd.DataFrame, str]:
@@ -226,7 +202,7 @@ def step_records(
     every = pd.concat(records, ignore_index=True)
     if snr_column not in every.columns:
         every[snr_column] = float("nan")
-    paper = _paper_steps()
+    paper = read_paper_csv_text("ktied_fig6_right.csv")
     rows = []
     for (column, step), group in every[every["step"].isin(list(steps))].groupby(["column", "step"]):
         row: dict = {"dataset": "mnist", "method": column, "step": int(step), "n_runs": len(group)}
@@ -237,8 +213,7 @@ def step_records(
             row[f"{metric}_se"] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
             value = None
             if len(match):
-                text, se = match.iloc[0][f"{paper_key}_mean"], match.iloc[0][f"{paper_key}_sem"]
-                value = PaperValue(float(text), float(se), half_unit(text), half_unit(se))
+                value = PaperValue.printed(match.iloc[0][f"{paper_key}_mean"], match.iloc[0][f"{paper_key}_sem"])
             row[f"paper_{metric}"] = None if value is None else value.value
             row[f"paper_{metric}_se"] = None if value is None else value.se
             se = row[f"{metric}_se"]
@@ -254,17 +229,17 @@ def step_records(
 def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
     headers = ["step", "posterior", "runs", "SNR (ours)", "SNR (paper)", "agrees"]
     headers += ["val -ELBO (ours)", "val -ELBO (paper)", "agrees"]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    rows = []
     for r in table.to_dict("records"):
         cells = [str(r["step"]), LABELS.get(r["method"], r["method"]), str(r["n_runs"])]
         for metric, digits in (("snr", 2), ("val_neg_elbo", 3)):
             cells += [
-                _cell(r[metric], r[f"{metric}_se"], digits),
-                _cell(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
+                mean_se(r[metric], r[f"{metric}_se"], digits),
+                mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
                 _yes_no(r[f"agrees_{metric}"]),
             ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (
+        rows.append(cells)
+    return markdown(headers, rows) + (
         f"\n\nSNR: {snr_column} of steps.csv, the mean over the layer's std parameters of E[g²]/Var[g] over the "
         "10 batches up to the step (the paper's footnote 3); val -ELBO: validation NLL per example over 10 weight "
         "samples plus the full KL / N. Ours and the paper's: mean ± SEM over the seeds; agrees: the rounding-aware "

@@ -59,6 +59,11 @@ class PaperValue:
     rounding: float = 0.0
     se_rounding: float = 0.0
 
+    @classmethod
+    def printed(cls, value: str, se: str) -> PaperValue:
+        """The value and standard error as printed (``"0.08"``), with their rounding."""
+        return cls(float(value), float(se), half_unit(value), half_unit(se))
+
     def band(self, se_ours: float) -> float:
         """The largest ``|ours − value|`` that agrees (:data:`ROUNDING_RULE`); NaN standard errors count as 0."""
         se_paper = self.se + self.se_rounding if self.se is not None else 0.0
@@ -115,8 +120,7 @@ def _slang_table2() -> PaperTable:
                 return None
             metric = "test_ll"
         row = frame.loc[(dataset, column)]
-        value, se = row[f"{metric}_mean"], row[f"{metric}_se"]
-        return PaperValue(float(value), float(se), rounding=half_unit(value), se_rounding=half_unit(se))
+        return PaperValue.printed(row[f"{metric}_mean"], row[f"{metric}_se"])
 
     return PaperTable(
         name="slang_table2",

@@ -1,19 +1,11 @@
 """``bdl-bench table``: mean ± standard error over splits/seeds, grouped by dataset × method.
 
-Standard errors use the real number of runs in each cell (sample std, ddof = 1, over √n); a cell
-with one run has no standard error. When the runs belong to a paper table, the paper's value and its
-standard error stand beside ours, and ``within_2se_<metric>`` says whether
-``|ours − paper| ≤ 2 √(se_ours² + (se_paper + h_se)²) + h``, h and h_se being half a unit in the last
-printed digit of the paper's value and SE where the paper's printed text is known
-(:data:`~bdl_bench.report.paper.ROUNDING_RULE`), else 0. Where the paper chose hyperparameters on a validation
-set (its :class:`~bdl_bench.report.paper.Selection`), each column keeps only the runs of the setting
-with the best mean validation metric (:func:`select_on_validation`); the table names that setting.
-
-With ``relative_to`` (``bdl-bench table --relative-to full_exact``), every metric is shown as the
-difference to that method's run on the same split and seed (a paired difference, so its standard
-error leaves out what the splits share), and the paper's value as the same difference of its columns.
-Where our splits are not the paper's (SLANG Table 1: the authors' random splits cannot be replayed),
-this compares the gaps between methods, which do not move with the split, rather than the raw values.
+Standard errors use the real number of runs in each cell (sample std, ddof = 1, over √n). Beside a paper
+table's value, ``within_2se_<metric>`` says whether ``|ours − paper| ≤ 2 √(se_ours² + (se_paper + h_se)²) + h``,
+h and h_se being half a unit in the last printed digit of the paper's value and SE where the printed text is
+known (:data:`~bdl_bench.report.paper.ROUNDING_RULE`), else 0. Where the paper chose hyperparameters on a
+validation set, each column keeps the runs of its best setting (:func:`select_on_validation`). ``relative_to``
+shows paired differences to one method's run on the same split and seed (``docs/reproducing.md``).
 """
 
 from __future__ import annotations
@@ -115,12 +107,19 @@ def _method_labels(runs: pd.DataFrame) -> pd.Series:
     return setting_labels(runs, runs["method.name"])
 
 
-def _fmt(mean: float, se: float | None, digits: int = 3) -> str:
+def mean_se(mean: float | None, se: float | None, digits: int = 3) -> str:
+    """``1.234 ± 0.010``; the mean alone without a standard error, ``–`` without a mean."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "–"
     if se is None or (isinstance(se, float) and math.isnan(se)):
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table of ``headers`` and the cells of ``rows``."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
 def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.DataFrame, dict[tuple, str]]:
@@ -287,26 +286,23 @@ def build_table(
 
 
 def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str], digits: int = 3) -> str:
+    compared = {m: spec.metrics[m][0] for m in metrics if spec and m in spec.metrics}  # metric -> paper's name
+    chosen = "chosen_on_validation" in frame.columns
     headers = ["dataset", "method", "n"]
+    for metric in metrics:
+        headers += [f"{compared[metric]} (ours)", f"{compared[metric]} (paper)"] if metric in compared else [metric]
     body = []
     for _, row in frame.iterrows():
         cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
         for metric in metrics:
-            key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
-            cells.append(_fmt(row[key], row[f"{key}_se"], digits))
-            if spec and metric in spec.metrics:
-                cells.append(_fmt(row[f"paper_{key}"], row[f"paper_{key}_se"], digits))
-        if "chosen_on_validation" in frame.columns:
+            key = compared.get(metric, metric)
+            cells.append(mean_se(row[key], row[f"{key}_se"], digits))
+            if metric in compared:
+                cells.append(mean_se(row[f"paper_{key}"], row[f"paper_{key}_se"], digits))
+        if chosen:
             cells.append(str(row["chosen_on_validation"]))
         body.append(cells)
-    for metric in metrics:
-        key = spec.metrics[metric][0] if spec and metric in spec.metrics else metric
-        headers.append(f"{key} (ours)" if spec and metric in spec.metrics else key)
-        if spec and metric in spec.metrics:
-            headers.append(f"{key} (paper)")
-    if "chosen_on_validation" in frame.columns:
+    if chosen:
         headers.append("chosen on validation")
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cells) + " |" for cells in body]
     title = f"Paper table: {spec.name}\n\n" if spec else ""
-    return title + "\n".join(lines)
+    return title + markdown(headers, body)
