@@ -1,21 +1,15 @@
 """Training checkpoints: what a killed run needs to continue exactly where it stopped.
 
-A checkpoint is one file (``checkpoint.pt`` in the run folder), written atomically — ``torch.save`` to a
-temporary file in the same folder, then ``os.replace`` — and read with ``torch.load(weights_only=True)``,
-so it holds only tensors, numbers, strings and plain containers. It stores the method's
-``state_dict()``, the state of every ``torch.Generator`` the runner made, torch's global RNG state (the
-runner seeds it once, for ``nn.init``; anything drawing from it later continues the same stream), the
-epoch reached, how many rows of ``history.csv`` belong to it and the training time spent, plus the config
-hash so that a checkpoint is never applied to another config, and the device type it was written on: the
-generators' states differ between CPU and CUDA, so a checkpoint is refused on another device type (one line
-naming the fix) rather than resumed. The rows themselves stay in
-``history.csv``, which holds them before the checkpoint is written (storing them in every checkpoint made a
-long run's checkpoints cost O(epochs²)); a resumed run reads them back
-(:func:`bdl_bench.results.read_history`) and drops any rows written after the checkpoint.
+A checkpoint is one file (``checkpoint.pt`` in the run folder), written atomically and read with
+``torch.load(weights_only=True)``, so it holds only tensors, numbers, strings and plain containers: the
+method's ``state_dict()``, the state of every ``torch.Generator`` the runner made and of torch's global RNG,
+the epoch reached, how many rows of ``history.csv`` belong to it (the rows stay in that file: a resumed run
+reads them back and drops any written after the checkpoint), the training time spent, the config hash (never
+applied to another config) and the device type: generator states differ between CPU and CUDA, so a checkpoint
+is refused on another device type rather than resumed.
 
-A finished run removes its checkpoint; what it keeps of the fit is ``params.pt``
-(:func:`save_params`): the final flat parameter vector of methods with a point estimate or a posterior
-mean (MAP, MC dropout, Laplace, the VI methods), which ``method.map_dir`` of ``method=laplace`` reads.
+A finished run removes its checkpoint and keeps ``params.pt`` (:func:`save_params`): the final flat parameters
+of methods with a point estimate or posterior mean, which ``method.map_dir`` of ``method=laplace`` reads.
 """
 
 from __future__ import annotations
@@ -48,17 +42,14 @@ class Checkpoint:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` of ``obj`` to ``path`` atomically. The bytes are made in memory and written by
-    :func:`~bdl_bench.results.atomic_write_bytes`, so that a full disk is an ``OSError`` with its ``errno``
-    (``torch.save`` to a path fails with an opaque ``RuntimeError`` from its C++ stream) and the old file
-    stays whole."""
+    """``torch.save`` of ``obj`` to ``path`` atomically, via bytes in memory: a full disk is then an ``OSError``
+    with its ``errno`` (``torch.save`` to a path fails with an opaque ``RuntimeError``) and the old file stays."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(Path(path), buffer.getbuffer())
 
 
 def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
-    """Write ``checkpoint`` to ``path`` atomically (a reader sees the old file or the new one, never half)."""
     atomic_torch_save(asdict(checkpoint), path)
 
 

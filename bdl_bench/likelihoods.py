@@ -121,17 +121,9 @@ class Categorical(Likelihood):
 
 
 def stacked_nll(likelihoods: Sequence[Likelihood], f: Tensor, y: Tensor) -> Tensor:
-    """Per-example negative log-likelihoods of R stacked copies, copy r under ``likelihoods[r]``.
-
-    Args:
-        likelihoods: one per copy, all of one class (Gaussians may differ in noise precision: each split
-            has its own target scale).
-        f: outputs ``(R, ..., M, out)``.
-        y: targets ``(R, M)``.
-
-    Returns:
-        ``(R, ..., M)``.
-    """
+    """Per-example negative log-likelihoods ``(R, ..., M)`` of R stacked copies' outputs ``(R, ..., M, out)`` at
+    targets ``(R, M)``, copy r under ``likelihoods[r]``: all of one class (Gaussians may differ in noise precision:
+    each split has its own target scale)."""
     kinds = {type(lik) for lik in likelihoods}
     if len(kinds) != 1 or len(likelihoods) != f.shape[0]:
         raise ValueError(f"stacked_nll needs one likelihood of one class per copy, got {kinds} for {f.shape[0]} copies")

@@ -17,16 +17,8 @@ from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 
 
 def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
-    """ECE with equal-width confidence bins (Guo et al., 2017).
-
-    Args:
-        probs: predictive class probabilities ``(N, C)``.
-        labels: integer labels ``(N,)``.
-        n_bins: number of bins on [0, 1]; the first bin includes 0.
-
-    Returns:
-        ``Σ_b (n_b / N) |accuracy_b − confidence_b|``.
-    """
+    """ECE ``Σ_b (n_b / N) |accuracy_b − confidence_b|`` of probabilities ``(N, C)`` against integer labels
+    ``(N,)``, with ``n_bins`` equal-width confidence bins on [0, 1], the first including 0 (Guo et al., 2017)."""
     confidence, predicted = probs.max(dim=-1)
     correct = (predicted == labels.long()).to(probs.dtype)
     bin_index = torch.clamp(torch.ceil(confidence * n_bins).long() - 1, min=0, max=n_bins - 1)
@@ -57,18 +49,10 @@ def joint_test_ll(likelihood: Likelihood, f_samples: Tensor, y: Tensor) -> Tenso
 def predictive_metrics(
     likelihood: Likelihood, f_samples: Tensor, y: Tensor, *, y_mean: float = 0.0, y_std: float = 1.0
 ) -> dict[str, float]:
-    """Test metrics of the MC predictive ``(1/S) Σ_s p(y | f_s)``.
-
-    Args:
-        likelihood: the likelihood the method was fitted with.
-        f_samples: network outputs ``(S, N, out)`` at posterior samples.
-        y: targets ``(N,)`` (standardised for regression).
-        y_mean, y_std: the regression target standardisation, to report in original units.
-
-    Returns:
-        Regression: ``rmse``, ``test_ll`` (mean per-point log predictive density), ``test_ll_joint``,
-        ``nll`` (= −test_ll). Classification: ``nll``, ``test_ll``, ``accuracy``, ``error``, ``ece``,
-        ``brier``.
+    """Test metrics of the MC predictive ``(1/S) Σ_s p(y | f_s)`` of outputs ``(S, N, out)`` at targets ``(N,)``
+    (standardised for regression: ``y_mean``, ``y_std`` report in original units). Regression: ``rmse``,
+    ``test_ll`` (mean per-point log predictive density), ``test_ll_joint``, ``nll`` (= −test_ll). Classification:
+    ``nll``, ``test_ll``, ``accuracy``, ``error``, ``ece``, ``brier``.
     """
     log_pred = likelihood.log_predictive(f_samples, y)  # (N,)
     if isinstance(likelihood, Gaussian):
@@ -102,16 +86,8 @@ def gaussian_predictive_metrics(
     likelihood: Gaussian, mean: Tensor, variance: Tensor, y: Tensor, *, y_std: float = 1.0
 ) -> dict[str, float]:
     """Test metrics of a closed-form Gaussian predictive :math:`\\mathcal N(y; m, v + 1/\\gamma)` (a linearised
-    Laplace's), in original units like :func:`predictive_metrics`.
-
-    Args:
-        likelihood: the Gaussian likelihood (its noise precision γ, standardised units).
-        mean, variance: the function's predictive mean and variance, ``(N,)`` or ``(N, 1)``.
-        y: standardised targets ``(N,)``.
-        y_std: the target standardisation's scale.
-
-    Returns:
-        ``rmse``, ``test_ll`` (mean per-point log density), ``nll`` (= −test_ll).
+    Laplace's; γ the likelihood's noise precision, the function's mean and variance ``(N,)`` or ``(N, 1)``), at
+    standardised targets: ``rmse``, ``test_ll`` and ``nll`` in original units like :func:`predictive_metrics`.
     """
     mean, total = mean.reshape(-1).double(), variance.reshape(-1).double() + 1.0 / likelihood.noise_precision
     diff = y.double() - mean
@@ -124,15 +100,8 @@ def gaussian_predictive_metrics(
 
 
 def predictive_entropy(probs: Tensor, *, normalise: bool = True) -> Tensor:
-    """Entropy ``−Σ_c p_c log p_c`` of each predictive distribution, divided by ``log C`` when ``normalise``.
-
-    Args:
-        probs: predictive class probabilities ``(N, C)`` (C ≥ 2), e.g. ``likelihood.probs(f_samples)``.
-        normalise: divide by the maximum entropy ``log C``, so values lie in [0, 1] (DEF Table 1).
-
-    Returns:
-        ``(N,)`` entropies (nats, or fractions of ``log C``).
-    """
+    """Entropy ``−Σ_c p_c log p_c`` ``(N,)`` of predictive probabilities ``(N, C)``, C ≥ 2; with ``normalise``
+    divided by the maximum ``log C``, so values lie in [0, 1] (DEF Table 1)."""
     if probs.dim() != 2 or probs.shape[-1] < 2:
         raise ValueError(f"probs must be (N, C) with C >= 2, got shape {tuple(probs.shape)}")
     entropy = -torch.special.xlogy(probs, probs).sum(-1)
@@ -144,10 +113,6 @@ def ood_auroc(in_probs: Tensor, ood_probs: Tensor) -> float:
 
     OOD inputs are the positive class and the predictive entropy is the score, so 1.0 means every
     OOD input is more uncertain than every in-distribution one, 0.5 chance. Ties count one half.
-
-    Args:
-        in_probs: predictive probabilities on the in-distribution test set ``(N_in, C)``.
-        ood_probs: the same on the out-of-distribution set ``(N_ood, C)``.
     """
     from sklearn.metrics import roc_auc_score
 
@@ -159,12 +124,8 @@ def ood_auroc(in_probs: Tensor, ood_probs: Tensor) -> float:
 
 
 def ood_metrics(in_probs: Tensor, ood_probs: Tensor) -> dict[str, float]:
-    """DEF Table 1's OOD columns and the AUROC.
-
-    Returns:
-        ``ood_entropy_mean``, ``ood_entropy_std`` (normalised entropy on the OOD set),
-        ``in_entropy_mean``, ``in_entropy_std`` (on the in-distribution test set) and ``ood_auroc``.
-    """
+    """DEF Table 1's OOD columns (the normalised entropy's mean and std on the OOD set), the same on the
+    in-distribution test set, and the AUROC."""
     h_in, h_ood = predictive_entropy(in_probs), predictive_entropy(ood_probs)
     return {
         "ood_entropy_mean": float(h_ood.mean()),
@@ -178,19 +139,12 @@ def ood_metrics(in_probs: Tensor, ood_probs: Tensor) -> dict[str, float]:
 @dataclass(frozen=True)
 class ReliabilityDiagram:
     """Per-bin accuracy against confidence (Guo et al., 2017), with the bins of
-    :func:`expected_calibration_error`.
+    :func:`expected_calibration_error`; accuracy and confidence are NaN in an empty bin."""
 
-    Attributes:
-        bin_edges: ``(B + 1,)`` equal-width edges on [0, 1].
-        counts: ``(B,)`` examples whose confidence falls in each bin (the first bin includes 0).
-        accuracy: ``(B,)`` fraction correct per bin (NaN for an empty bin).
-        confidence: ``(B,)`` mean confidence per bin (NaN for an empty bin).
-    """
-
-    bin_edges: Tensor
-    counts: Tensor
-    accuracy: Tensor
-    confidence: Tensor
+    bin_edges: Tensor  # (B + 1,)
+    counts: Tensor  # (B,)
+    accuracy: Tensor  # (B,)
+    confidence: Tensor  # (B,)
 
     @property
     def ece(self) -> float:
@@ -225,12 +179,8 @@ def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> Reli
 
 
 def uncertainty_arrays(probs: Tensor, labels: Tensor, ood_probs: Tensor | None = None) -> dict[str, np.ndarray]:
-    """Per-example arrays for reliability diagrams and entropy histograms (to save as ``uncertainty.npz``).
-
-    Returns:
-        ``test_confidence``, ``test_correct``, ``test_entropy`` (normalised) and, with ``ood_probs``,
-        ``ood_entropy``; 1-D NumPy arrays.
-    """
+    """Per-example arrays for reliability diagrams and entropy histograms (``uncertainty.npz``):
+    ``test_confidence``, ``test_correct``, ``test_entropy`` (normalised) and, with ``ood_probs``, ``ood_entropy``."""
     confidence, predicted = probs.max(dim=-1)
     out = {
         "test_confidence": confidence.double().cpu().numpy(),

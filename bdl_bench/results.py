@@ -128,11 +128,8 @@ def append_whole(path: Path, text: str, *, sync: bool = False) -> None:
 
 def read_csv_exact(path: Any) -> pd.DataFrame:
     """``pandas.read_csv`` of ``path`` (or an open file) with every float parsed to the value its text was written
-    from (``repr`` round trip).
-
-    The default parser of pandas before 3.1 can miss by an ulp (pandas 3.0.6 read ``0.07460103817013915`` as
-    ``0.0746010381701391``), and a searched value read back so would change a test run's config and its hash;
-    pandas 3.1 parses exactly and deprecates the option, so it is passed before 3.1 only."""
+    from: the default parser of pandas before 3.1 can miss by an ulp, which would change a searched value's config
+    hash; pandas 3.1 parses exactly and deprecates the option."""
     exact = {"float_precision": "round_trip"} if Version(pd.__version__) < Version("3.1") else {}
     return pd.read_csv(path, **exact)
 
@@ -286,7 +283,6 @@ def code_version(repo: Path | None = None) -> str:
 
 
 def read_run_record(run_dir: Path) -> dict[str, Any]:
-    """The ``run.json`` of ``run_dir`` (empty when absent)."""
     path = Path(run_dir) / RUN_RECORD_FILE
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -27,11 +27,7 @@ def layer_names(kinds: list[str]) -> list[str]:
 
 
 def def_ranks_table(folder: Path, in_domain: str = "mnist") -> tuple[pd.DataFrame, str]:
-    """One row per layer and DEF run below ``folder``, with the paper's N and L of ``in_domain``.
-
-    Raises:
-        ResultsError: when no run below ``folder`` has ``def_ranks.csv``.
-    """
+    """One row per layer and DEF run below ``folder``, with the paper's N and L of ``in_domain``."""
     paper = read_paper_csv("def_table2_ranks.csv")
     paper = paper[paper["in_domain"] == in_domain].set_index("layer")
     frames = []

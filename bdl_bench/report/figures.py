@@ -47,12 +47,8 @@ class Drawn:
 
 
 def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
-    """Draw one ``figures`` entry from the runs below ``folder`` into ``out_dir/<name>.png``.
-
-    Raises:
-        ResultsError: when the runs it needs are not there.
-        ValueError: for an unknown kind or a missing name.
-    """
+    """Draw one ``figures`` entry from the runs below ``folder`` into ``out_dir/<name>.png`` (a
+    :class:`ResultsError` when the runs it needs are not there)."""
     from bdl_bench.report import plots
 
     name, kind = spec.get("name"), spec.get("kind")

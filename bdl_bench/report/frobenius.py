@@ -30,11 +30,7 @@ def run_errors(
     run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16
 ) -> tuple[pd.DataFrame, Tensor, dict]:
     """:func:`~bdl_bench.curvature.frobenius.layer_approximations` at one finished run's parameters, on its
-    training set; returns (table, eigenvalues of the exact block, the run's config).
-
-    Raises:
-        ResultsError: when the run has no ``params.pt``, or ``layer`` is not one of its weight layers.
-    """
+    training set (rebuilt from its ``config.yaml``): (table, eigenvalues of the exact block, the run's config)."""
     from bdl_bench.data import build_dataset
     from bdl_bench.likelihoods import build_likelihood
     from bdl_bench.models import build_model
@@ -70,11 +66,7 @@ def errors_from_runs(
 ) -> tuple[pd.DataFrame, Tensor, dict]:
     """:func:`run_errors` of every finished ``method`` run below ``folder``, averaged: one row per approximation
     (``method``, ``rank`` K, ``kept`` L, ``n_runs``, each error and its standard error ``<error>_se``, NaN for a
-    single run); returns (table, the exact blocks' eigenvalues of all runs, the first run's config).
-
-    Raises:
-        ResultsError: when no finished ``method`` run with ``params.pt`` is below ``folder``.
-    """
+    single run); returns (table, the exact blocks' eigenvalues of all runs, the first run's config)."""
     tables, eigenvalues, configs = [], [], []
     for run_dir in find_run_dirs(folder):
         config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}

@@ -1,11 +1,6 @@
-"""Calibration and out-of-distribution figures: reliability diagrams and entropy histograms (DEF Fig. 6).
-
-They are drawn from run folders only: a run that evaluates a classifier may save
-``uncertainty.npz`` with the arrays of :func:`bdl_bench.metrics.uncertainty_arrays`
-(``test_confidence``, ``test_correct``, ``test_entropy`` and, with an OOD set, ``ood_entropy``).
-:func:`plot_uncertainty` draws, per run, its reliability diagram and the histograms of normalised
-predictive entropy on the in-distribution test set and on the OOD set.
-"""
+"""Calibration and out-of-distribution figures (DEF Fig. 6): per run, its reliability diagram and histograms of
+normalised predictive entropy, from the ``uncertainty.npz`` a classification run saves
+(:func:`bdl_bench.metrics.uncertainty_arrays`)."""
 
 from __future__ import annotations
 
@@ -73,11 +68,7 @@ def plot_entropy_histograms(
 
 
 def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
-    """The arrays a run saved in ``uncertainty.npz``.
-
-    Raises:
-        FileNotFoundError: If the run has none (it was not a classification run, or predates the file).
-    """
+    """The arrays a run saved in ``uncertainty.npz`` (a missing file is a :class:`MissingFileError`)."""
     path = Path(run_dir) / UNCERTAINTY_FILE
     if not path.is_file():
         raise MissingFileError(f"{path} is missing: the run saved no per-example uncertainty arrays")
@@ -86,11 +77,7 @@ def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 def entropy_groups(arrays: Mapping[str, np.ndarray], grouping: str = "test") -> dict[str, np.ndarray]:
-    """The normalised entropies a histogram panel shows, by label (see :func:`plot_uncertainty`'s ``grouping``).
-
-    Raises:
-        ValueError: for a grouping other than ``test`` and ``paper``.
-    """
+    """The normalised entropies a histogram panel shows, by label (:func:`plot_uncertainty`'s ``grouping``)."""
     if grouping == "test":
         groups = {"test (in-distribution)": arrays["test_entropy"]}
         if "ood_entropy" in arrays:
@@ -113,20 +100,10 @@ def plot_uncertainty(
     n_bins: int = 15,
     grouping: str = "test",
 ) -> Path:
-    """One row per run: its reliability diagram and its in-distribution vs OOD entropy histograms.
-
-    Args:
-        run_dirs: Run folders holding ``uncertainty.npz``.
-        out: Image file to write (format from the suffix).
-        labels: Row titles (default: the folder names).
-        n_bins: Confidence bins of the reliability diagram.
-        grouping: ``"test"``: the whole test set against the OOD set; ``"paper"``: DEF Fig. 6's groups, the
-            correctly classified test images ("in-dist") against the OOD images and the misclassified test
-            images together ("out-dist").
-
-    Returns:
-        ``out``.
-    """
+    """``out``: one row per run (titled ``labels``, default the folder names), its reliability diagram and its
+    entropy histograms. ``grouping``: ``"test"``, the whole test set against the OOD set; ``"paper"``, DEF Fig. 6's
+    groups: the correctly classified test images ("in-dist") against the OOD images and the misclassified test
+    images together ("out-dist")."""
     if not run_dirs:
         raise ResultsError("plot_uncertainty needs at least one run folder")
     labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]

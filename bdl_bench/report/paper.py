@@ -25,7 +25,7 @@ def read_paper_csv(name: str) -> pd.DataFrame:
 
 
 def read_paper_csv_text(name: str) -> pd.DataFrame:
-    """:func:`read_paper_csv` with every cell as the printed text (``"0.00"`` keeps its two decimals)."""
+    """Every cell as the printed text (``"0.00"`` keeps its two decimals)."""
     with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
         return pd.read_csv(f, dtype=str, keep_default_na=False)
 
@@ -73,13 +73,8 @@ class PaperValue:
 
 @dataclass(frozen=True)
 class Selection:
-    """Hyperparameters the paper chose per column on a validation metric.
-
-    Attributes:
-        metric: the validation metric in ``metrics.json`` (``val_error``).
-        keys: the config keys that were searched (``prior_precision``, ``method.lr``).
-        mode: ``"min"`` or ``"max"``: which mean over splits/seeds wins.
-    """
+    """Hyperparameters the paper chose per column: the searched config ``keys`` whose runs have the best
+    (``mode``: ``min`` or ``max``) mean of the validation ``metric`` over splits/seeds."""
 
     metric: str
     keys: tuple[str, ...]
@@ -90,15 +85,10 @@ class Selection:
 class PaperTable:
     """A published table and how our runs line up with it.
 
-    Attributes:
-        name: the experiment's ``paper_table`` key.
-        metrics: our metric key → (paper metric name, sign) where the paper value is ``sign × ours``.
-        column: maps a run (flattened config) to the paper's method column name.
-        lookup: (dataset, column, paper metric) → published value, or ``None`` where the paper has none.
-        scale: (dataset, paper metric) → the factor in the paper's row header ("KL (×10⁴)"): the
-            printed value is KL / scale, so ours is shown divided by it.
-        selection: where the paper chose hyperparameters on a validation set: each column keeps the
-            runs of its best setting only (``bdl_bench.report.tables.select_on_validation``).
+    ``metrics`` maps our metric key to (paper metric name, sign), the paper value being ``sign × ours``;
+    ``column`` maps a run (flattened config) to the paper's method column; ``lookup`` (dataset, column, paper
+    metric) gives the published value or ``None``; ``scale`` (dataset, paper metric) is the factor in the paper's
+    row header ("KL (×10⁴)"), ours being shown divided by it.
     """
 
     name: str

@@ -55,11 +55,7 @@ def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) 
 
 def convergence_figure(folder: Path, methods: list[str] | None = None) -> plt.Figure:
     """The figure of :func:`plot_convergence`: one row per dataset, one line per method; the epoch axis is
-    logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early).
-
-    Raises:
-        ValueError: if no finished run is below ``folder``, or none of ``methods`` is among them.
-    """
+    logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early)."""
     runs = _labelled_runs(folder)
     if methods and not runs["label"].isin(methods).any():
         found = ", ".join(sorted(runs["label"].astype(str).unique()))

@@ -103,7 +103,6 @@ def _plain(value: object) -> object:
 
 
 def _method_labels(runs: pd.DataFrame) -> pd.Series:
-    """``method.name`` plus every setting that varies among runs of that method (:func:`setting_labels`)."""
     return setting_labels(runs, runs["method.name"])
 
 
@@ -127,14 +126,8 @@ def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.D
 
     A setting is one combination of the values of ``selection.keys`` (keys absent from every run are
     ignored); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
-    never enter the choice.
-
-    Returns:
-        The kept runs, and for each (dataset, method) a description of the chosen setting
-        (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``).
-
-    Raises:
-        ValueError: if a (dataset, method) group has no run with the validation metric.
+    never enter the choice. Returns the kept runs and, per (dataset, method), the chosen setting
+    (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``).
     """
     if selection.mode not in ("min", "max"):
         raise ConfigError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
@@ -171,12 +164,7 @@ _PAIR_KEYS = ("data.split", "data.seed", "trainer.seed")  # what makes two runs 
 
 def paired_differences(runs: pd.DataFrame, metrics: Sequence[str], reference: str) -> pd.DataFrame:
     """``runs`` with each metric replaced by its difference to the ``reference`` method's run of the same
-    dataset, split and seeds; runs without such a partner are left out.
-
-    Raises:
-        ValueError: if no run is labelled ``reference``, or a reference run has a twin (same split and
-            seeds: two settings of it in one folder).
-    """
+    dataset, split and seeds; runs without such a partner are left out."""
     if not (runs["method"] == reference).any():
         found = ", ".join(sorted(runs["method"].astype(str).unique()))
         raise ResultsError(f"no runs of method {reference!r} to take differences to; the methods here are: {found}")
@@ -201,18 +189,10 @@ def build_table(
     relative_to: str | None = None,
     strict: bool = False,
 ) -> Table:
-    """Summarise every finished run below ``folder``.
-
-    Args:
-        folder: a results folder (searched recursively for run folders).
-        paper: a paper table name (``slang_table2``); default: the runs' ``paper_table`` config key.
-        metrics: metric keys to show; default: those of the paper table's that the runs have, else every
-            known key present.
-        relative_to: a method label: show differences to its runs (module docstring).
-        strict: refuse an unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning.
-
-    Raises:
-        ResultsError: when no finished run is found, naming the folder.
+    """Summarise every finished run below ``folder`` against the ``paper`` table (default: the runs'
+    ``paper_table`` key). ``metrics``: default those of the paper table that the runs have, else every known key
+    present; ``relative_to``: a method label to show differences to (module docstring); ``strict``: refuse an
+    unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning.
     """
     runs = load_runs(folder, strict=strict)
     if runs.empty:
