@@ -9,8 +9,7 @@ applied to another config) and the device type: generator states differ between 
 is refused on another device type rather than resumed.
 
 A finished run removes its checkpoint and keeps ``params.pt`` (:func:`save_params`): the final flat parameters
-of methods with a point estimate or posterior mean, which ``method.map_dir`` of ``method=laplace`` reads.
-"""
+of methods with a point estimate or posterior mean, which ``method.map_dir`` of ``method=laplace`` reads."""
 
 from __future__ import annotations
 
@@ -61,11 +60,7 @@ def save_params(path: Path, theta: Tensor, *, method: str, config_hash: str) -> 
 
 
 def load_params(path: Path) -> dict[str, Any]:
-    """Inverse of :func:`save_params` (``weights_only=True``, tensors on the CPU).
-
-    Raises:
-        ValueError: when the file does not hold a ``theta`` vector (naming the file).
-    """
+    """Inverse of :func:`save_params` (``weights_only=True``, tensors on the CPU)."""
     payload = torch.load(Path(path), map_location="cpu", weights_only=True)
     theta = payload.get("theta") if isinstance(payload, dict) else None
     if not isinstance(theta, Tensor) or theta.dim() != 1:
@@ -74,11 +69,7 @@ def load_params(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:
-    """The checkpoint at ``path`` (tensors on the CPU), or ``None`` when there is none.
-
-    Raises:
-        ValueError: when the file is not a checkpoint of this format (naming the file and the fix).
-    """
+    """The checkpoint at ``path`` (tensors on the CPU), or ``None`` when there is none."""
     path = Path(path)
     if not path.exists():
         return None

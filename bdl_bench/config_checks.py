@@ -5,8 +5,7 @@
 declares in ``option_ranges`` (:class:`bdl_bench.methods.base.Method`: one source, which its constructor checks too).
 :func:`check_config` refuses the first value outside its range with a :class:`~bdl_bench.errors.ConfigError` naming
 the key, the value and the range. The methods and datasets still check what only they can (a rank against the
-model's size, a split against the dataset's number).
-"""
+model's size, a split against the dataset's number)."""
 
 from __future__ import annotations
 
@@ -51,11 +50,7 @@ _ABSENT = object()
 def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Refuse the first numeric key of ``cfg`` (a composed root config) outside its range, a run
     that would train nothing (:func:`check_epochs`), and an experiment that is a benchmark
-    (:mod:`bdl_bench.orchestration.benchmark`), which ``reproduce`` runs.
-
-    Raises:
-        ConfigError: ``<key>=<value> is out of range: it must be <range>``.
-    """
+    (:mod:`bdl_bench.orchestration.benchmark`), which ``reproduce`` runs."""
     cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
     keys = dict(RULES)
     method = OmegaConf.select(cfg, "method", default=None)

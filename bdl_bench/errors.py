@@ -5,8 +5,7 @@ other exception is a bug and keeps its traceback. A message names the bad key, v
 ``BDL_BENCH_DEBUG=1`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback of a user error too.
 
 Each subclass also derives from the built-in exception its callers already catch (``ValueError``,
-``FileNotFoundError``, ``FloatingPointError``), so ``except ValueError`` keeps working.
-"""
+``FileNotFoundError``, ``FloatingPointError``), so ``except ValueError`` keeps working."""
 
 from __future__ import annotations
 

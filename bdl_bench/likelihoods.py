@@ -2,8 +2,7 @@
 
 Every likelihood takes the network output ``f`` (``(N, out)``) and targets ``y`` (``(N,)``). The
 predictive of a method is a mixture over posterior samples ``f_s``; its log density at ``y`` is
-``log (1/S) Σ_s p(y | f_s)``, computed with ``logsumexp`` for stability.
-"""
+``log (1/S) Σ_s p(y | f_s)``, computed with ``logsumexp`` for stability."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class Likelihood(ABC):
 
         This default: the eigendecomposition of the autograd Hessian of :meth:`nll` per example (negative
         eigenvalues, possible for a non-convex likelihood, are set to 0; C = out). The built-in likelihoods
-        override it with closed forms.
-        """
+        override it with closed forms."""
         f = f.detach()
 
         def nll_one(f_i: Tensor, y_i: Tensor) -> Tensor:
@@ -63,8 +61,7 @@ class Gaussian(Likelihood):
     """``y ~ N(f, 1/noise_precision)`` on standardised targets.
 
     ``noise_precision`` here is in standardised units; configs give it in original target units
-    (``τ_orig``), and :func:`build_likelihood` converts with ``τ = τ_orig · y_std²``.
-    """
+    (``τ_orig``), and :func:`build_likelihood` converts with ``τ = τ_orig · y_std²``."""
 
     noise_precision: float
 

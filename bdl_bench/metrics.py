@@ -1,8 +1,7 @@
 """Evaluation metrics computed from Monte Carlo samples of the network output.
 
 Regression metrics are in original target units: with standardised targets ``y = (y_orig − m)/s``,
-the predictive mean maps back as ``m + s·ŷ`` and densities pick up the Jacobian ``−log s``.
-"""
+the predictive mean maps back as ``m + s·ŷ`` and densities pick up the Jacobian ``−log s``."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def brier_score(probs: Tensor, labels: Tensor) -> float:
 def joint_test_ll(likelihood: Likelihood, f_samples: Tensor, y: Tensor) -> Tensor:
     """The SLANG authors' test log-likelihood: ``log (1/S) Σ_s Π_i p(y_i | f_{s,i})`` divided by N.
 
-    Differs from the per-point mixture (see paper_numbers/README.md); reported beside it.
-    """
+    Differs from the per-point mixture (see paper_numbers/README.md); reported beside it."""
     joint = likelihood.sample_nll(f_samples, y).sum(-1).neg_()  # (S,)
     return (torch.logsumexp(joint, 0) - math.log(len(joint))) / y.shape[0]
 
@@ -52,8 +50,7 @@ def predictive_metrics(
     """Test metrics of the MC predictive ``(1/S) Σ_s p(y | f_s)`` of outputs ``(S, N, out)`` at targets ``(N,)``
     (standardised for regression: ``y_mean``, ``y_std`` report in original units). Regression: ``rmse``,
     ``test_ll`` (mean per-point log predictive density), ``test_ll_joint``, ``nll`` (= −test_ll). Classification:
-    ``nll``, ``test_ll``, ``accuracy``, ``error``, ``ece``, ``brier``.
-    """
+    ``nll``, ``test_ll``, ``accuracy``, ``error``, ``ece``, ``brier``."""
     log_pred = likelihood.log_predictive(f_samples, y)  # (N,)
     if isinstance(likelihood, Gaussian):
         jacobian = math.log(y_std)
@@ -87,8 +84,7 @@ def gaussian_predictive_metrics(
 ) -> dict[str, float]:
     """Test metrics of a closed-form Gaussian predictive :math:`\\mathcal N(y; m, v + 1/\\gamma)` (a linearised
     Laplace's; γ the likelihood's noise precision, the function's mean and variance ``(N,)`` or ``(N, 1)``), at
-    standardised targets: ``rmse``, ``test_ll`` and ``nll`` in original units like :func:`predictive_metrics`.
-    """
+    standardised targets: ``rmse``, ``test_ll`` and ``nll`` in original units like :func:`predictive_metrics`."""
     mean, total = mean.reshape(-1).double(), variance.reshape(-1).double() + 1.0 / likelihood.noise_precision
     diff = y.double() - mean
     log_density = -0.5 * (math.log(2 * math.pi) + total.log() + diff.square() / total)
@@ -112,8 +108,7 @@ def ood_auroc(in_probs: Tensor, ood_probs: Tensor) -> float:
     """Area under the ROC curve for telling out-of-distribution from in-distribution inputs by entropy.
 
     OOD inputs are the positive class and the predictive entropy is the score, so 1.0 means every
-    OOD input is more uncertain than every in-distribution one, 0.5 chance. Ties count one half.
-    """
+    OOD input is more uncertain than every in-distribution one, 0.5 chance. Ties count one half."""
     from sklearn.metrics import roc_auc_score
 
     if in_probs.shape[0] == 0 or ood_probs.shape[0] == 0:

@@ -3,8 +3,7 @@
 The fused kernel reads the parameters, gradients and both moments once and writes them once per step; the
 default single-tensor Adam on a CPU makes about eight passes (lerp, mul, addcmul, sqrt, div, add, addcdiv),
 which dominate the step of a large parameter vector such as DEF's LeNet ensemble. The two compute the same update up to float rounding. ``meta`` (the device check's stand-in for a
-GPU) has no fused kernel and gets the plain one.
-"""
+GPU) has no fused kernel and gets the plain one."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def load_adam_state(optimizer: torch.optim.Adam, state: Mapping[str, Any]) -> No
     """``optimizer.load_state_dict(state)``, keeping ``optimizer``'s own kernel choice.
 
     A state dict carries its optimizer's ``fused``/``foreach`` flags, which ``load_state_dict`` would
-    otherwise copy: a checkpoint written by the plain Adam would switch a resumed run back to it.
-    """
+    otherwise copy: a checkpoint written by the plain Adam would switch a resumed run back to it."""
     kernels = [{k: group[k] for k in ("fused", "foreach")} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, flags in zip(optimizer.param_groups, kernels):

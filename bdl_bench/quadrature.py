@@ -47,8 +47,7 @@ each term a truncated-Gaussian moment in closed form (:math:`\Phi`, :math:`\varp
 is exact to rounding and differentiable. The table (R = 20 pieces) is not Marlin et al.'s published one but
 built along the same lines by ``scripts/fit_softplus_bound.py``; its maximum gap
 :math:`\max_x \bar\ell(x) - \ell(x)` is ≤ 1.502e-4, so the bound is within 1.502e-4 of the quadrature
-value, per example.
-"""
+value, per example."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ def _nodes(n_points: int, like: Tensor) -> tuple[Tensor, ...]:
 
     Computed in float64 with numpy and cast to ``like``'s dtype and device. The Laguerre factors
     are the smooth parts k(x) of the three integrands written as e^{-x} k(x):
-    log(1+e^{-x}) e^{x}, σ(-x) e^{x} = 1/(1+e^{-x}) and σ(x)σ(-x) e^{x} = 1/(1+e^{-x})².
-    """
+    log(1+e^{-x}) e^{x}, σ(-x) e^{x} = 1/(1+e^{-x}) and σ(x)σ(-x) e^{x} = 1/(1+e^{-x})²."""
     z, wz = np.polynomial.hermite.hermgauss(n_points)
     x, wx = np.polynomial.laguerre.laggauss(n_points)
     u = np.exp(-x)
@@ -207,11 +205,7 @@ def expected_log_sigmoid(mean: Tensor, var: Tensor, *, n_points: int = 32) -> Te
 
     Gauss–Hermite for ``var <= 2``, closed-form kink plus Gauss–Laguerre above (module docstring);
     differentiable once in ``mean`` and ``var`` (also at ``var = 0``). ``n_points`` nodes per rule (32 gives
-    ~1e-9 absolute accuracy in float64). The broadcast shape of ``mean`` and ``var``, ``mean``'s dtype.
-
-    Raises:
-        ValueError: on a negative variance, a non-float mean or ``n_points < 2``.
-    """
+    ~1e-9 absolute accuracy in float64). The broadcast shape of ``mean`` and ``var``, ``mean``'s dtype."""
     if n_points < 2:
         raise ValueError(f"n_points must be >= 2, got {n_points}")
     mean, var = _check_moments(mean, var)
@@ -243,11 +237,7 @@ def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
     :math:`\mathbb E[g^2\mathbb 1] = (\mu^2+s^2)Z + 2\mu s(\varphi(\alpha)-\varphi(\beta))
     + s^2(\alpha\varphi(\alpha)-\beta\varphi(\beta))`. ``var`` is floored at 1e-24 (a point mass
     is then a very narrow Gaussian); within :data:`PIECEWISE_MAX_GAP` of the exact value. The broadcast
-    shape, ``mean``'s dtype; differentiable in ``mean`` and ``var``.
-
-    Raises:
-        ValueError: on a negative variance or a non-float mean.
-    """
+    shape, ``mean``'s dtype; differentiable in ``mean`` and ``var``."""
     mean, var = _check_moments(mean, var)
     lo, hi, coeffs = _softplus_table(mean)
     mu = -mean[..., None]  # (..., 1): the mean of g = -f
@@ -271,11 +261,7 @@ def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
 
 
 def expected_log_sigmoid_with(mean: Tensor, var: Tensor, *, expectation: Expectation | str, n_points: int) -> Tensor:
-    """:func:`expected_log_sigmoid` or :func:`piecewise_expected_log_sigmoid`, by name.
-
-    Raises:
-        ValueError: on an unknown ``expectation`` (listing the choices).
-    """
+    """:func:`expected_log_sigmoid` or :func:`piecewise_expected_log_sigmoid`, by name."""
     try:
         kind = Expectation(expectation)
     except ValueError:

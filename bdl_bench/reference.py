@@ -7,8 +7,7 @@ parameters) rather than from wherever the method left the model. For exact VI of
 the ELBO is concave with a unique maximiser, so the start only matters up to the optimiser's
 tolerance. The fitted reference is stored under ``<cache_dir>/<key>.pt`` (tensors only, loaded with
 ``weights_only=True``), where the key hashes everything the fit depends on: the reference's config,
-the model's architecture, the likelihood, the training data, the prior precision, the dtype and the seed.
-"""
+the model's architecture, the likelihood, the training data, the prior precision, the dtype and the seed."""
 
 from __future__ import annotations
 

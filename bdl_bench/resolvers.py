@@ -3,8 +3,7 @@
 - ``${run_name:${hydra.job.override_dirname}}``: a run folder's name, its overrides or ``default``.
 - ``${epochs_to_steps:<epochs>,<n_train>,<batch_size>}``: optimiser steps in that many epochs of
   minibatches (the last one may be partial), e.g. a KL-annealing schedule over the whole run that follows
-  ``trainer.n_epochs`` instead of a step count fixed for one run length.
-"""
+  ``trainer.n_epochs`` instead of a step count fixed for one run length."""
 
 from __future__ import annotations
 
@@ -21,11 +20,7 @@ def run_name(override_dirname: str) -> str:
 
 
 def epochs_to_steps(n_epochs: int, n_train: int, batch_size: int) -> int:
-    """``n_epochs * ceil(n_train / batch_size)``.
-
-    Raises:
-        ValueError: on a negative epoch count or a non-positive ``n_train`` or ``batch_size``.
-    """
+    """``n_epochs * ceil(n_train / batch_size)``."""
     if int(n_epochs) != n_epochs or n_epochs < 0:
         raise ConfigError(f"epochs_to_steps: n_epochs must be a non-negative integer, got {n_epochs!r}")
     for name, value in (("n_train", n_train), ("batch_size", batch_size)):

@@ -10,8 +10,7 @@ happened on this machine.
 
 The *config hash* identifies what a run computes: a SHA-256 of the resolved config without the keys
 that only say where or how verbosely it runs (:data:`HASH_EXCLUDED_KEYS`). A finished run is reused
-only by a job whose config has the same hash.
-"""
+only by a job whose config has the same hash."""
 
 from __future__ import annotations
 
@@ -159,11 +158,7 @@ def _parse_csv_value(text: str) -> Any:
 
 def read_history(path: Path, n_rows: int) -> list[dict[str, Any]]:
     """The first ``n_rows`` rows of a ``history.csv`` as written by :class:`HistoryWriter` (numbers parsed
-    back exactly — ``csv`` writes floats with ``repr`` — and a row's empty cells left out, as it was appended).
-
-    Raises:
-        ValueError: when the file holds fewer rows (naming the file and the fix).
-    """
+    back exactly — ``csv`` writes floats with ``repr`` — and a row's empty cells left out, as it was appended)."""
     rows: list[dict[str, Any]] = []
     if n_rows > 0:
         with Path(path).open(newline="") as f:
@@ -185,8 +180,7 @@ class HistoryWriter:
     A row with the known columns is appended to the file (O(1) per epoch); a row that brings a new
     column rewrites the file atomically with the wider header, so the file is always valid CSV.
     ``rows`` restores the rows of a resumed run (:func:`read_history`); the file is rewritten with them at the
-    first append, which drops any rows written after the checkpoint.
-    """
+    first append, which drops any rows written after the checkpoint."""
 
     def __init__(self, path: Path, rows: Iterable[Mapping[str, Any]] = ()) -> None:
         self.path = path
@@ -344,11 +338,7 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
     read (cut short by a full disk or a killed copy) is left out with one warning line on stderr naming
     the file, or refused with ``strict``. ``frame.attrs["config_columns"]`` lists the columns that are
     config keys (the others are metrics and bookkeeping); ``config_nulls`` names each run's keys that are
-    null in its config (pandas would otherwise not tell them from keys the run lacks).
-
-    Raises:
-        ResultsError: with ``strict``, for the first unreadable file.
-    """
+    null in its config (pandas would otherwise not tell them from keys the run lacks)."""
     rows = []
     config_columns: set[str] = set()
     for run_dir in find_run_dirs(Path(root)):
@@ -385,11 +375,7 @@ class _Unreadable(Exception):
 
 
 def _read_mapping(path: Path, parse: Any) -> dict[str, Any]:
-    """The mapping in the JSON/YAML file ``path``.
-
-    Raises:
-        _Unreadable: naming the file, when it cannot be read, is cut short or holds no mapping.
-    """
+    """The mapping in the JSON/YAML file ``path``."""
     try:
         value = parse(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:

@@ -4,8 +4,7 @@ One source, ``artefacts.yaml`` beside this module: per artefact its paper, label
 command that regenerates it, its cost, and its status, one of :data:`STATUSES`. ``results/README.md`` is
 rendered from it (:func:`render_page`; a test keeps the committed page equal to the rendering), and
 ``bdl-bench reproduce --list`` prints it (:func:`listing`). A status that claims a result (``agrees``,
-``differs``) must name the committed ``results/<folder>/reproduce.md`` that shows it (also tested).
-"""
+``differs``) must name the committed ``results/<folder>/reproduce.md`` that shows it (also tested)."""
 
 from __future__ import annotations
 

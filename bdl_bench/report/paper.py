@@ -1,8 +1,7 @@
 """Published numbers (``paper_numbers/*.csv``, transcribed from the papers) and how runs map onto them.
 
 A :class:`PaperTable` knows which CSV holds a table, which of our metric keys match which paper
-rows/columns, and which paper column a run belongs to (from its flattened config).
-"""
+rows/columns, and which paper column a run belongs to (from its flattened config)."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class PaperTable:
     ``metrics`` maps our metric key to (paper metric name, sign), the paper value being ``sign × ours``;
     ``column`` maps a run (flattened config) to the paper's method column; ``lookup`` (dataset, column, paper
     metric) gives the published value or ``None``; ``scale`` (dataset, paper metric) is the factor in the paper's
-    row header ("KL (×10⁴)"), ours being shown divided by it.
-    """
+    row header ("KL (×10⁴)"), ours being shown divided by it."""
 
     name: str
     metrics: Mapping[str, tuple[str, float]]

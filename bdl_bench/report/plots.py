@@ -5,8 +5,7 @@
 - ``kind=ood``: reliability diagram and predictive-entropy histograms of the test and OOD sets
   (DEF Fig. 6), from the ``uncertainty.npz`` that runs with an OOD set write.
 - ``kind=covariance`` (SLANG Fig. 1): heat maps of the posterior correlation (off-diagonal) of each
-  method on one dataset and split, from ``posterior.pt``, plus the marginal standard deviations.
-"""
+  method on one dataset and split, from ``posterior.pt``, plus the marginal standard deviations."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ table's value, ``within_2se_<metric>`` says whether ``|ours − paper| ≤ 2 √
 h and h_se being half a unit in the last printed digit of the paper's value and SE where the printed text is
 known (:data:`~bdl_bench.report.paper.ROUNDING_RULE`), else 0. Where the paper chose hyperparameters on a
 validation set, each column keeps the runs of its best setting (:func:`select_on_validation`). ``relative_to``
-shows paired differences to one method's run on the same split and seed (``docs/reproducing.md``).
-"""
+shows paired differences to one method's run on the same split and seed (``docs/reproducing.md``)."""
 
 from __future__ import annotations
 
@@ -127,8 +126,7 @@ def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.D
     A setting is one combination of the values of ``selection.keys`` (keys absent from every run are
     ignored); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
     never enter the choice. Returns the kept runs and, per (dataset, method), the chosen setting
-    (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``).
-    """
+    (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``)."""
     if selection.mode not in ("min", "max"):
         raise ConfigError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
     keys = [k for k in selection.keys if k in runs.columns]
@@ -192,8 +190,7 @@ def build_table(
     """Summarise every finished run below ``folder`` against the ``paper`` table (default: the runs'
     ``paper_table`` key). ``metrics``: default those of the paper table that the runs have, else every known key
     present; ``relative_to``: a method label to show differences to (module docstring); ``strict``: refuse an
-    unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning.
-    """
+    unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning."""
     runs = load_runs(folder, strict=strict)
     if runs.empty:
         raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")

@@ -21,8 +21,7 @@ posterior is then cast to the model's dtype. ``predict`` samples networks (Lee e
 
 The MAP: ``fit`` runs the MAP loop of ``methods/map.py`` and fits the posterior right before the last epoch's
 callback, so the last ``history.csv`` row and the final metrics are the Laplace predictive; with ``map_dir`` it takes
-:math:`\theta_{MAP}` from a finished run folder instead (:mod:`.map_dir`). Options in practice: ``docs/laplace.md``.
-"""
+:math:`\theta_{MAP}` from a finished run folder instead (:mod:`.map_dir`). Options in practice: ``docs/laplace.md``."""
 
 from bdl_bench.methods.laplace.map_dir import load_map_parameters
 from bdl_bench.methods.laplace.method import Laplace

@@ -1,8 +1,7 @@
 """``method=laplace``: the MAP fit, the curvature pass, and the posterior at the configured or searched (N, τ).
 
 The structures live in :mod:`.structures`, the predictives in :mod:`.predictive`, the hyperparameter searches in
-:mod:`.search` and ``map_dir`` in :mod:`.map_dir`; the package docstring states the approximation.
-"""
+:mod:`.search` and ``map_dir`` in :mod:`.map_dir`; the package docstring states the approximation."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
 
     After a fit: ``fit_info`` (what the curvature pass and the assembly report), ``extra_metrics`` (the search's
     ``metrics.json`` entries), ``search_rows`` (``laplace_search.csv``), ``fitted_likelihood`` (the Gaussian at the
-    noise ``search=marglik`` chose, which the runner scores with) and ``last_evidence`` (marglik's objective).
-    """
+    noise ``search=marglik`` chose, which the runner scores with) and ``last_evidence`` (marglik's objective)."""
 
     option_ranges = MappingProxyType(
         {

@@ -2,8 +2,7 @@ r"""The predictives of a Gaussian posterior :math:`q = \mathcal N(\theta_{MAP}, 
 
 ``predictive: sample`` evaluates the network at posterior samples (Lee et al. 2020, eq. 7); ``predictive: linearised``
 evaluates its first-order expansion :math:`f(x;\theta_{MAP}) + J(x)(\theta_s - \theta_{MAP})` at them, which also
-has a closed form (:meth:`GaussianPredictive.predictive_moments`).
-"""
+has a closed form (:meth:`GaussianPredictive.predictive_moments`)."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class GaussianPredictive(Method):
         Samples are drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries, each evaluated functionally on
         every set before the next is drawn. Forward passes are sliced so that no activation exceeds
         ``_PREDICT_BUDGET`` entries (large fresh tensors cost more in page faults than in arithmetic on the CPU);
-        images are evaluated channels-last (the faster convolution layout on the CPU).
-        """
+        images are evaluated channels-last (the faster convolution layout on the CPU)."""
         model, theta = self.problem.model, self.theta.detach()
         probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
         rows = 1 if probe is None else forward_rows(model, theta, probe)
@@ -135,8 +133,7 @@ class GaussianPredictive(Method):
         the MC mixture of ``trainer.n_test_mc_samples`` samples, which underestimates its spread when γ⁻¹ is
         small against the function variance. ``None`` for ``predictive: sample`` or before the posterior exists.
         The Jacobian rows are formed per example (vmapped; a Jacobian of a whole slice would hold slice²
-        activations), :math:`\Sigma J^\top` by the posterior's ``solve``.
-        """
+        activations), :math:`\Sigma J^\top` by the posterior's ``solve``."""
         if self.predictive is not Predictive.LINEARISED or self._posterior is None:
             return None
         model, theta, posterior = self.problem.model, self.theta.detach(), self._posterior

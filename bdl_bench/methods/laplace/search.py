@@ -7,8 +7,7 @@ Two searches, both cheap because N and τ enter only the assembly of :math:`P = 
 * the Laplace marginal likelihood, maximised over τ and the noise (:class:`MarglikSettings`, :class:`LaplaceEvidence`,
   :func:`maximise_evidence`; MacKay 1992, Immer et al. 2021).
 
-Each returns a :class:`SearchResult`: the chosen posterior and what a run reports of the choice.
-"""
+Each returns a :class:`SearchResult`: the chosen posterior and what a run reports of the choice."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class SearchSettings:
     ``max_val_examples``: the first this many validation examples (``None``: all); ``criterion``: the validation
     metric minimised; ``accuracy_tolerance``: eligible points keep validation accuracy >= the MAP's minus this
     (``None``: all; ignored for regression); ``prune_accuracy_drop``: per N, skip the smaller τ once accuracy is
-    this far below the MAP's (``None``: evaluate every point).
-    """
+    this far below the MAP's (``None``: evaluate every point)."""
 
     dataset_scale: tuple[float, ...]
     prior_precision: tuple[float, ...]
@@ -100,8 +98,7 @@ class MarglikSettings:
 
     ``noise`` (regression only): ``true`` fits γ jointly with τ; ``false`` keeps the run's γ; ``residual`` fixes
     :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the MAP's inverse mean squared training residual, and fits τ only
-    (laplace-torch's usual recipe).
-    """
+    (laplace-torch's usual recipe)."""
 
     prior: str = "layer"
     noise: bool | str = "residual"
@@ -188,11 +185,7 @@ def grid_search(
     of the MAP's. For each N, τ goes from large to small and, once accuracy falls more than
     ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``). Every point is scored on the
     same posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
-    posterior in the model's dtype.
-
-    Raises:
-        ValueError: if ``criterion`` is not a metric of the likelihood, or no point gives a finite one.
-    """
+    posterior in the model's dtype."""
     cfg = settings
     if cfg.max_val_examples is not None:
         x_val, y_val = x_val[: cfg.max_val_examples], y_val[: cfg.max_val_examples]
@@ -285,8 +278,7 @@ class LaplaceEvidence:
     (log τ per group, log γ). ``assemble``: the float64 posterior at (N, τ), differentiable in both; ``groups``:
     :func:`prior_groups`; ``f``: the MAP's float64 outputs on the training set ``(n, out)``; ``scale``: the N of the
     curvature at the run's noise γ₀ (``noise0``, 1 for classification). ``data_term``: Σ (f_* − y)² for a Gaussian
-    likelihood (standardised targets), else the summed NLL at θ_*.
-    """
+    likelihood (standardised targets), else the summed NLL at θ_*."""
 
     def __init__(
         self,
@@ -331,11 +323,7 @@ def maximise_evidence(
 ) -> SearchResult:
     """Adam on ``objective`` from the run's prior ``prior`` ``(D,)`` (its mean per group) and noise; the posterior
     at the optimum, ``cast`` to the model's dtype. ``started``: the ``time.perf_counter()`` the search's time counts
-    from (default: now).
-
-    Raises:
-        FloatingPointError: if the marginal likelihood is not finite at the end.
-    """
+    from (default: now)."""
     started = time.perf_counter() if started is None else started
     theta = objective.theta
     n_groups = int(objective.groups.max()) + 1

@@ -9,8 +9,7 @@ A structure does two things (package docstring for N, τ and :math:`\mathbf I`):
   from that output (no data pass; differentiable in N and τ, which the marginal likelihood needs).
 
 Both record what a user may want to know of the fit (chunks cached, DEF's kept rank and clipped entries) in
-``info`` (the method's ``fit_info``).
-"""
+``info`` (the method's ``fit_info``)."""
 
 from __future__ import annotations
 
@@ -160,8 +159,7 @@ class Kfac(LaplaceStructure):
     ``bias_prior_precision``) gets the exact :math:`NG\otimes A + I\otimes\operatorname{diag}(t)` (t: the prior of
     each input column, the bias last) in the Kronecker eigenbasis of G and of :math:`T^{-1/2}AT^{-1/2}` →
     ``ScaledEigenKroneckerGaussian``; ``kfac_prior: exact`` uses that form, :math:`NG\otimes A +
-    \operatorname{diag}(\tau)`, for every layer (as laplace-torch's KronLaplace).
-    """
+    \operatorname{diag}(\tau)`, for every layer (as laplace-torch's KronLaplace)."""
 
     name, gaussian = Structure.KFAC, KroneckerGaussian
 
@@ -224,8 +222,7 @@ class Efb(LaplaceStructure):
     r""":math:`(U_G\otimes U_A)(N\Lambda + \tau_l)(U_G\otimes U_A)^\top`, Lee et al. eq. 4 → ``EigenKroneckerGaussian``.
 
     The eigenvalues are refitted in the Kronecker eigenbasis (George et al. 2018), by a second pass over the data
-    (:meth:`second_pass`).
-    """
+    (:meth:`second_pass`)."""
 
     name, gaussian = Structure.EFB, EigenKroneckerGaussian
 
@@ -305,8 +302,7 @@ class Def(Efb):
     correction of eq. 5. D may be negative (the exact diagonal is below that of the kept low-rank part; Lemma 3's
     sufficient condition D > 0 fails); the precision stays positive definite, with the exact diagonal, as long as
     :math:`ND + \tau > 0`. Where that fails D is clipped at 0 (prec_diag = τ there; the clipping Lee et al.
-    recommend), and ``info["n_clipped"]`` counts the entries.
-    """
+    recommend), and ``info["n_clipped"]`` counts the entries."""
 
     name, gaussian = Structure.DEF, KroneckerLowRankPlusDiagGaussian
 
