@@ -1,11 +1,6 @@
-"""Range checks of the numeric config keys, made before a run does any work.
-
-:data:`RULES` maps each key (``trainer.*``, ``data.*``, the root precisions) to its
-:class:`~bdl_bench.ranges.Range`; a method's options (``method.lr``, ``method.rank``, …) have the ranges its class
-declares in ``option_ranges`` (:class:`bdl_bench.methods.base.Method`: one source, which its constructor checks too).
-:func:`check_config` refuses the first value outside its range with a :class:`~bdl_bench.errors.ConfigError` naming
-the key, the value and the range. The methods and datasets still check what only they can (a rank against the
-model's size, a split against the dataset's number)."""
+"""Range checks of the numeric config keys, made before a run does any work: :data:`RULES` for ``trainer.*``,
+``data.*`` and the root precisions, a method's ``option_ranges`` for its options (which its constructor checks
+too). Methods and datasets still check what only they can (a rank against the model's size)."""
 
 from __future__ import annotations
 

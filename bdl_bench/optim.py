@@ -1,9 +1,6 @@
-"""Adam as the point-estimate methods use it: PyTorch's fused kernel where the device has one.
-
-The fused kernel reads the parameters, gradients and both moments once and writes them once per step; the
-default single-tensor Adam on a CPU makes about eight passes (lerp, mul, addcmul, sqrt, div, add, addcdiv),
-which dominate the step of a large parameter vector such as DEF's LeNet ensemble. The two compute the same update up to float rounding. ``meta`` (the device check's stand-in for a
-GPU) has no fused kernel and gets the plain one."""
+"""Adam as the point-estimate methods use it: PyTorch's fused kernel where the device has one (one pass over
+parameters, gradients and moments per step instead of about eight; the same update up to float rounding).
+``meta`` (the device check's stand-in for a GPU) has no fused kernel and gets the plain one."""
 
 from __future__ import annotations
 

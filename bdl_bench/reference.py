@@ -1,13 +1,10 @@
 """A run's reference posterior (``reference:`` in the config, e.g. SLANG Table 1's full-Gaussian exact VI),
-fitted once per split and cached.
+fitted once per split and cached under ``<cache_dir>/<key>.pt``, the key hashing everything the fit depends on.
 
-Every column of a table compares its posterior with the same reference on the same split, so the
-reference is made independent of the method that asks for it: it starts from the prior mean (zero
-parameters) rather than from wherever the method left the model. For exact VI of logistic regression
-the ELBO is concave with a unique maximiser, so the start only matters up to the optimiser's
-tolerance. The fitted reference is stored under ``<cache_dir>/<key>.pt`` (tensors only, loaded with
-``weights_only=True``), where the key hashes everything the fit depends on: the reference's config,
-the model's architecture, the likelihood, the training data, the prior precision, the dtype and the seed."""
+Every column of a table compares its posterior with the same reference on the same split, so the reference
+starts from the prior mean (zero parameters), not from wherever the method left the model. For exact VI of
+logistic regression the ELBO is concave with a unique maximiser, so the start only matters up to the
+optimiser's tolerance."""
 
 from __future__ import annotations
 
@@ -61,17 +58,8 @@ def reference_posterior(
     seed: int,
     cache_dir: Path | None = None,
 ) -> Any:
-    """The reference method's posterior on ``dataset``'s training set, from the cache when it is there.
-
-    Args:
-        reference_cfg: the method config of the reference (``name`` and its options).
-        model: the run's model; only its architecture is used (the reference fits a zeroed copy).
-        likelihood, prior, dataset, seed: as in the run.
-        cache_dir: where fitted references are kept; ``None`` fits without caching.
-
-    Returns:
-        The reference's :class:`~bdl_bench.gaussians.StructuredGaussian`.
-    """
+    """The posterior of the method ``reference_cfg`` on ``dataset``'s training set, fitted on a zeroed copy of
+    ``model``, from ``cache_dir`` when it is there (``None``: no caching)."""
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / f"{reference_key(reference_cfg, model, likelihood, prior, dataset, seed)}.pt"

@@ -1,16 +1,13 @@
 """Run folders: atomic writes while a run is alive, and loading finished runs into a DataFrame.
 
-A run folder holds ``config.yaml`` (the resolved config), ``history.csv`` (one row per epoch,
-appended as training goes) and ``metrics.json``, written last and atomically: its presence means the
-run finished. Beside them: ``run.json`` (the latest attempt: status, times, code version, config
-hash), ``checkpoint.pt`` while a run is unfinished, ``params.pt`` (the final flat parameters, point
-estimate or posterior mean: :func:`bdl_bench.checkpoint.save_params`) once it has finished, and
-``failure.json``/``failure.txt`` when the latest attempt raised. Loading never needs the run to have
-happened on this machine.
+A run folder holds ``config.yaml`` (the resolved config), ``history.csv`` (one row per epoch) and
+``metrics.json``, written last: its presence means the run finished. Beside them: ``run.json`` (the latest
+attempt), ``checkpoint.pt`` while a run is unfinished, ``params.pt`` once it has finished
+(:func:`bdl_bench.checkpoint.save_params`), and ``failure.json``/``failure.txt`` when the latest attempt raised.
 
-The *config hash* identifies what a run computes: a SHA-256 of the resolved config without the keys
-that only say where or how verbosely it runs (:data:`HASH_EXCLUDED_KEYS`). A finished run is reused
-only by a job whose config has the same hash."""
+The *config hash* identifies what a run computes: a SHA-256 of the resolved config without the keys that only
+say where or how verbosely it runs (:data:`HASH_EXCLUDED_KEYS`). A finished run is reused only by a job whose
+config has the same hash."""
 
 from __future__ import annotations
 
@@ -66,7 +63,6 @@ HASH_EXCLUDED_KEYS = (
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
     atomic_write_bytes(path, text.encode())
 
 
@@ -331,14 +327,11 @@ def without_cost(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = False) -> pd.DataFrame:
-    """One row per run below ``root``: flattened config keys plus metrics and ``run_dir``.
-
-    Unfinished runs (no ``metrics.json``) are left out unless ``include_unfinished``; the
-    ``finished`` column says which is which. A run whose ``config.yaml`` or ``metrics.json`` cannot be
-    read (cut short by a full disk or a killed copy) is left out with one warning line on stderr naming
-    the file, or refused with ``strict``. ``frame.attrs["config_columns"]`` lists the columns that are
-    config keys (the others are metrics and bookkeeping); ``config_nulls`` names each run's keys that are
-    null in its config (pandas would otherwise not tell them from keys the run lacks)."""
+    """One row per run below ``root``: flattened config keys plus metrics, ``run_dir`` and ``finished``
+    (unfinished runs only with ``include_unfinished``). A run whose ``config.yaml`` or ``metrics.json`` cannot be
+    read (cut short by a full disk or a killed copy) is left out with one warning line naming the file, or
+    refused with ``strict``. ``frame.attrs["config_columns"]`` lists the config-key columns; ``config_nulls``
+    names each run's keys that are null in its config (pandas would not tell them from keys the run lacks)."""
     rows = []
     config_columns: set[str] = set()
     for run_dir in find_run_dirs(Path(root)):

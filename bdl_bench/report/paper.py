@@ -133,13 +133,20 @@ def _table1_column(run: Mapping[str, Any]) -> str:
     return str(name)
 
 
-def _slang_table1() -> PaperTable:
-    frame = read_paper_csv("slang_table1_logreg.csv").set_index(["dataset", "metric"])
+def _grid_lookup(frame: pd.DataFrame) -> Callable[[str, str, str], PaperValue | None]:
+    """The lookup of a table printed as one row per (dataset, metric) and one column per method (no SEs)."""
 
     def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
         if (dataset, metric) not in frame.index or column not in frame.columns:
             return None
-        return PaperValue(float(frame.loc[(dataset, metric), column]))
+        value = frame.loc[(dataset, metric), column]
+        return None if pd.isna(value) else PaperValue(float(value))
+
+    return lookup
+
+
+def _slang_table1() -> PaperTable:
+    frame = read_paper_csv("slang_table1_logreg.csv").set_index(["dataset", "metric"])
 
     def scale(dataset: str, metric: str) -> float:
         return float(frame.loc[(dataset, metric), "scale"]) if (dataset, metric) in frame.index else 1.0
@@ -155,7 +162,7 @@ def _slang_table1() -> PaperTable:
             "sym_kl": ("sym_kl_vs_full_exact", 0.5),
         },
         column=_table1_column,
-        lookup=lookup,
+        lookup=_grid_lookup(frame),
         scale=scale,
     )
 
@@ -207,13 +214,6 @@ def _def_table1() -> PaperTable:
     out-of-distribution set (mean and its spread over the OOD images) of a MNIST LeNet (OOD: notMNIST) and a
     CIFAR-10 CNN (OOD: SVHN). The paper gives one number per cell, no standard error."""
     frame = read_paper_csv("def_table1_classification.csv").set_index(["in_domain", "metric"])
-
-    def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
-        if (dataset, metric) not in frame.index or column not in frame.columns:
-            return None
-        value = frame.loc[(dataset, metric), column]
-        return None if pd.isna(value) else PaperValue(float(value))
-
     return PaperTable(
         name="def_table1",
         metrics={
@@ -223,7 +223,7 @@ def _def_table1() -> PaperTable:
             "ood_entropy_std": ("ood_entropy_std", 1.0),
         },
         column=_def_table1_column,
-        lookup=lookup,
+        lookup=_grid_lookup(frame),
     )
 
 

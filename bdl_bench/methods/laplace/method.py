@@ -260,7 +260,6 @@ class Laplace(GaussianPredictive, PostHocMethod):
     def _grid_search(self, theta: Tensor, curvature: dict[str, Any]) -> SearchResult:
         """:func:`~.search.grid_search` on the validation set; its rows go to ``search_rows`` and, given a run
         folder, to ``laplace_search.csv`` there."""
-        self._check_validation()
         assert self._val is not None and isinstance(self.search, SearchSettings)
         result = grid_search(
             self.search,

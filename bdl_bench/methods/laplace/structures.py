@@ -1,15 +1,10 @@
 r"""The six approximations of the Laplace precision :math:`P = N\mathbf I + \operatorname{diag}(\tau)`, one class each.
 
-A structure does two things (package docstring for N, τ and :math:`\mathbf I`):
-
-* :meth:`LaplaceStructure.curvature`: the data pass, what it needs of :math:`\mathbf I`. Independent of N and τ, so
-  one pass serves every point of a hyperparameter search (DEF's Alg. 1 and diagonal correction use only the
-  unscaled eigenvalues and the exact diagonal, so they are done there once too);
-* :meth:`LaplaceStructure.assemble`: the float64 posterior of precision :math:`N\mathbf I + \operatorname{diag}(\tau)`
-  from that output (no data pass; differentiable in N and τ, which the marginal likelihood needs).
-
-Both record what a user may want to know of the fit (chunks cached, DEF's kept rank and clipped entries) in
-``info`` (the method's ``fit_info``)."""
+A structure's :meth:`~LaplaceStructure.curvature` is the data pass, independent of N and τ, so one pass serves every
+point of a hyperparameter search (DEF's Alg. 1 and diagonal correction too: they use only the unscaled eigenvalues
+and the exact diagonal); :meth:`~LaplaceStructure.assemble` builds the float64 posterior of precision
+:math:`N\mathbf I + \operatorname{diag}(\tau)` from its output, differentiable in N and τ (for the marginal
+likelihood). Both record what the fit reports in ``info`` (the method's ``fit_info``)."""
 
 from __future__ import annotations
 
