@@ -16,17 +16,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
 
 from bdl_bench.metrics import ReliabilityDiagram, reliability_from_confidence  # noqa: E402
 
 UNCERTAINTY_FILE = "uncertainty.npz"
 
 
-def plot_reliability_diagram(diagram: ReliabilityDiagram, ax: Axes | None = None, title: str | None = None) -> Figure:
+def plot_reliability_diagram(diagram: ReliabilityDiagram, ax: Axes, title: str) -> None:
     """Bars of per-bin accuracy against the bin centres, the gap to the diagonal, and the ECE in the title."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(4, 4))
     edges = diagram.bin_edges.numpy()
     width = np.diff(edges)
     centres = edges[:-1] + width / 2
@@ -47,16 +44,11 @@ def plot_reliability_diagram(diagram: ReliabilityDiagram, ax: Axes | None = None
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy")
     ax.set_title(f"{title + ': ' if title else ''}ECE {diagram.ece:.4f}", fontsize="medium")
     ax.legend(loc="upper left", fontsize="small")
-    return ax.figure  # type: ignore[return-value]
 
 
-def plot_entropy_histograms(
-    entropies: Mapping[str, np.ndarray], ax: Axes | None = None, title: str | None = None, bins: int = 20
-) -> Figure:
-    """Overlaid density histograms of normalised predictive entropy (values in [0, 1]), one per label."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(5, 3.5))
-    edges = np.linspace(0.0, 1.0, bins + 1)
+def plot_entropy_histograms(entropies: Mapping[str, np.ndarray], ax: Axes, title: str) -> None:
+    """Overlaid density histograms of normalised predictive entropy (values in [0, 1], 20 bins), one per label."""
+    edges = np.linspace(0.0, 1.0, 21)
     for label, values in entropies.items():
         values = np.asarray(values, dtype=float)
         ax.hist(values, bins=edges, density=True, alpha=0.5, label=f"{label} (mean {values.mean():.3f})")
@@ -64,7 +56,6 @@ def plot_entropy_histograms(
     if title:
         ax.set_title(title, fontsize="medium")
     ax.legend(fontsize="small")
-    return ax.figure  # type: ignore[return-value]
 
 
 def load_uncertainty(run_dir: Path) -> dict[str, np.ndarray]:
@@ -93,25 +84,19 @@ def entropy_groups(arrays: Mapping[str, np.ndarray], grouping: str = "test") -> 
     }
 
 
-def plot_uncertainty(
-    run_dirs: Sequence[Path],
-    out: Path,
-    labels: Sequence[str] | None = None,
-    n_bins: int = 15,
-    grouping: str = "test",
-) -> Path:
-    """``out``: one row per run (titled ``labels``, default the folder names), its reliability diagram and its
+def plot_uncertainty(run_dirs: Sequence[Path], out: Path, grouping: str = "test") -> Path:
+    """``out``: one row per run (titled with its folder's name), its reliability diagram (15 bins) and its
     entropy histograms. ``grouping``: ``"test"``, the whole test set against the OOD set; ``"paper"``, DEF Fig. 6's
     groups: the correctly classified test images ("in-dist") against the OOD images and the misclassified test
     images together ("out-dist")."""
     if not run_dirs:
         raise ResultsError("plot_uncertainty needs at least one run folder")
-    labels = list(labels) if labels is not None else [Path(d).name for d in run_dirs]
     fig, axes = plt.subplots(len(run_dirs), 2, figsize=(10, 3.8 * len(run_dirs)), squeeze=False)
-    for row, (run_dir, label) in enumerate(zip(run_dirs, labels)):
+    for row, run_dir in enumerate(run_dirs):
         arrays = load_uncertainty(Path(run_dir))
+        label = Path(run_dir).name
         diagram = reliability_from_confidence(
-            torch.from_numpy(arrays["test_confidence"]), torch.from_numpy(arrays["test_correct"]), n_bins
+            torch.from_numpy(arrays["test_confidence"]), torch.from_numpy(arrays["test_correct"]), 15
         )
         plot_reliability_diagram(diagram, axes[row, 0], title=label)
         plot_entropy_histograms(entropy_groups(arrays, grouping), axes[row, 1], title=label)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from bdl_bench.gaussians.io import load_gaussian  # noqa: E402
 from bdl_bench.report.paper import dataset_short_name, get_paper_table  # noqa: E402
-from bdl_bench.report.tables import _method_labels  # noqa: E402
+from bdl_bench.report.tables import setting_labels  # noqa: E402
 from bdl_bench.results import HISTORY_FILE, load_runs  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def _labelled_runs(folder: Path) -> pd.DataFrame:
         spec = get_paper_table(str(paper[0]))
         labels = [spec.column(r) for r in runs.to_dict("records")]
     else:
-        labels = list(_method_labels(runs))
+        labels = list(setting_labels(runs, runs["method.name"]))
     return runs.assign(dataset=runs["data.name"].map(dataset_short_name), label=labels)
 
 

@@ -101,10 +101,6 @@ def _plain(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _method_labels(runs: pd.DataFrame) -> pd.Series:
-    return setting_labels(runs, runs["method.name"])
-
-
 def mean_se(mean: float | None, se: float | None, digits: int = 3) -> str:
     """``1.234 ± 0.010``; the mean alone without a standard error, ``–`` without a mean."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
