@@ -326,22 +326,19 @@ def without_cost(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k not in COST_METRICS}
 
 
-def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = False) -> pd.DataFrame:
-    """One row per run below ``root``: flattened config keys plus metrics, ``run_dir`` and ``finished``
-    (unfinished runs only with ``include_unfinished``). A run whose ``config.yaml`` or ``metrics.json`` cannot be
+def load_runs(root: Path, *, strict: bool = False) -> pd.DataFrame:
+    """One row per finished run below ``root``: flattened config keys plus metrics and ``run_dir``. A run whose ``config.yaml`` or ``metrics.json`` cannot be
     read (cut short by a full disk or a killed copy) is left out with one warning line naming the file, or
     refused with ``strict``. ``frame.attrs["config_columns"]`` lists the config-key columns; ``config_nulls``
     names each run's keys that are null in its config (pandas would not tell them from keys the run lacks)."""
     rows = []
     config_columns: set[str] = set()
     for run_dir in find_run_dirs(Path(root)):
-        metrics_path = run_dir / METRICS_FILE
-        finished = metrics_path.exists()
-        if not finished and not include_unfinished:
+        if not (run_dir / METRICS_FILE).exists():
             continue
         try:
             config = _read_mapping(run_dir / CONFIG_FILE, yaml.safe_load)
-            metrics = _read_mapping(metrics_path, json.loads) if finished else {}
+            metrics = _read_mapping(run_dir / METRICS_FILE, json.loads)
         except _Unreadable as error:
             if strict:
                 raise ResultsError(f"{error}; re-run that run or delete its folder") from None
@@ -353,7 +350,6 @@ def load_runs(root: Path, *, include_unfinished: bool = False, strict: bool = Fa
         row["config_nulls"] = tuple(sorted(k for k, v in row.items() if v is None))
         row.update(metrics)
         row["run_dir"] = str(run_dir)
-        row["finished"] = finished
         record = read_run_record(run_dir)
         row["code_version"] = record.get("code_version")
         row["device"] = record.get("device")  # cpu / cuda, from bdl_bench.orchestration.devices.device_record
