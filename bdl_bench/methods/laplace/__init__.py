@@ -25,31 +25,6 @@ callback, so the last ``history.csv`` row and the final metrics are the Laplace 
 
 from bdl_bench.methods.laplace.map_dir import load_map_parameters
 from bdl_bench.methods.laplace.method import Laplace
-from bdl_bench.methods.laplace.predictive import GaussianPredictive, Predictive
-from bdl_bench.methods.laplace.search import (
-    SEARCH_FILE,
-    LaplaceEvidence,
-    MarglikSettings,
-    SearchResult,
-    SearchSettings,
-    write_search_table,
-)
-from bdl_bench.methods.laplace.structures import MAX_DEF_RANK, STRUCTURES, KfacPrior, LaplaceStructure, Structure
+from bdl_bench.methods.laplace.search import SEARCH_FILE, LaplaceEvidence
 
-__all__ = [
-    "MAX_DEF_RANK",
-    "SEARCH_FILE",
-    "STRUCTURES",
-    "GaussianPredictive",
-    "KfacPrior",
-    "Laplace",
-    "LaplaceEvidence",
-    "LaplaceStructure",
-    "MarglikSettings",
-    "Predictive",
-    "SearchResult",
-    "SearchSettings",
-    "Structure",
-    "load_map_parameters",
-    "write_search_table",
-]
+__all__ = ["SEARCH_FILE", "Laplace", "LaplaceEvidence", "load_map_parameters"]
