@@ -102,8 +102,7 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
         ax.plot(def_rows["rank"], def_rows[key], marker="o", color="tab:blue", label="DEF (top K kept)")
         for method, color in colors.items():
             ax.axhline(float(table.loc[table["method"] == method, key].iloc[0]), color=color, ls="--", label=method)
-        ax.set_xlabel("K (top eigenvalues kept)")
-        ax.set_title(f"{name} error, normalised")
+        ax.set(xlabel="K (top eigenvalues kept)", title=f"{name} error, normalised")
         ax.set_ylim(-0.03, max(1.05, float(table[key].max()) * 1.05))
     axes[0].legend(fontsize=8)
     values = eigenvalues.clamp_min(0).cpu()
@@ -112,8 +111,7 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
     axes[3].set_title(
         f"(d) eigenvalues of I\n{zero} ≈ 0, {small} of {values.numel()} below 1% of the largest", fontsize=10
     )
-    axes[3].set_xlabel("eigenvalue")
-    axes[3].set_ylabel("count")
+    axes[3].set(xlabel="eigenvalue", ylabel="count")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
