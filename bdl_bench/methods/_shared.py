@@ -1,13 +1,9 @@
-r"""Helpers several methods share; no method of its own (it registers nothing).
+r"""Helpers several methods share (it registers no method): option parsing, the :class:`Covariance` choice,
+the SLANG authors' step-size schedule, and one Adam step on the per-example MAP objective
 
-* :func:`parse_choice`: an option's value as one of an ``Enum``'s members, or a one-line error listing them.
-* :class:`Covariance`: full or diagonal Gaussian precision (``method=vogn``, ``method=exact_vi``).
-* :func:`decayed_rate`: the step-size schedule of the SLANG authors' code (``method=slang``, ``method=vogn``).
-* :func:`map_step` and :func:`add_prior_term`: one Adam step on the per-example MAP objective
+.. math:: \frac1N\textstyle\sum_i -\log p(y_i\mid x_i,\theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2,
 
-  .. math:: \frac1N\textstyle\sum_i -\log p(y_i\mid x_i,\theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2,
-
-  estimated on a minibatch (``method=map``, and the MAP phase of ``laplace`` and ``hmc``).
+estimated on a minibatch (``method=map``, and the MAP phase of ``laplace`` and ``hmc``).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from bdl_bench.models.params import forward_with
 
 
 def parse_choice(enum_cls: type[Enum], value: Any, what: str, method: str) -> Any:
-    """``enum_cls(value)``, or a ``ValueError`` naming the bad value and listing the choices."""
+    """``enum_cls(value)``, or a :class:`ConfigError` naming the bad value and listing the choices."""
     try:
         return enum_cls(value)
     except ValueError:
@@ -42,13 +38,8 @@ class Covariance(str, Enum):
 
 
 def decayed_rate(rate: float, decay: float, step: int) -> float:
-    """``rate / (1 + step**decay)`` for ``decay > 0``, else ``rate`` (the SLANG authors' ``decay_rates``).
-
-    Args:
-        rate: the initial rate (:math:`\\alpha` or :math:`\\beta`).
-        decay: the exponent :math:`\\gamma \\ge 0`.
-        step: t >= 1, the index of the update being taken.
-    """
+    """``rate / (1 + step**decay)`` for ``decay > 0``, else ``rate``, at update ``step`` t >= 1 (the SLANG
+    authors' ``decay_rates``)."""
     return rate / (1.0 + step**decay) if decay > 0 else rate
 
 
@@ -57,9 +48,7 @@ def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tenso
     r"""The prior's part of the per-example objective, :math:`\frac{1}{2N}\sum_d \lambda_d \theta_d^2` for each row
     of ``theta`` (``(D,)`` or ``(M, D)``), whose gradient :math:`\lambda \theta / N` this adds to ``theta.grad``;
     ``prior_precision`` is ``(D,)`` or ``(1, D)`` (one for all rows), or ``(M, D)`` (a row's own: stacked copies).
-
-    Two passes over θ, where autograd through the same expression makes about ten. Same value and gradient to
-    float rounding (test).
+    Two passes over θ, where autograd through the same expression makes about ten.
     """
     theta.grad.addcmul_(theta, prior_precision, value=1.0 / n_data)
     squares = theta * theta
@@ -71,8 +60,7 @@ def add_prior_term(theta: Tensor, prior_precision: Tensor, n_data: int) -> Tenso
 def map_step(
     problem: Problem, theta: Tensor, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
 ) -> dict[str, Tensor]:
-    """One optimiser step on the per-example MAP objective (module docstring) at ``theta`` (``(D,)``,
-    a leaf tensor that ``optimizer`` updates); shared by the methods that start from a MAP fit."""
+    """One step of ``optimizer`` on the per-example MAP objective (module docstring) at the leaf ``theta`` ``(D,)``."""
     optimizer.zero_grad(set_to_none=True)
     nll = problem.likelihood.nll(forward_with(problem.model, theta, x), y).mean()
     nll.backward()

@@ -1,22 +1,19 @@
 """The interface every inference method implements, and the method registry.
 
-A method object holds only hyperparameters (keyword-only constructor arguments, exactly the keys
-of ``conf/method/<name>.yaml`` apart from ``name``). ``setup`` receives the problem and creates the
-fitting state; ``fit`` runs the default minibatch loop over ``train_step`` (iterative methods), for a
-:class:`PostHocMethod` followed by one fit of the posterior (Laplace, HMC, exact VI's L-BFGS). After fitting, ``predict`` draws samples of the network output,
-``posterior`` returns the Gaussian over the flat parameter vector where the method has one, and
-``point_estimate`` the single parameter vector the runner saves (``params.pt``).
+A method object holds only hyperparameters (keyword-only constructor arguments, the keys of
+``conf/method/<name>.yaml`` apart from ``name``). ``setup`` receives the problem and creates the fitting
+state; ``fit`` runs the default minibatch loop over ``train_step`` (for a :class:`PostHocMethod` followed by
+one fit of the posterior). After fitting, ``predict`` draws samples of the network output, ``posterior``
+returns the Gaussian over the flat parameters where there is one, and ``point_estimate`` the vector the
+runner saves (``params.pt``).
 
-**Stacked splits.** A method with ``supports_replicas = True`` can also fit R independent copies of
-itself at once, one per data split (:mod:`bdl_bench.orchestration.stacked`). Such a method derives from
-:class:`StackedMethod`: its step is written once, for R copies, and its single run is the stack of one
-copy. ``setup_replicas`` receives one problem per split (same model and N; their own likelihood and prior
-precision, so that the copies can also be trials of a hyperparameter search, :mod:`bdl_bench.orchestration.search`),
-``train_step_replicas`` takes minibatches ``(R, M, ...)`` and ``replica(r)`` returns a set-up method
-holding copy r's state alone (for evaluation). Copy r draws exactly the noise a single run of the same
-seed draws (one draw broadcast over the copies), so a stacked fit equals R single runs up to
-floating-point rounding. The options in ``replica_options`` (dropout's ``dropout_rate``) may differ
-between copies too (:meth:`Method.configure_replicas`).
+**Stacked splits.** A :class:`StackedMethod` fits R independent copies at once, one per data split
+(:mod:`bdl_bench.orchestration.stacked`); its single run is the stack of one copy. ``setup_replicas``
+receives one problem per split (same model and N; own likelihood and prior precision, so copies can be
+trials of a search), ``train_step_replicas`` takes minibatches ``(R, M, ...)`` and ``replica(r)`` returns
+copy r alone. Copy r draws exactly the noise a single run of the same seed draws (one draw broadcast over
+the copies), so a stacked fit equals R single runs up to rounding. Options in ``replica_options``
+(dropout's ``dropout_rate``) may differ between copies (:meth:`Method.configure_replicas`).
 """
 
 from __future__ import annotations
@@ -36,39 +33,31 @@ from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError, DivergenceError
 from bdl_bench.likelihoods import Likelihood
+from bdl_bench.optim import load_adam_state
 from bdl_bench.progress import delayed_bar
 from bdl_bench.ranges import Range, out_of_range
 
 
 @dataclass(frozen=True)
 class Problem:
-    """Everything a method needs to know about what it fits.
+    """Everything a method needs to know about what it fits. ``augmentation`` is applied to every training
+    minibatch by the default loop (CIFAR's random crop and flip); ``generator`` is the only source of the
+    method's randomness."""
 
-    Attributes:
-        model: the network; its current parameters are the initial point (methods may copy them).
-        likelihood: p(y | f) on the (standardised) targets.
-        n_data: number of training examples N (the likelihood term of the ELBO is scaled to N).
-        prior_precision: per-parameter precision of the zero-mean Gaussian prior, ``(D,)``.
-        generator: the only source of randomness for MC sampling inside the method.
-        augmentation: ``(x_batch, generator) -> x_batch`` applied to every training minibatch by the
-            default loop (CIFAR's random crop and flip), or ``None``.
-    """
-
-    model: nn.Module
-    likelihood: Likelihood
-    n_data: int
-    prior_precision: Tensor  # (D,)
+    model: nn.Module  # its current parameters are the initial point
+    likelihood: Likelihood  # p(y | f) on the (standardised) targets
+    n_data: int  # N
+    prior_precision: Tensor  # (D,) of the zero-mean Gaussian prior
     generator: torch.Generator
     augmentation: Callable[[Tensor, torch.Generator], Tensor] | None = None
 
 
 class NonFiniteLossError(DivergenceError):
-    """Raised when a training step produces a NaN or infinite loss."""
+    """A training step produced a NaN or infinite loss."""
 
 
 class CannotStack(NotImplementedError):
-    """:meth:`Method.setup_replicas` of a method (or of this config of it) that cannot fit several splits at
-    once; a job given several splits then fits them one after another (:func:`bdl_bench.orchestration.sweep.run_job`)."""
+    """A method (or config) that cannot fit several splits at once; the job then fits them one by one."""
 
 
 EpochCallback = Callable[[int, Mapping[str, float]], None]
@@ -80,26 +69,21 @@ class Method(ABC):
 
     name: ClassVar[str]
     option_ranges: ClassVar[Mapping[str, Range]] = MappingProxyType({})
-    """The range of each numeric constructor option: the one source that the constructor
-    (:meth:`check_options`) and the config check before a run (:func:`bdl_bench.config_checks.check_config`) use."""
+    """Each numeric option's range, for :meth:`check_options` and :func:`bdl_bench.config_checks.check_config`."""
     supports_replicas: ClassVar[bool] = False
     replica_options: ClassVar[tuple[str, ...]] = ()
     """Constructor options whose value may differ between stacked copies (:meth:`configure_replicas`)."""
     problem: Problem
     extra_metrics: Mapping[str, float] = MappingProxyType({})
-    """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ)); none by default."""
+    """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ))."""
     step_progress: bool = False
-    """Whether long loops inside a fit (an epoch's steps, a curvature pass) show a bar once they have run
-    :data:`bdl_bench.progress.BAR_DELAY_S` (the runner sets it from ``trainer.progress``)."""
+    """Whether long loops inside a fit show a delayed progress bar (``trainer.progress``)."""
+    adam_leaves: ClassVar[tuple[str, ...]] = ()
+    """Tensors that ``self.optimizer`` (an Adam) fits, which the default checkpoint holds with its state."""
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
-        """Refuse the first of ``options`` (a constructor's arguments, e.g. its ``locals()``) that
-        ``option_ranges`` names and does not accept.
-
-        Raises:
-            ConfigError: ``<method>: method.<option>=<value> is out of range: it must be <range>``.
-        """
+        """Raise :class:`ConfigError` on the first of ``options`` (a constructor's ``locals()``) out of its range."""
         for key, allowed in cls.option_ranges.items():
             if key in options and not allowed.accepts(options[key]):
                 raise ConfigError(f"{cls.name}: {out_of_range(f'method.{key}', options[key], allowed)}")
@@ -109,8 +93,7 @@ class Method(ABC):
         self.problem = problem
 
     def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
-        """Receive the run's validation data (never test data) and run folder before fitting, for a method
-        that tunes itself on validation (Laplace's (N, τ) search); ignored by default."""
+        """The run's validation data and folder, before fitting, for a method that uses them (Laplace's search)."""
         del x_val, y_val, run_dir
 
     @abstractmethod
@@ -134,28 +117,34 @@ class Method(ABC):
         return None
 
     def point_estimate(self) -> Tensor | None:
-        """The flat parameters ``(D,)`` a finished run keeps in ``params.pt``: the point estimate
-        (MAP, MC dropout's weights) or the posterior mean, or ``None`` where there is no single one
-        (ensembles, HMC). By default the mean of :meth:`posterior`."""
+        """The flat parameters ``(D,)`` kept in ``params.pt`` (``None`` for ensembles, HMC); by default the
+        posterior mean."""
         posterior = self.posterior()
         return None if posterior is None else posterior.mean
 
     def kl_to_prior(self) -> Tensor | None:
-        """KL(q ‖ prior) of a variational posterior (a scalar tensor), or ``None``.
-
-        With it the runner reports the ELBO per training example,
-        ``E_q[log p(D | θ)] / N − KL / N``, estimated on the whole training set.
-        """
+        """KL(q ‖ prior) of a variational posterior, or ``None``; the runner then reports the ELBO per
+        example, ``E_q[log p(D | θ)] / N − KL / N``, on the whole training set."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint must hold to resume fitting (tensors and plain numbers only)."""
-        return {}
+        """What a checkpoint must hold to resume fitting (tensors and plain numbers only): by default the
+        ``adam_leaves`` and the state of ``self.optimizer``."""
+        if not self.adam_leaves:
+            return {}
+        leaves = {name: getattr(self, name).detach().clone() for name in self.adam_leaves}
+        return {**leaves, "optimizer": copy.deepcopy(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
-        if state:
-            raise NotImplementedError(f"method {self.name!r} cannot restore a checkpoint")
+        if not self.adam_leaves:
+            if state:
+                raise NotImplementedError(f"method {self.name!r} cannot restore a checkpoint")
+            return
+        with torch.no_grad():
+            for name in self.adam_leaves:
+                getattr(self, name).copy_(state[name])
+        load_adam_state(self.optimizer, state["optimizer"])
 
     def fit(
         self,
@@ -172,9 +161,8 @@ class Method(ABC):
         means of the steps' statistics and :meth:`epoch_stats`.
 
         Raises:
-            NonFiniteLossError: naming the method, epoch and the first step whose loss is not finite. A
-                loss returned as a tensor is checked at the end of its epoch (or when a later step of the
-                epoch raises), not after every step: reading it would make every step wait for the GPU.
+            NonFiniteLossError: naming the epoch and first step whose loss is not finite. A tensor loss is
+                checked at the end of its epoch (reading it every step would wait for the GPU).
         """
         augment = self.problem.augmentation
 
@@ -188,8 +176,7 @@ class Method(ABC):
         self._epochs(step, x, None, n_epochs, batch_size, data_generator, report, start_epoch)
 
     def epoch_stats(self) -> Mapping[str, float]:
-        """Entries of a single run's epoch beyond the means of the steps' statistics (the layer-wise VI methods'
-        gradient SNR), read once per epoch by :meth:`fit`; none by default."""
+        """Entries of an epoch beyond the steps' means (the layer-wise VI methods' gradient SNR)."""
         return {}
 
     def _epochs(
@@ -203,10 +190,9 @@ class Method(ABC):
         on_epoch_end: ReplicaEpochCallback | None,
         start_epoch: int = 0,
     ) -> None:
-        """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_replicas` (``x`` ``(R, N, ...)``):
-        epochs ``start_epoch + 1 .. n_epochs`` of ``step`` on the minibatch indices of a fresh permutation of the N
-        examples, each epoch's losses checked and the means of the steps' statistics (numbers, 0-dim tensors, or
-        the copies' ``(R,)`` tensors) passed on, one mapping per copy."""
+        """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_replicas` (``x`` ``(R, N, ...)``): epochs
+        ``start_epoch + 1 .. n_epochs`` of ``step`` on a fresh permutation's minibatches, each epoch's losses
+        checked and the steps' mean statistics passed on, one mapping per copy."""
         n = x.shape[0 if n_copies is None else 1]
         n_batches = math.ceil(n / min(batch_size, n))
         for epoch in range(start_epoch, n_epochs):
@@ -232,8 +218,7 @@ class Method(ABC):
 
     # ------------------------------------------------------------------ stacked splits (module docstring)
     def configure_replicas(self, options: Sequence[Mapping[str, Any]]) -> None:
-        """Give the next :meth:`setup_replicas` each copy's method options (its config); only the keys of
-        ``replica_options`` may differ between copies (the others are this method's, built from the first).
+        """Give the next :meth:`setup_replicas` each copy's method options; only ``replica_options`` may differ.
 
         Raises:
             CannotStack: naming an option that differs between copies but cannot.
@@ -256,11 +241,7 @@ class Method(ABC):
         return [o.get(key, getattr(self, key)) for o in options]
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """Create the fitting state of ``len(problems)`` independent copies (one per split).
-
-        Raises:
-            CannotStack: for methods without ``supports_replicas`` (and configs a method cannot stack).
-        """
+        """Create the fitting state of ``len(problems)`` independent copies (one per split)."""
         raise CannotStack(f"method {self.name!r} cannot fit several splits at once")
 
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
@@ -275,14 +256,9 @@ class Method(ABC):
     def fit_replicas(
         self, x: Tensor, y: Tensor, *, on_epoch_end: ReplicaEpochCallback | None = None, **loop: Any
     ) -> None:
-        """:meth:`fit`'s loop for stacked copies: ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``, and ``loop``,
-        :meth:`fit`'s ``n_epochs``, ``batch_size``, ``data_generator`` and ``start_epoch``. Every copy sees its
-        own data in the order a single run of the same seed uses (one permutation for all).
-
-        Raises:
-            NonFiniteLossError: naming the copy, epoch and first step whose loss is not finite (checked at
-                the end of each epoch, or when a later step raises: see :meth:`fit`).
-        """
+        """:meth:`fit`'s loop for stacked copies, ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``: every copy sees its own
+        data in the order a single run of the same seed uses (one permutation for all); a non-finite loss is
+        reported naming its copy."""
 
         def step(idx: Tensor) -> Mapping[str, Tensor]:
             return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
@@ -291,21 +267,18 @@ class Method(ABC):
 
 
 class PostHocMethod(Method):
-    """A method whose posterior is fitted once, on the whole training set, when training ends: the default loop's
-    epochs train the point it starts from (``train_step``: Laplace's and HMC's MAP), then :meth:`fit_posterior` runs
-    right before the last epoch's callback, so that the last ``history.csv`` row scores the posterior. A method
-    with nothing to train (:attr:`trains_map` false: exact VI's L-BFGS, Laplace on a given MAP) fits it at once and
-    reports it as epoch ``n_epochs`` (1 for ``n_epochs = 0``). A fit that ends without a posterior (no epoch left
-    to train, and a checkpoint that held none) fits it then, with no callback.
+    """A method whose posterior is fitted once, on the whole training set, when training ends: the default loop
+    trains its starting point (Laplace's and HMC's MAP), then :meth:`fit_posterior` runs right before the last
+    epoch's callback, so the last ``history.csv`` row scores the posterior. With :attr:`trains_map` false
+    (exact VI, Laplace on a given MAP) it is fitted at once and reported as epoch ``max(n_epochs, 1)``. A fit
+    that ends without a posterior (a resumed run with no epoch left) fits it then, with no callback.
     """
 
     trains_map: bool = True
-    """Whether :meth:`fit` runs the default loop's epochs before :meth:`fit_posterior`."""
 
     @abstractmethod
     def fit_posterior(self, x: Tensor, y: Tensor) -> Mapping[str, float] | None:
-        """Fit the posterior to all of ``(x, y)`` from the current state; returns entries of the last epoch's
-        statistics (e.g. exact VI's ELBO), or ``None``."""
+        """Fit the posterior to all of ``(x, y)``; returns entries for the last epoch's statistics, or ``None``."""
 
     @property
     @abstractmethod
@@ -322,8 +295,7 @@ class PostHocMethod(Method):
         start_epoch: int = 0,
         **loop: Any,
     ) -> None:
-        """The training epochs (``loop``: the default loop's ``batch_size`` and ``data_generator``), then
-        :meth:`fit_posterior` (see the class docstring)."""
+        """The training epochs, then :meth:`fit_posterior` (class docstring)."""
         last = max(n_epochs, 1)
 
         def report(epoch: int, stats: Mapping[str, float]) -> None:
@@ -341,23 +313,19 @@ class PostHocMethod(Method):
 
 
 class StackedMethod(Method):
-    """A method written once, for R stacked copies: every tensor of its fitting state carries a leading copy
-    dimension R, and a single run is the stack of one copy (R = 1).
+    """A method written once, for R stacked copies (leading dimension R of every state tensor); a single run
+    is the stack of one copy, so the step's maths exists once.
 
     A subclass writes :meth:`setup_replicas` (calling this one first), :meth:`train_step_replicas`, and its
-    evaluation (``predict``, ``posterior``, ``kl_to_prior``) for a one-copy state, reading copy 0's tensors
-    through :meth:`only_copy`. It names in ``copy_state`` the attributes that hold ``(R, ...)`` tensors (or
-    dataclasses, lists or dicts of them), which :meth:`replica` slices. Its single-run ``setup`` and
-    ``train_step`` are derived here, so the step's maths exists once; a method whose state cannot carry the
-    copy dimension for some configs raises :class:`CannotStack` from :meth:`setup_replicas` only when R > 1.
+    evaluation for a one-copy state (reading copy 0 through :meth:`only_copy`). ``copy_state`` names the
+    attributes holding ``(R, ...)`` tensors (or dataclasses, lists, dicts of them), which :meth:`replica`
+    slices. A config that cannot stack raises :class:`CannotStack` from :meth:`setup_replicas` only when R > 1.
     """
 
     supports_replicas = True
     copy_state: ClassVar[tuple[str, ...]] = ()
-    """Attributes holding the copies' state, each ``(R, ...)`` (sliced by :meth:`replica`)."""
 
     def setup(self, problem: Problem) -> None:
-        """A single run: the stack of one copy."""
         self.setup_replicas([problem])
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
@@ -369,7 +337,6 @@ class StackedMethod(Method):
 
     @property
     def n_copies(self) -> int:
-        """R, the number of stacked copies (1 for a single run)."""
         return len(self._replica_problems)
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float | Tensor]:
@@ -378,8 +345,7 @@ class StackedMethod(Method):
         return {k: v[0] for k, v in out.items()}
 
     def replica(self, index: int) -> Method:
-        """Copy ``index`` as a stack of one: each ``copy_state`` attribute sliced (copied, not shared) and its
-        own ``replica_options``; for evaluation (its optimiser, if any, still holds the stack's tensors)."""
+        """Copy ``index`` as a stack of one, for evaluation (its optimiser, if any, still holds the stack's tensors)."""
         options = {key: self.replica_option(key)[index] for key in self.replica_options}
         single = copy.copy(self)
         single.problem = self._replica_problems[index]
@@ -392,11 +358,7 @@ class StackedMethod(Method):
         return single
 
     def only_copy(self, tensor: Tensor) -> Tensor:
-        """``tensor[0]`` of a one-copy state (``(1, ...)`` → ``(...)``).
-
-        Raises:
-            RuntimeError: for a stack of several copies (evaluate ``replica(r)`` instead).
-        """
+        """``tensor[0]`` of a one-copy state; a stack of several copies raises (evaluate ``replica(r)``)."""
         if tensor.shape[0] != 1:
             raise RuntimeError(f"method {self.name!r} holds {tensor.shape[0]} stacked copies: evaluate replica(r)")
         return tensor[0]
@@ -424,8 +386,7 @@ def stacked_prior(problems: Sequence[Problem]) -> Tensor:
 def _check_losses(
     name: str, epoch: int, losses: Sequence[float | Tensor], n_copies: int | None, cause: BaseException | None = None
 ) -> None:
-    """Raise :class:`NonFiniteLossError` naming the first of an epoch's step losses that is not finite and, for
-    stacked copies (``n_copies`` not ``None``: each loss an ``(R,)`` tensor), its copy (one read of the device)."""
+    """Raise :class:`NonFiniteLossError` naming the first non-finite step loss of an epoch (and its copy)."""
     for step, row in enumerate(_rows(losses)):
         copy = next((r for r, v in enumerate(row) if not math.isfinite(v)), None)
         if copy is not None:
@@ -437,8 +398,7 @@ def _check_losses(
 
 
 def _rows(values: Sequence[float | Tensor]) -> list[list[float]]:
-    """Each of ``values`` (a number, a 0-dim tensor or stacked copies' ``(R,)`` tensor) as a list of numbers, the
-    tensors among them read from their device at once."""
+    """Each of ``values`` (a number, 0-dim or ``(R,)`` tensor) as a list of numbers, read from the device at once."""
     tensors = [v.detach().reshape(1, -1) for v in values if isinstance(v, Tensor)]
     read = iter(torch.cat(tensors).tolist() if tensors else [])
     return [next(read) if isinstance(v, Tensor) else [float(v)] for v in values]
@@ -449,8 +409,7 @@ def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:
 
 
 def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:
-    """One epoch's minibatch indices: a fresh permutation of ``range(n)`` from ``generator``, cut into
-    ``ceil(n / batch_size)`` slices (the last one shorter)."""
+    """One epoch's minibatch indices: a fresh permutation of ``range(n)``, cut into slices of ``batch_size``."""
     order = torch.randperm(n, generator=generator).to(device)
     return list(order.split(min(batch_size, n)))
 

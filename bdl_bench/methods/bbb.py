@@ -12,41 +12,29 @@ The variational posterior over the flat parameter vector :math:`\theta \in \math
         + \frac1N \mathrm{KL}(q \,\|\, p),
 
 an unbiased estimate of :math:`-\frac1N\bigl(\mathbb E_q[\log p(\mathcal D \mid \theta)] - \mathrm{KL}\bigr)`
-from a minibatch :math:`B` of size M and S = ``n_train_mc_samples`` Monte Carlo samples. The KL is in
-closed form (:func:`kl_diag_to_prior`):
-
-.. math::
-
-    \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_d \sigma_d^2 + \lambda_d \mu_d^2 - 1
-        - \log(\lambda_d \sigma_d^2)\bigr).
-
-Two gradient estimators of the expected log-likelihood (``estimator``):
+from a minibatch :math:`B` of size M and S = ``n_train_mc_samples`` Monte Carlo samples, with the KL in
+closed form (:func:`~bdl_bench.methods._diag_vi.kl_diag_to_prior`). Two gradient estimators of the expected log-likelihood (``estimator``):
 
 - ``reparam``: :math:`\theta_s = \mu + \sigma \odot \epsilon_s`, :math:`\epsilon_s \sim \mathcal N(0, I)`;
   one weight draw per MC sample, shared by the minibatch (Blundell et al. 2015, Sec. 3.1).
 - ``local_reparam``: the local reparameterisation trick (Kingma, Salimans & Welling 2015, Sec. 2.3).
   For each ``nn.Linear`` layer with input :math:`a` the pre-activation is Gaussian given :math:`a`, so it
   is sampled directly, independently per example: mean :math:`a \mu_W^\top + \mu_b`, variance
-  :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2` (:func:`local_reparam_linear`). Needs an ``nn.Sequential``
-  of ``nn.Linear`` layers and parameter-free modules.
+  :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`. Needs an ``nn.Sequential`` of ``nn.Linear`` layers and
+  parameter-free modules.
 
 ``predict`` always samples whole weight vectors (so the S output samples are S networks).
 
-Initialisation: :math:`\mu` is the model's current parameters; :math:`\sigma = ` ``init_std`` everywhere.
-``conf/method/bbb.yaml`` uses ``init_std: 0.01``: well below the scale of PyTorch's default weights
-(:math:`1/\sqrt{\text{fan-in}}`, 0.14 for 50 inputs), so the first steps fit the data as a nearly
-deterministic network, while Adam (steps of about ``lr`` in :math:`\rho` each) can grow :math:`\sigma` to
-0.1–0.3 within a few hundred steps. (The SLANG authors' BBB code starts instead from :math:`\mu = 0`,
-:math:`\rho = -1`, i.e. :math:`\sigma \approx 0.31`, and uses Adam betas (0.9, 0.99).)
+Initialisation: :math:`\mu` is the model's current parameters; :math:`\sigma = ` ``init_std`` everywhere
+(``conf/method/bbb.yaml``: 0.01, well below PyTorch's default weight scale, so the first steps fit a nearly
+deterministic network while Adam grows :math:`\sigma` within a few hundred steps).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,61 +45,41 @@ from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.local_reparam import StackedLocalLinear
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, standard_normal
+from bdl_bench.methods._shared import parse_choice
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with, unflatten_stacked
-from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
 
 class Estimator(str, Enum):
-    """Gradient estimator of the expected log-likelihood."""
+    """Gradient estimator of the expected log-likelihood (module docstring)."""
 
     REPARAM = "reparam"
-    """Sample whole weight vectors (Blundell et al. 2015)."""
     LOCAL_REPARAM = "local_reparam"
-    """Sample each linear layer's pre-activations per example (Kingma et al. 2015)."""
 
 
 @register_method("bbb")
 class BayesByBackprop(StackedMethod):
-    r"""Mean-field Gaussian VI with Adam on :math:`(\mu, \rho)` (see the module docstring), for R stacked
-    copies at once (a single run is R = 1): means and ρ's ``(R, D)``, one Adam over both (Adam acts per
-    coordinate, so this is R independent Adams).
-
-    Args:
-        lr: Adam learning rate.
-        n_train_mc_samples: MC samples S per training step.
-        estimator: ``"reparam"`` or ``"local_reparam"`` (:class:`Estimator`).
-        init_std: initial posterior standard deviation :math:`\\sigma` of every parameter.
-
-    Raises:
-        ValueError: on a non-positive ``lr`` or ``init_std``, ``n_train_mc_samples < 1``, or an unknown
-            ``estimator`` (the message lists the choices).
-    """
+    r"""Mean-field Gaussian VI with Adam on :math:`(\mu, \rho)` (module docstring), for R stacked copies:
+    means and ρ's ``(R, D)``, one Adam over both (per coordinate, so R independent Adams)."""
 
     option_ranges = MappingProxyType({"lr": POSITIVE, "n_train_mc_samples": COUNT, "init_std": POSITIVE})
     copy_state = ("mean", "rho", "prior_precision")
+    adam_leaves = ("mean", "rho")
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
         self.check_options(locals())
-        choices = [e.value for e in Estimator]
-        if estimator not in choices:
-            raise ConfigError(f"bbb: unknown estimator {estimator!r}; choices: {', '.join(choices)}")
+        self.estimator = parse_choice(Estimator, estimator, "estimator", "bbb")
         self.lr = lr
         self.n_train_mc_samples = int(n_train_mc_samples)
-        self.estimator = Estimator(estimator)
         self.init_std = init_std
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        r"""Every copy starts from :math:`\mu` = the model's parameters, :math:`\sigma` = ``init_std``.
-
-        Raises:
-            ValueError: if the model holds ``nn.Dropout`` (its noise would not come from the generator),
-                or, for ``local_reparam``, is not an ``nn.Sequential`` whose only parametrised
-                modules are ``nn.Linear``.
-        """
+        r"""Every copy starts from :math:`\mu` = the model's parameters, :math:`\sigma` = ``init_std``; a model
+        with dropout is refused (its noise would not come from the generator)."""
         super().setup_replicas(problems)
         model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
@@ -126,7 +94,6 @@ class BayesByBackprop(StackedMethod):
         self.optimizer = adam([self.mean, self.rho], self.lr)
 
     def std(self) -> Tensor:
-        r""":math:`\sigma = \operatorname{softplus}(\rho)`, ``(R, D)`` (differentiable)."""
         return F.softplus(self.rho)
 
     def _outputs_reparam(self, x: Tensor, n_samples: int) -> Tensor:
@@ -195,23 +162,9 @@ class BayesByBackprop(StackedMethod):
     def kl_to_prior(self) -> Tensor:
         return self.only_copy(kl_diag_to_prior(self.mean, self.std(), self.prior_precision))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "mean": self.mean.detach().clone(),
-            "rho": self.rho.detach().clone(),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.mean.copy_(state["mean"])
-            self.rho.copy_(state["rho"])
-        load_adam_state(self.optimizer, state["optimizer"])
-
 
 def _check_linear_sequential(model: nn.Module) -> None:
-    """Raise ``ValueError`` unless ``model`` is an ``nn.Sequential`` of ``nn.Linear`` layers and
-    parameter-free modules (what the layer-by-layer forward of ``local_reparam`` handles)."""
+    """Refuse a model other than an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"bbb: estimator 'local_reparam' needs an nn.Sequential model, got {type(model).__name__}")
     for name, module in model.named_children():

@@ -1,16 +1,13 @@
 r"""Deep ensemble (Lakshminarayanan et al., 2017) as Lee et al. (2020, App. E.3.1) ran it.
 
 M networks (``n_members``; 15 in Lee et al.) with different random initialisations, each fitted by
-MAP (Adam, the prior precision as weight decay, as ``methods/map.py``), without adversarial
-training. The predictive is the equal mixture :math:`\frac1M\sum_m p(y \mid f(x;\theta_m))`.
+MAP (as ``methods/map.py``), without adversarial training. The predictive is the equal mixture
+:math:`\frac1M\sum_m p(y \mid f(x;\theta_m))`.
 
-Member 0 starts from the model's own parameters; members 1..M-1 are re-drawn from PyTorch's
-default initialisation, :math:`\mathcal U(-1/\sqrt{\text{fan-in}}, 1/\sqrt{\text{fan-in}})` for every
-weight and bias of a layer (what ``nn.Linear``/``nn.Conv*`` use), from ``problem.generator``. All
-members are trained together as one ``(M, D)`` tensor: the loss is the sum of the members' losses
-and Adam acts elementwise, so this is exactly M independent Adam fits, which share the minibatch
-order (the default loop shuffles once per epoch; the initialisations are the source of diversity,
-as in Lee et al.).
+Member 0 starts from the model's own parameters; members 1..M-1 are re-drawn from PyTorch's default
+initialisation (:func:`default_init`) from ``problem.generator``. All members are trained as one ``(M, D)``
+tensor on the sum of their losses; Adam acts elementwise, so this is exactly M independent Adam fits sharing
+the minibatch order (the initialisations are the source of diversity, as in Lee et al.).
 
 ``predict(x, S)`` returns member ``s mod M`` as sample s, deterministically: the metrics are the
 exact equal mixture when S is a multiple of M (set ``trainer.n_test_mc_samples`` to 15, 30, ...).
@@ -18,10 +15,8 @@ exact equal mixture when S is a multiple of M (set ``trainer.n_test_mc_samples``
 
 from __future__ import annotations
 
-import copy
 import math
 from types import MappingProxyType
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +24,7 @@ from torch import Tensor, nn
 from bdl_bench.methods._shared import add_prior_term
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
-from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE
 
 
@@ -56,17 +51,10 @@ def default_init(model: nn.Module, generator: torch.Generator) -> Tensor:
 
 @register_method("ensemble")
 class DeepEnsemble(Method):
-    """M independently initialised MAP networks (see the module docstring).
-
-    Args:
-        n_members: M >= 1.
-        lr: Adam learning rate of every member.
-
-    Raises:
-        ValueError: on ``n_members < 1`` or a non-positive ``lr``.
-    """
+    """M independently initialised MAP networks (see the module docstring)."""
 
     option_ranges = MappingProxyType({"n_members": COUNT, "lr": POSITIVE})
+    adam_leaves = ("thetas",)
 
     def __init__(self, *, n_members: int, lr: float) -> None:
         self.check_options(locals())
@@ -103,11 +91,3 @@ class DeepEnsemble(Method):
         """Sample s is member ``s mod M``: ``(n_samples, N, out)``."""
         f = self._outputs(self.thetas.detach(), x)
         return f[torch.arange(n_samples, device=f.device) % self.n_members]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"thetas": self.thetas.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.thetas.copy_(state["thetas"])
-        load_adam_state(self.optimizer, state["optimizer"])

@@ -16,18 +16,12 @@ restarts. Then ``n_samples`` iterations are kept, every ``thin``-th.
 
 The chain starts at the MAP: ``fit`` first runs the default MAP loop (Adam, ``lr``,
 ``trainer.n_epochs`` epochs), then samples right before the last epoch's callback (``PostHocMethod``).
-All randomness comes from ``problem.generator``.
-
-Why written here instead of an established library: NumPyro (Lee et al.'s choice) needs JAX, a
-second array framework beside torch; Pyro's NUTS draws from torch's global RNG, which this project
-forbids (randomness only from ``problem.generator``, so runs are repeatable and evaluation never
-shifts training). The sampler is ~100 lines and is tested against an exactly Gaussian posterior
-(Bayesian linear regression), where the moments are known in closed form.
+All randomness comes from ``problem.generator`` (why no library sampler: NumPyro needs JAX, Pyro's NUTS
+draws from torch's global RNG).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from types import MappingProxyType
 from typing import Any
@@ -79,11 +73,7 @@ class HMC(PostHocMethod):
         step_size: initial step size ε.
         target_accept: acceptance rate aimed at in warm-up, in (0, 1).
         thin: keep every ``thin``-th kept iteration.
-        lr: Adam learning rate of the MAP fit that initialises the chain.
-
-    Raises:
-        ValueError: on a non-positive count, step size or ``lr``, or ``target_accept`` outside (0, 1).
-    """
+        lr: Adam learning rate of the MAP fit that initialises the chain."""
 
     option_ranges = MappingProxyType(
         {
@@ -96,6 +86,7 @@ class HMC(PostHocMethod):
             "lr": POSITIVE,
         }
     )
+    adam_leaves = ("theta",)
 
     def __init__(
         self,
@@ -109,12 +100,8 @@ class HMC(PostHocMethod):
         lr: float,
     ) -> None:
         self.check_options(locals())
-        self.n_samples, self.n_warmup, self.n_leapfrog, self.thin = (
-            int(n_samples),
-            int(n_warmup),
-            int(n_leapfrog),
-            int(thin),
-        )
+        self.n_samples, self.n_warmup = int(n_samples), int(n_warmup)
+        self.n_leapfrog, self.thin = int(n_leapfrog), int(thin)
         self.step_size, self.target_accept, self.lr = float(step_size), float(target_accept), lr
         self.samples: Tensor | None = None
         self.fit_info: dict[str, float] = {}
@@ -216,16 +203,11 @@ class HMC(PostHocMethod):
         return torch.cat(chunks) if chunks else forward_with(model, self.theta.detach(), x)[None][:0]
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "theta": self.theta.detach().clone(),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-        }
+        state = super().state_dict()
         if self.samples is not None:
             state["samples"] = self.samples.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.theta.copy_(state["theta"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        super().load_state_dict(state)
         self.samples = state.get("samples")

@@ -1,14 +1,12 @@
-"""Maximum a posteriori estimate with Adam: the prior precision acts as weight decay.
+r"""Maximum a posteriori estimate with Adam: the prior precision acts as weight decay.
 
-Minimises ``(1/N) Σᵢ -log p(yᵢ | xᵢ, θ) + (1/2N) Σ_d λ_d θ_d²`` per example, estimated on minibatches.
-A point estimate: ``predict`` returns the same output for every sample.
+Minimises :math:`\frac1N\sum_i -\log p(y_i \mid x_i, \theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2` per example,
+estimated on minibatches. A point estimate: ``predict`` returns the same output for every sample.
 """
 
 from __future__ import annotations
 
-import copy
 from types import MappingProxyType
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,7 +14,7 @@ from torch import Tensor
 from bdl_bench.methods._shared import map_step
 from bdl_bench.methods.base import Method, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
-from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.optim import adam
 from bdl_bench.ranges import POSITIVE
 
 __all__ = ["MAP"]
@@ -25,6 +23,7 @@ __all__ = ["MAP"]
 @register_method("map")
 class MAP(Method):
     option_ranges = MappingProxyType({"lr": POSITIVE})
+    adam_leaves = ("theta",)
 
     def __init__(self, *, lr: float) -> None:
         self.check_options(locals())
@@ -45,11 +44,3 @@ class MAP(Method):
 
     def point_estimate(self) -> Tensor:
         return self.theta.detach()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.theta.copy_(state["theta"])
-        load_adam_state(self.optimizer, state["optimizer"])
