@@ -1,55 +1,41 @@
 r"""MC dropout (Gal & Ghahramani, 2016) with Adam, as in Gal's UCI code (yaringal/DropoutUncertaintyExps).
 
-Dropout with rate p multiplies the input of every ``nn.Linear`` layer but the first, i.e. every hidden
-layer's output, by an independent mask :math:`m / (1 - p)`, :math:`m \sim \mathrm{Bernoulli}(1 - p)`
-(inverted dropout, as Keras does), drawn per example and unit. With ``dropout_inputs=True`` the network
-inputs are dropped too: Gal's UCI code (``net/net.py``) puts a ``Dropout`` layer before *every* ``Dense``
-layer, the first included, so ``conf/method/dropout.yaml`` sets it. Masks come from
-``problem.generator`` only: the forward pass is written here over the ``nn.Sequential``'s ``nn.Linear``
-layers and activations, and any ``nn.Dropout`` modules in the model are skipped.
+Dropout with rate p multiplies the input of every ``nn.Linear`` layer but the first by an independent mask
+:math:`m / (1 - p)`, :math:`m \sim \mathrm{Bernoulli}(1 - p)` (inverted dropout, as Keras), drawn per example
+and unit; ``dropout_inputs=True`` drops the network inputs too (Gal's ``net/net.py`` puts a ``Dropout``
+before every ``Dense`` layer). Masks come from ``problem.generator`` only: the forward pass is written here
+over the ``nn.Sequential``'s layers, skipping any ``nn.Dropout`` modules of the model.
 
-Models with other parametrised layers (convolutions: DEF's ``lenet``, whose MC-dropout baseline drops
-the first fully connected layer's output) are run module by module instead, and dropout is applied
-*at the model's own top-level* ``nn.Dropout`` *modules* (``model.dropout=p`` puts them in place; the
-model must have at least one), again with masks from ``problem.generator``, drawn per example, sample
-and unit, in training and in ``predict``. Their rate must equal ``dropout_rate`` (set
-``method.dropout_rate=${model.dropout}``); ``dropout_inputs`` also drops the input pixels. The
-deterministic modules before the first dropout run once per minibatch, not once per mask draw.
+Models with other parametrised layers (DEF's ``lenet``) run module by module, with dropout applied at the
+model's own top-level ``nn.Dropout`` modules (``model.dropout=p``; their rate must equal ``dropout_rate``),
+masks again from ``problem.generator`` per example, sample and unit. The modules before the first dropout
+run once per minibatch, not once per mask draw.
 
-Objective per training example, estimated on a minibatch B of size M with S = ``n_train_mc_samples``
-mask draws (S = 1 is standard):
+Objective per training example, on a minibatch B of size M with S = ``n_train_mc_samples`` mask draws:
 
 .. math::
 
     \mathcal L(\theta) = \frac1M \sum_{i \in B} \frac1S \sum_{s=1}^S -\log p(y_i \mid f(x_i; \theta, m_{s,i}))
         + \frac1{2N} \sum_d \lambda_d \theta_d^2,
 
-with :math:`\lambda` = ``problem.prior_precision`` (as in ``map.py``). For a Gaussian likelihood of
-precision :math:`\tau` this is Gal & Ghahramani's objective (2016, Eq. 1 and Sec. 4) multiplied by
-:math:`\tau`: their :math:`\frac1{2N}\sum_i \|y_i - \hat y_i\|^2 + \lambda_{wd} \sum \|W\|^2` with
-weight decay :math:`\lambda_{wd} = l^2 (1 - p) / (2 N \tau)` (prior length-scale l) corresponds to
-:math:`\lambda_d = l^2 (1 - p)`. Their UCI code differs in two constant factors: Keras' mean squared error
-has no 1/2, and its :math:`\tau` is in original target units while the loss is on standardised targets;
-it regularises weights only, not biases. Reproducing it exactly therefore needs
-:math:`\lambda_d = l^2 (1 - p)\, s_y^2 / 2` on weights (l = 0.01, :math:`s_y` the training-target std)
-and a negligible bias precision. At test time ``predict`` averages over n stochastic forward passes
-with fresh masks (MC dropout); the noise precision :math:`\tau` enters through ``problem.likelihood``.
+with :math:`\lambda` = ``problem.prior_precision``. For a Gaussian likelihood of precision :math:`\tau` this
+is Gal & Ghahramani's objective (2016, Eq. 1 and Sec. 4) times :math:`\tau`: their weight decay
+:math:`\lambda_{wd} = l^2 (1 - p) / (2 N \tau)` corresponds to :math:`\lambda_d = l^2 (1 - p)`. Their UCI code
+(Keras' MSE without the 1/2, :math:`\tau` in original target units, weights only) is reproduced by
+:math:`\lambda_d = l^2 (1 - p)\, s_y^2 / 2` on weights (l = 0.01, :math:`s_y` the training-target std) and a
+negligible bias precision. ``predict`` averages over stochastic forward passes with fresh masks.
 
-**Stacked copies** (:class:`~bdl_bench.methods.base.StackedMethod`): the weights are ``theta`` ``(R, D)``, R
-copies under one Adam (per coordinate, so R independent Adams), and a single run is the stack of one copy.
-Every mask is drawn once, with a single run's shape, and shared by the copies, copy r keeping the units
-whose uniform draw is at least its own rate (``replica_options``: the trials of Gal's grid differ in
-``dropout_rate``); so copy r draws exactly the masks a single run of the same seed draws. Models with
-other parametrised layers run as a single run only (R = 1).
+**Stacked copies**: ``theta`` ``(R, D)`` under one Adam. Every mask is drawn once, with a single run's shape,
+and shared by the copies, copy r keeping the units whose uniform draw is at least its own rate (the trials
+of Gal's grid differ in ``dropout_rate``), so copy r draws exactly a single run's masks. Models with other
+parametrised layers run as a single run only.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +48,7 @@ from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._shared import add_prior_term
 from bdl_bench.methods.base import CannotStack, Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
-from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE, UNIT_OPEN
 
 _PREDICT_CHUNK = 64  # mask draws per chunk of ``predict``
@@ -73,22 +59,12 @@ _PREFIX_ROWS = 1024  # module-wise path: examples per pass through the determini
 
 @register_method("dropout")
 class MCDropout(StackedMethod):
-    """MC dropout trained with Adam (see the module docstring).
-
-    Args:
-        lr: Adam learning rate.
-        dropout_rate: the drop probability p, 0 < p < 1 (Gal's UCI grid: 0.005, 0.01, 0.05, 0.1).
-        n_train_mc_samples: mask draws S averaged per training step.
-        dropout_inputs: also drop the network inputs (Gal's UCI code does).
-
-    Raises:
-        ValueError: on a non-positive ``lr``, ``dropout_rate`` outside (0, 1), ``n_train_mc_samples < 1``
-            or a non-bool ``dropout_inputs``.
-    """
+    """MC dropout trained with Adam (see the module docstring)."""
 
     replica_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
     option_ranges = MappingProxyType({"lr": POSITIVE, "dropout_rate": UNIT_OPEN, "n_train_mc_samples": COUNT})
     copy_state = ("theta",)
+    adam_leaves = ("theta",)
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         self.check_options(locals())
@@ -100,14 +76,8 @@ class MCDropout(StackedMethod):
         self.dropout_inputs = dropout_inputs
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies from the model's parameters: ``theta`` ``(R, D)``, one Adam over it.
-
-        Raises:
-            ValueError: unless the model is an ``nn.Sequential``; when it has parametrised modules
-                other than ``nn.Linear``, unless it has top-level ``nn.Dropout`` modules, all of rate
-                ``dropout_rate``, and no dropout nested inside another module; on a copy's rate outside (0, 1).
-            CannotStack: for R > 1 copies of a model with layers other than ``nn.Linear``.
-        """
+        """R copies from the model's parameters: ``theta`` ``(R, D)``, one Adam over it (an ``nn.Sequential``
+        model; :class:`CannotStack` for R > 1 copies of one with layers other than ``nn.Linear``)."""
         super().setup_replicas(problems)
         model = self.problem.model
         if not isinstance(model, nn.Sequential):
@@ -243,15 +213,9 @@ class MCDropout(StackedMethod):
     @torch.no_grad()
     def predict_replicas(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
         """:meth:`predict` of the stacked copies ``copies`` on their inputs ``x`` ``(len(copies), N, in)``:
-        ``(len(copies), S, N, out)``, copy r's slice what ``self.replica(r).predict(x[r], S)`` returns from
-        the generator's present state, and the generator left where that call leaves it. The masks a
-        single run draws are drawn once, in chunks of ``_PREDICT_CHUNK`` draws, layer by layer, and shared
-        by the copies (one per distinct rate), so the copies cost their products only, not their random
-        numbers. Each copy is then run a slice of the chunk's draws at a time (its activations in cache).
-
-        Raises:
-            CannotStack: for models with layers other than ``nn.Linear``.
-        """
+        ``(len(copies), S, N, out)``, copy r's slice what ``self.replica(r).predict(x[r], S)`` returns (the
+        generator left where that call leaves it). A single run's masks are drawn once per chunk and shared by
+        the copies (one per distinct rate); each copy then runs a slice of the chunk at a time (in cache)."""
         if not self._linear_only:
             raise CannotStack("dropout: shared predictions need a model of nn.Linear layers")
         thetas = self.theta.detach().index_select(0, torch.tensor(list(copies), device=self.theta.device))
@@ -353,11 +317,3 @@ class MCDropout(StackedMethod):
     def point_estimate(self) -> Tensor:
         """The trained weights (what a deterministic network with dropout switched off would use)."""
         return self.only_copy(self.theta.detach())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.theta.copy_(state["theta"])
-        load_adam_state(self.optimizer, state["optimizer"])

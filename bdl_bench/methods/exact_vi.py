@@ -68,12 +68,8 @@ _HISTORY_SIZE = 50
 
 
 def check_logistic_regression(model: nn.Module, likelihood: Likelihood | None = None) -> nn.Linear:
-    """The model's single ``nn.Linear`` layer, after checking it is Bayesian logistic regression.
-
-    Raises:
-        ValueError: unless the model is one ``nn.Linear`` with one output (alone or inside
-            containers) and, when given, the likelihood is ``Bernoulli``.
-    """
+    """The model's single ``nn.Linear`` layer with one output (alone or inside containers), after checking it is
+    Bayesian logistic regression (and, when given, that the likelihood is ``Bernoulli``)."""
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     if len(leaves) != 1 or not isinstance(leaves[0], nn.Linear) or leaves[0].out_features != 1:
         found = ", ".join(type(m).__name__ for m in leaves) or "no layers"
@@ -87,11 +83,7 @@ def check_logistic_regression(model: nn.Module, likelihood: Likelihood | None = 
 
 
 def logistic_design(model: nn.Module, x: Tensor) -> Tensor:
-    """The design matrix in flat-parameter coordinates: ``[x, 1]`` with a bias, else ``x``; ``(N, D)``.
-
-    Raises:
-        ValueError: if ``model`` is not a single one-output linear layer.
-    """
+    """The design matrix in flat-parameter coordinates: ``[x, 1]`` with a bias, else ``x``; ``(N, D)``."""
     layer = check_logistic_regression(model)
     if layer.bias is None:
         return x
@@ -112,22 +104,10 @@ def logistic_elbo(
     expectation: Expectation | str = Expectation.QUADRATURE,
     n_points: int = 32,
 ) -> Tensor:
-    r"""ELBO per training example of logistic regression for any Gaussian ``q`` over the weights.
-
+    r"""ELBO per training example of logistic regression for any Gaussian ``q`` over the weights,
     :math:`\big(\sum_i \mathbb E_q[\log\sigma(s_i x_i^\top\theta)] - \mathrm{KL}(q\,\|\,
-    \mathcal N(0, \operatorname{diag}(\lambda)^{-1}))\big)/N`, via ``q.linear_moments`` and the
-    registered KL; differentiable in ``q``'s tensors.
-
-    Args:
-        q: the posterior over θ, in the coordinates of ``x``'s columns.
-        x: the design matrix ``(N, D)`` (use :func:`logistic_design` to append the bias column).
-        y: labels in {0, 1}, ``(N,)``.
-        prior_precision: λ, ``(D,)``.
-        expectation: ``quadrature`` or ``piecewise`` (a lower bound).
-        n_points: quadrature nodes.
-
-    Returns:
-        A scalar tensor.
+    \mathcal N(0, \operatorname{diag}(\lambda)^{-1}))\big)/N`, differentiable in ``q``'s tensors; ``x`` the
+    design matrix ``(N, D)`` (:func:`logistic_design`), ``y`` labels in {0, 1}.
     """
     moments = q.linear_moments(x)
     ell = expected_log_sigmoid_with(
@@ -147,19 +127,10 @@ def logistic_elbo_from_scale(
     expectation: Expectation | str = Expectation.QUADRATURE,
     n_points: int = 32,
 ) -> Tensor:
-    r"""The same ELBO per example as :func:`logistic_elbo`, for :math:`\Sigma = AA^\top` given by A.
-
-    This is the objective ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`,
-    :math:`\Sigma_{jj} = \sum_k A_{jk}^2`, :math:`\log|\Sigma| = 2\sum_j\log|A_{jj}|`.
-
-    Args:
-        mean: μ, ``(D,)``.
-        scale: A: lower triangular ``(D, D)`` (entries above the diagonal are ignored), or the
-            standard deviations ``(D,)`` for a diagonal Σ.
-        x, y, prior_precision, expectation, n_points: as in :func:`logistic_elbo`.
-
-    Returns:
-        A scalar tensor, differentiable in ``mean`` and ``scale``.
+    r""":func:`logistic_elbo` for :math:`\Sigma = AA^\top` given by ``scale`` A: lower triangular ``(D, D)``
+    (entries above the diagonal ignored), or the standard deviations ``(D,)`` of a diagonal Σ. The objective
+    ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`, :math:`\Sigma_{jj} = \sum_k A_{jk}^2`,
+    :math:`\log|\Sigma| = 2\sum_j\log|A_{jj}|`.
     """
     if scale.ndim == 2:
         scale = torch.tril(scale)
@@ -183,33 +154,16 @@ def _kl_from_scale(mean: Tensor, scale: Tensor, lam: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class ExactVIState:
-    """The fitted Gaussian.
-
-    Attributes:
-        mean: μ, ``(D,)``.
-        scale: A with Σ = A Aᵀ: lower triangular ``(D, D)`` (full) or standard deviations ``(D,)`` (diag).
-        n_iter: L-BFGS iterations made.
-    """
+    """The fitted Gaussian."""
 
     mean: Tensor  # (D,)
-    scale: Tensor  # (D, D) or (D,)
-    n_iter: int
+    scale: Tensor  # A with Σ = A Aᵀ: lower triangular (D, D), or standard deviations (D,)
+    n_iter: int  # L-BFGS iterations made
 
 
 @register_method("exact_vi")
 class ExactVI(PostHocMethod):
-    """Deterministic ELBO maximisation for Bayesian logistic regression (module docstring).
-
-    Args:
-        covariance: ``full`` or ``diag``.
-        expectation: ``quadrature`` or ``piecewise`` (how E[log σ(f)] is computed).
-        n_quadrature: quadrature nodes per rule (>= 2; used by ``quadrature``).
-        max_iter: the most L-BFGS iterations (>= 1).
-        tolerance: stop when the largest gradient entry of −ELBO/N is at most this (> 0).
-
-    Raises:
-        ValueError: on a bad option, naming the value and the valid choices or range.
-    """
+    """Deterministic ELBO maximisation for Bayesian logistic regression (module docstring)."""
 
     option_ranges = MappingProxyType({"n_quadrature": Range(2, integer=True), "max_iter": COUNT, "tolerance": POSITIVE})
     trains_map = False  # the whole fit is fit_posterior's L-BFGS
@@ -240,12 +194,13 @@ class ExactVI(PostHocMethod):
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float]:
         raise NotImplementedError("exact_vi optimises the whole training set with L-BFGS: call fit, not train_step")
 
+    def _scale(self, raw: Tensor) -> Tensor:
+        """A from the unconstrained variables: strictly-lower part and log-diagonal, or log-std."""
+        return torch.tril(raw, -1) + torch.diag(raw.diagonal().exp()) if self._full else raw.exp()
+
     def _objective(self, mean: Tensor, raw: Tensor, x: Tensor, y: Tensor, lam: Tensor) -> Tensor:
-        """−ELBO/N at the unconstrained variables (raw: strictly-lower part + log-diagonal, or log-std)."""
-        if self._full:
-            scale = torch.tril(raw, -1) + torch.diag(raw.diagonal().exp())
-        else:
-            scale = raw.exp()
+        """−ELBO/N at the unconstrained variables."""
+        scale = self._scale(raw)
         return -logistic_elbo_from_scale(
             mean, scale, x, y, lam, expectation=self.expectation, n_points=self.n_quadrature
         )
@@ -255,15 +210,8 @@ class ExactVI(PostHocMethod):
         return self.state.n_iter > 0
 
     def fit_posterior(self, x: Tensor, y: Tensor) -> dict[str, float]:
-        """Run L-BFGS on the full training set from the current state (:class:`PostHocMethod` reports it once,
-        as epoch ``n_epochs``, and not again in a run resumed after it).
-
-        Returns:
-            ``train/elbo`` (per example), ``train/loss`` (−ELBO/N), ``train/nll`` (expected NLL per example),
-            ``train/n_iter`` and ``train/grad_max``.
-
-        Raises:
-            NonFiniteLossError: if the final ELBO or variables are not finite.
+        """Run L-BFGS on the full training set from the current state; returns ``train/elbo`` (per example),
+        ``train/loss`` (−ELBO/N), ``train/nll`` (expected NLL per example), ``train/n_iter`` and ``train/grad_max``.
         """
         like = self.state.mean
         f64 = torch.float64
@@ -305,7 +253,7 @@ class ExactVI(PostHocMethod):
         loss = closure().detach()
         grad_max = max(float(mean.grad.abs().max()), float(raw.grad.abs().max()))
         with torch.no_grad():
-            final = torch.tril(raw, -1) + torch.diag(raw.diagonal().exp()) if self._full else raw.exp()
+            final = self._scale(raw)
             if not (
                 math.isfinite(float(loss)) and bool(torch.isfinite(mean).all()) and bool(torch.isfinite(final).all())
             ):
@@ -324,7 +272,6 @@ class ExactVI(PostHocMethod):
             "train/grad_max": grad_max,
         }
 
-    # -------------------------------------------------------------------------- posterior
     def posterior(self) -> FullGaussian | DiagGaussian:
         s = self.state
         if self._full:
@@ -348,7 +295,6 @@ class ExactVI(PostHocMethod):
         thetas = s.mean + (eps @ s.scale.T if s.scale.ndim == 2 else eps * s.scale)
         return torch.stack([forward_with(self.problem.model, th, x) for th in thetas])
 
-    # ------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         s = self.state
         return {"mean": s.mean.clone(), "scale": s.scale.clone(), "n_iter": s.n_iter}

@@ -33,20 +33,13 @@ sign: with :math:`a = h + \delta`, :math:`u = (h - \hat h)/a` and :math:`c = 1 -
 each coordinate to :math:`[-\xi, \xi]` (``clip_radius``; ``null`` = no clipping), and
 :math:`\alpha_t = ` ``lr`` :math:`/(1 + t^{\gamma})` (``decay`` :math:`\gamma`; 0 = constant).
 
-The step reports ``loss`` = ``nll`` + ``kl``, the minibatch estimate of the negative ELBO per training example
-under the q that drew the samples: ``nll`` the S-sample mean of :math:`\bar\ell`, ``kl`` =
-:math:`\mathrm{KL}(q \,\|\, p) / N` in closed form,
+The step reports ``loss`` = ``nll`` + ``kl``, the minibatch estimate of the negative ELBO per example under
+the q that drew the samples: ``nll`` the S-sample mean of :math:`\bar\ell`, ``kl`` =
+:math:`\mathrm{KL}(q \,\|\, p) / N` in closed form (:func:`_kl_from_precision`).
 
-.. math::
-
-    \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_{0d} \sigma_d^2 + \lambda_{0d} m_d^2 - 1
-        - \log(\lambda_{0d} \sigma_d^2)\bigr).
-
-**Stacked copies.** The state (m, h, g and the prior precisions) carries a leading copy dimension R
-(:class:`~bdl_bench.methods.base.StackedMethod`): a single run is the stack of one copy. Each step draws one
-``(S, D)`` block of standard normals from ``problem.generator`` and shares it between the copies, so copy r
-draws exactly what a single run of the same seed draws; copy r's network runs on its own minibatch under its
-own likelihood (each split's noise precision) and prior.
+**Stacked copies.** m, h, g and the prior precisions carry a leading copy dimension R; each step draws one
+``(S, D)`` block of standard normals and shares it between the copies, so copy r draws exactly what a single
+run of the same seed draws.
 """
 
 from __future__ import annotations
@@ -82,8 +75,9 @@ def _kl_from_precision(
     mean: Tensor, precision: Tensor, prior_precision: Tensor, workspace: dict[str, Tensor] | None = None
 ) -> Tensor:
     r""":math:`\mathrm{KL}(\mathcal N(m, \operatorname{diag}(P)^{-1}) \,\|\, \mathcal N(0,
-    \operatorname{diag}(\lambda_0)^{-1}))` of each row of ``(R, D)`` inputs, ``(R,)`` (the module docstring's closed
-    form with :math:`\lambda_0 \sigma^2 = \lambda_0 / P`); its temporaries in ``workspace``'s buffers where given."""
+    \operatorname{diag}(\lambda_0)^{-1}))` of each row of ``(R, D)`` inputs, ``(R,)``:
+    :math:`\tfrac12 \sum_d (r_d + \lambda_{0d} m_d^2 - 1 - \log r_d)`, :math:`r = \lambda_0 / P`; its
+    temporaries in ``workspace``'s buffers where given."""
     ratio = torch.div(prior_precision, precision, out=workspace_buffer(workspace, "ratio", mean.shape, mean))
     scaled = torch.mul(prior_precision, mean, out=workspace_buffer(workspace, "scaled", mean.shape, mean))
     quadratic = torch.linalg.vecdot(scaled, mean)
@@ -103,9 +97,6 @@ class IVON(StackedMethod):
         clip_radius: :math:`\\xi`, each coordinate of the preconditioned step clamped to :math:`[-\\xi, \\xi]`
             (> 0), or ``None`` for no clipping.
         decay: :math:`\\gamma \\ge 0`, step size :math:`\\alpha_t = \\alpha / (1 + t^\\gamma)` (0: constant).
-
-    Raises:
-        ConfigError: naming the first option out of its range (``option_ranges``).
     """
 
     option_ranges = MappingProxyType(
@@ -144,11 +135,7 @@ class IVON(StackedMethod):
     # ------------------------------------------------------------------ state
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """R copies starting from the model's weights: m ``(R, D)``, h = ``hess_init``, g = 0, and each copy's
-        prior precision ``(R, D)``.
-
-        Raises:
-            ConfigError: if the model holds dropout layers (their noise would not come from the generator).
-        """
+        prior precision ``(R, D)``; a model with dropout is refused (its noise would not come from the generator)."""
         super().setup_replicas(problems)
         model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
@@ -170,10 +157,8 @@ class IVON(StackedMethod):
 
     # ------------------------------------------------------------------ training
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """One step of Algorithm 1 for every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``.
-
-        Its ``(R, D)`` temporaries live in buffers kept from step to step (on the CPU a fresh large tensor is fresh
-        memory from the OS, paid for in page faults at its first touch)."""
+        """One step of Algorithm 1 for every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; its
+        ``(R, D)`` temporaries live in reused buffers (a fresh large tensor costs page faults at first touch)."""
         likelihoods = [p.likelihood for p in self._replica_problems]
         model = self.problem.model
         ws = self._workspace
@@ -234,7 +219,6 @@ class IVON(StackedMethod):
             self.mean.add_(u.div_(new_precision).clamp_(-radius, radius), alpha=-scale)
 
     def _rate(self) -> float:
-        """:math:`\\alpha_t` of the current step t."""
         return self.lr / (1 + self.step**self.decay) if self.decay > 0 else self.lr
 
     # ------------------------------------------------------------------ evaluation (a one-copy state)

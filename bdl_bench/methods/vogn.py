@@ -26,27 +26,20 @@ with :math:`g_i = \nabla_\theta[-\log p(y_i\mid x_i,\theta)]` and the per-exampl
   for deeper models it drops the second-derivative-of-the-network term, which keeps it positive
   semi-definite for the Gaussian, Bernoulli and categorical likelihoods.
 
-``covariance=diag`` keeps only the diagonals of :math:`\hat H_t` (so of :math:`S`), i.e. the
-mean-field versions. Step t = 1, 2, … uses :math:`\alpha_t = \alpha/(1+t^{\text{decay}})` and
-:math:`\beta_t = \beta/(1+t^{\text{decay}})` (``decay: 0`` keeps them constant): the schedule of the
-SLANG authors' ``cvi.m``/``slang.m``, shared with ``method=slang`` (``decayed_rate``). The initial
-mean is the model's current parameters; the initial precision is
-:math:`S_0 = \operatorname{diag}(\lambda + \text{init\_prec})` (the authors start from
-:math:`S_0 = I`, which is ``init_prec: 1`` up to λ). Like the authors' code, this is the update
-with the exact :math:`\hat g_t, \hat H_t`; nothing is clipped or damped.
+``covariance=diag`` keeps only the diagonals of :math:`\hat H_t` (so of :math:`S`): the mean-field versions.
+Step t = 1, 2, … uses :math:`\alpha_t = \alpha/(1+t^{\text{decay}})` and :math:`\beta_t = \beta/(1+t^{\text{decay}})`,
+the schedule of the SLANG authors' ``cvi.m``/``slang.m``. The initial mean is the model's parameters, the
+initial precision :math:`S_0 = \operatorname{diag}(\lambda + \text{init\_prec})` (the authors' :math:`S_0 = I`
+is ``init_prec: 1`` up to λ). As in the authors' code, nothing is clipped or damped.
 
-Computation: the step is written once for R stacked copies (one per data split, :mod:`bdl_bench.orchestration.stacked`):
-the mean is ``(R, D)``, the precision ``(R, D, D)`` or ``(R, D)``, and a single run is the stack of one copy.
-Copy r draws exactly the standard normals a single run of the same seed draws (one ``(K, D)`` draw shared by
-the copies). For ``nn.Sequential`` networks of ``nn.Linear`` layers (``logreg``, ``mlp``) all K·M
-per-example gradients of every copy come from one batched forward/backward
-(:mod:`bdl_bench.curvature.stacked`: layer inputs times output gradients). The GGN is a sum of such outer
-products too: writing :math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top`
+Computation, for R stacked copies (mean ``(R, D)``, precision ``(R, D, D)`` or ``(R, D)``; one ``(K, D)`` draw
+shared by the copies): for ``nn.Sequential`` networks of ``nn.Linear`` layers all K·M per-example gradients of
+every copy come from one batched forward/backward (:mod:`bdl_bench.curvature.stacked`). The GGN is a sum of
+such outer products too: with :math:`\Lambda_i = \sum_c a_{ic}a_{ic}^\top`
 (:meth:`~bdl_bench.likelihoods.Likelihood.hessian_sqrt`), :math:`J_i^\top\Lambda_iJ_i = \sum_c h_{ic}h_{ic}^\top`
-with :math:`h_{ic} = J_i^\top a_{ic}` the gradient of the pseudo-loss :math:`a_{ic}^\top f_i` (``a`` held
-fixed), so ``out`` more passes give it. Other models use ``torch.func`` (:func:`per_example_terms`:
-``vmap(grad)``, ``jacrev``), one MC sample at a time and a single run only; that path is also the dense twin
-of the fast one in the tests. The full version stores a D × D precision and refuses D > 5000.
+where :math:`h_{ic} = J_i^\top a_{ic}` is the gradient of the pseudo-loss :math:`a_{ic}^\top f_i` (``a`` held
+fixed). Other models use ``torch.func`` (:func:`per_example_terms`), one MC sample at a time and a single run
+only. The full version stores a D × D precision and refuses D > 5000.
 """
 
 from __future__ import annotations
@@ -94,44 +87,30 @@ MAX_FULL_PARAMS = 5000
 
 
 class Curvature(str, Enum):
-    """Per-example curvature in the precision update."""
+    """Per-example curvature in the precision update (module docstring)."""
 
     EF = "ef"
-    """Empirical Fisher g_i g_iᵀ."""
     HESSIAN = "hessian"
-    """Generalised Gauss–Newton J_iᵀ Λ_i J_i (the exact Hessian for logistic regression)."""
 
 
 @dataclass(frozen=True)
 class VognState:
-    """What changes while fitting, for R stacked copies (R = 1 for a single run).
+    """What changes while fitting, for R stacked copies. ``chol``: the lower Cholesky factors of a full S_t
+    when the update that made S_t factored it (the next step samples with them), else ``None``."""
 
-    Attributes:
-        mean: μ_t, ``(R, D)``.
-        precision: S_t, ``(R, D, D)`` for ``covariance=full``, its diagonal ``(R, D)`` for ``diag``.
-        step: t, the number of updates made so far.
-        chol: the lower Cholesky factors ``(R, D, D)`` of a full S_t when known (the update that made S_t
-            factored it for its mean step; the next step samples with it instead of factoring S_t again);
-            ``None`` for ``diag`` or when not known (it is recomputed, with the same result).
-    """
-
-    mean: Tensor  # (R, D)
-    precision: Tensor  # (R, D, D) or (R, D)
-    step: int
+    mean: Tensor  # (R, D)  mu_t
+    precision: Tensor  # (R, D, D) or its diagonal (R, D)  S_t
+    step: int  # t, updates made so far
     chol: Tensor | None = None
 
 
 def _in_copy(index: int, n_copies: int) -> str:
-    """`` in stacked copy r`` for an error of a stack of several copies; nothing for a single run."""
     return f" in stacked copy {index}" if n_copies > 1 else ""
 
 
 def _cholesky(precision: Tensor, step: int) -> Tensor:
-    """Lower Cholesky factors of ``(R, D, D)`` precisions.
-
-    Raises:
-        NonFiniteLossError: if a copy's precision is not positive definite (naming the copy in a stack).
-    """
+    """Lower Cholesky factors of ``(R, D, D)`` precisions; :class:`NonFiniteLossError` if one is not positive
+    definite."""
     chol, info = torch.linalg.cholesky_ex(precision)
     if bool(info.any()):
         bad = int(info.flatten().nonzero()[0, 0])
@@ -144,8 +123,7 @@ def _cholesky(precision: Tensor, step: int) -> Tensor:
 
 
 def _first_bad_copy(*tensors: Tensor) -> int | None:
-    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None`` (one read of the device;
-    the copy is looked for only when there is one)."""
+    """The first copy (leading index) where any of ``tensors`` is not finite, or ``None`` (one device read)."""
     ok = torch.isfinite(tensors[0]).all()
     for t in tensors[1:]:
         ok &= torch.isfinite(t).all()
@@ -161,8 +139,7 @@ def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor,
 
     For a full S given ``noise`` (θ_k − μ of K samples of q, ``(..., K, D)``), the trace term
     Σ_j λ_j Σ_jj is estimated by their mean of (θ_k − μ)ᵀ diag(λ)(θ_k − μ) (unbiased; a training step's
-    loss, as SLANG's) instead of from S⁻¹, whose D³/3 triangular solve cost as much as the rest of a
-    stacked USPS step."""
+    loss, as SLANG's), sparing the D³/3 triangular solve for S⁻¹."""
     lam, mean = prior_precision, state.mean
     if chol is None:  # diagonal
         trace, logdet = (lam * state.precision.reciprocal()).sum(-1), state.precision.log().sum(-1)
@@ -252,17 +229,10 @@ def factored_terms(
     curvature: Curvature,
     full: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per copy, from layer factors (module docstring): the NLL averaged over the K samples and M examples
-    ``(R,)``, Σ_{k,i} g_{k,i} ``(R, D)`` and Σ_{k,i} H_{k,i} ``(R, D, D)`` or its diagonal ``(R, D)``.
-
-    Args:
-        model: an ``nn.Sequential`` of ``nn.Linear`` and parameter-free modules; ``layout`` its
-            :func:`~bdl_bench.curvature.per_example.linear_layout`.
-        likelihoods: one per copy.
-        thetas: ``(R, K, D)`` parameter samples.
-        x, y: the copies' minibatches, ``(R, M, ...)`` and ``(R, M)``.
-        curvature, full: as in :func:`per_example_terms`.
-    """
+    """Per copy, from layer factors (module docstring), at ``thetas`` ``(R, K, D)`` on minibatches ``(R, M, ...)``:
+    the NLL averaged over the K samples and M examples ``(R,)``, Σ_{k,i} g_{k,i} ``(R, D)`` and Σ_{k,i} H_{k,i}
+    ``(R, D, D)`` or its diagonal ``(R, D)``. ``layout`` is ``model``'s
+    :func:`~bdl_bench.curvature.per_example.linear_layout`."""
     curvature = Curvature(curvature)
     shared = len(layout.slots) == 1  # logistic regression: the data is the one layer's input for all K samples
     factors = stacked_factors(model, layout, thetas, x, y, likelihoods, share_first_input=shared)
@@ -281,21 +251,8 @@ def factored_terms(
 
 @register_method("vogn")
 class VOGN(StackedMethod):
-    """Natural-gradient VI with a full or diagonal Gaussian (module docstring). Splits can be stacked
-    (:meth:`setup_replicas`) for networks of ``nn.Linear`` layers.
-
-    Args:
-        covariance: ``full`` or ``diag``.
-        curvature: ``ef`` (empirical Fisher) or ``hessian`` (generalised Gauss–Newton).
-        lr: α, the mean step size (> 0).
-        beta: β, the precision step size, in (0, 1].
-        decay: exponent of the schedule ``rate / (1 + t**decay)`` at step t = 1, 2, … (>= 0; 0 = constant).
-        n_train_mc_samples: K, posterior samples per step (>= 1).
-        init_prec: added to the prior precision for the initial precision S_0 (>= 0).
-
-    Raises:
-        ValueError: on a bad option, naming the value and the valid choices or range.
-    """
+    """Natural-gradient VI with a full or diagonal Gaussian (module docstring; ``lr`` α, ``beta`` β,
+    ``n_train_mc_samples`` K). Splits can be stacked for networks of ``nn.Linear`` layers."""
 
     option_ranges = MappingProxyType(
         {
@@ -334,12 +291,7 @@ class VOGN(StackedMethod):
 
     # ------------------------------------------------------------------------------ setup
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
-        """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked.
-
-        Raises:
-            ConfigError: for ``covariance=full`` on more than :data:`MAX_FULL_PARAMS` parameters.
-            CannotStack: for R > 1 copies of a model that is not a ``nn.Sequential`` of ``nn.Linear`` layers.
-        """
+        """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked."""
         super().setup_replicas(problems)
         mean = flat_params(self.problem.model)
         n = mean.numel()
@@ -364,7 +316,6 @@ class VOGN(StackedMethod):
         precision = torch.diag_embed(prec_diag) if self._full else prec_diag
         self.state = VognState(mean=mean.expand(len(problems), n).clone(), precision=precision, step=0)
 
-    # ---------------------------------------------------------------------------- helpers
     def _sampling_cholesky(self) -> Tensor | None:
         """The Cholesky factors of a full precision (the ones the state carries, else computed); ``None`` for diag."""
         if not self._full:
@@ -406,24 +357,16 @@ class VOGN(StackedMethod):
             h_sum += curv
         return (nll_sum / samples.shape[0])[None], g_sum[None], h_sum[None]
 
-    # ----------------------------------------------------------------------------- update
     @torch.no_grad()
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One natural-gradient step of every copy on its minibatch (module docstring), ``x`` ``(R, M, ...)``,
         ``y`` ``(R, M)``.
 
-        Returns:
-            ``{"loss", "nll"}`` as ``(R,)`` tensors: the minibatch estimate of −ELBO/N at the current q (expected
-            NLL per example plus KL/N; for ``covariance=full`` the KL's trace term is estimated from the step's
-            samples, :func:`_kl_to_prior`) and of the expected NLL per example. With a diagonal precision, a copy
-            whose new mean or precision would not be finite, or whose precision would not be positive, keeps
-            the old ones and reports a NaN loss, found without reading the device (:meth:`Method.fit` raises at
-            the end of the epoch, naming the copy in a stack).
-
-        Raises:
-            NonFiniteLossError: ``covariance=full``: if a copy's new mean or precision is not finite, or its
-                precision is not positive definite (its Cholesky reads the device anyway), naming the step (and
-                the copy in a stack).
+        Returns ``loss`` and ``nll`` ``(R,)``: the minibatch estimates of −ELBO/N at the current q and of the
+        expected NLL per example. With a diagonal precision, a copy whose new mean or precision would not be
+        finite or positive keeps the old ones and reports a NaN loss, without reading the device (:meth:`fit`
+        raises at the end of the epoch); with a full one, :class:`NonFiniteLossError` at once (its Cholesky reads
+        the device anyway).
         """
         p, state, lam = self.problem, self.state, self._prior
         n_copies, n_samples = state.mean.shape[0], self.n_train_mc_samples
@@ -462,7 +405,6 @@ class VOGN(StackedMethod):
             loss = torch.where(ok, loss, torch.full_like(loss, math.nan))
         return {"loss": loss, "nll": nll}
 
-    # -------------------------------------------------------------------------- posterior
     def posterior(self) -> FullGaussian | DiagGaussian:
         mean, precision = self.only_copy(self.state.mean), self.only_copy(self.state.precision)
         return FullGaussian(mean, precision) if self._full else DiagGaussian(mean, precision)
@@ -479,15 +421,13 @@ class VOGN(StackedMethod):
         thetas, _ = self._draw(self._sampling_cholesky(), n_samples)
         return torch.stack([forward_with(self.problem.model, th, x) for th in thetas[0]])
 
-    # ------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Every copy's mean ``(R, D)``, precision and the step (a stack's checkpoint holds all its copies)."""
+        """Every copy's mean ``(R, D)``, precision and the step."""
         s = self.state
         return {"mean": s.mean.clone(), "precision": s.precision.clone(), "step": s.step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (or a single run's mean ``(D,)`` and precision, as saved before
-        single runs became stacks of one)."""
+        """Restore :meth:`state_dict`'s output (or a single run's copy-less mean ``(D,)`` and precision)."""
         mean, precision = state["mean"], state["precision"]
         like = self.state
         if mean.shape == like.mean.shape[1:] and precision.shape == like.precision.shape[1:]:
