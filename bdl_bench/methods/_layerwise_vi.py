@@ -1,11 +1,10 @@
 r"""Shared machinery of the layer-wise Gaussian VI methods ``gmfvi``, ``ktied`` and ``elrg``.
 
 The model's parametrised modules are ``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` and ``nn.LSTM`` layers
-(``elrg``: ``nn.Linear`` only); every other module must be parameter-free, and none may hold dropout.
-The variational posterior factorises over layers, :math:`q(\theta) = \prod_l q_l(\theta_l)`, each
-:math:`q_l` Gaussian with the model's current parameters as initial mean :math:`\mu` (one flat vector in
-the order of ``bdl_bench.models.params``). The prior is :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
-with ``problem.prior_precision``. Adam descends, per training example, the annealed negative ELBO
+(``elrg``: ``nn.Linear`` only); every other module must be parameter-free, and none may hold dropout. The
+posterior factorises over layers, :math:`q(\theta) = \prod_l q_l(\theta_l)`, each :math:`q_l` Gaussian with the
+model's parameters as initial mean :math:`\mu`; the prior is :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`.
+Adam descends, per training example, the annealed negative ELBO (KL in closed form)
 
 .. math::
 
@@ -13,50 +12,31 @@ with ``problem.prior_precision``. Adam descends, per training example, the annea
         + \frac{\beta_t}{N} \mathrm{KL}(q \,\|\, p), \qquad
     \beta_t = \min\bigl(1, t / T_{\text{anneal}}\bigr)
 
-(step t = 1, 2, ...; ``kl_annealing_steps`` :math:`T_{\text{anneal}} = 0` means :math:`\beta_t = 1`:
-linear KL annealing as in Swiatkowski et al. (2020), Sec. 3.1, after Sønderby et al. (2016)). The KL is
-in closed form.
+(step t = 1, 2, ...; :math:`T_{\text{anneal}} = 0` means :math:`\beta_t = 1`; linear KL annealing as in
+Swiatkowski et al. 2020, Sec. 3.1).
 
-**Training, an ``nn.Sequential`` of ``nn.Linear`` and (zero-padded) ``nn.Conv2d`` layers and parameter-free
-modules** (MLPs, the LeNet-style CNNs): each layer's *output* is sampled with the local reparameterisation
-trick (Kingma, Salimans & Welling 2015; Tomczak et al. 2020, Lemma 1 for the low-rank family): given the
-layer input, every output element of a linear map with independent Gaussian weights is Gaussian, with
-mean and variance from two products with the input (a convolution is the same sum of products:
-:math:`\operatorname{conv}(a, \mu_W) + \mu_b` and :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`),
-and is drawn independently per example (per output element), so one step costs a few layer-sized
-products instead of one weight draw per example. With S > 1 samples, dense networks carry them as a
-leading dimension, networks with convolutions fold them into the batch.
+**Training an ``nn.Sequential`` of ``nn.Linear``, zero-padded ``nn.Conv2d`` and parameter-free modules**: each
+layer's output is sampled with the local reparameterisation trick (Kingma, Salimans & Welling 2015; Tomczak
+et al. 2020, Lemma 1): given the input, every output element is Gaussian, with mean and variance from two
+products with the input (for a convolution :math:`\operatorname{conv}(a, \mu_W) + \mu_b` and
+:math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`), drawn independently per example. With S > 1 samples,
+dense networks carry them as a leading dimension, networks with convolutions fold them into the batch.
+For a dense layer this is exact (one example's outputs use disjoint weights). For a convolution it is an
+approximation: the elements of one feature map share the kernel, so under q they are correlated, and once a
+later layer mixes positions the objective is no longer exactly the ELBO (the trick "is not valid for
+convolutional layers", Swiatkowski et al. 2020, Sec. 4). ``conv_estimator="reparam"`` instead draws one kernel
+per MC sample, shared by the minibatch (the paper's Eq. 6): unbiased, at a higher gradient variance.
 
-For a dense layer this is exact: for one example, different outputs use disjoint weights, so they are
-independent under a mean-field q. For a convolution it is an approximation: every output element gets
-its exact marginal, but the elements of one feature map share the kernel, so under q they are
-correlated, and sampled independently they are not. Once a later layer mixes positions (pooling, the
-next convolution, a dense layer) the estimated objective is no longer exactly the ELBO of q; the k-tied
-paper notes that the trick "is not valid for convolutional layers" (Swiatkowski et al. 2020, Sec. 4).
-``conv_estimator="reparam"`` instead draws one kernel per MC sample, shared by the minibatch (the
-plain reparameterisation trick, the paper's Eq. 6): unbiased, at a higher gradient variance; the cost
-is the same convolution, grouped over the S samples.
+**Training any other model** (the IMDB LSTM classifier): the trick does not apply through a recurrence, so each
+MC sample draws one whole parameter vector :math:`\theta_s = \mu + \sigma \odot \epsilon_s`, shared by the
+minibatch. The padding row of an ``nn.Embedding`` (the deterministic model's constant zero vector) is held
+at its mean. ``predict`` always draws whole parameter vectors, so the S output samples are S networks.
 
-**Training, any other model** (the IMDB LSTM classifier: embedding, LSTM, dense head): the local
-reparameterisation does not apply through a recurrence (the same weights act at every time step, so the
-pre-activations of successive steps are not independent given the inputs), so each MC sample draws one
-whole parameter vector (embedding and dense head included) with the reparameterisation trick,
-:math:`\theta_s = \mu + \sigma \odot \epsilon_s`, shared by the minibatch, and runs the model at it
-(``torch.func.functional_call``). The padding row of an ``nn.Embedding`` (``padding_idx``: the constant
-zero vector of the deterministic model, which gets no gradient) is held at its mean, with no noise.
-
-Evaluation (``predict``) draws whole parameter vectors, so the S output samples are S networks.
-
-Subclasses say how :math:`q_l` is parameterised: the per-step quantities (:meth:`_step_terms`, which
-include the closed-form KL), the sampled output of one layer (:meth:`_local_preactivation`),
-flat parameter samples (:meth:`_sample_params`) and the tensors whose gradient SNR is tracked.
-With ``snr_window`` W > 0 the gradient SNR of those tensors (``bdl_bench.methods._grad_snr``) is
-measured over windows of W steps and added to the per-epoch history as ``train/grad_snr`` (all layers)
-and ``train/grad_snr_l<i>`` (i-th parametrised layer, from 1), the paper's mean over parameters, and as
-``train/grad_snr_median`` and ``train/grad_snr_median_l<i>``, the medians. With ``record_every`` R > 0 the
-validation negative ELBO and the latest window's SNR are also recorded after every R-th step, into the run
-folder's ``steps.csv`` (:mod:`bdl_bench.methods._step_records`: the k-tied paper reads them at steps 1000, 5000
-and 9000).
+Subclasses say how :math:`q_l` is parameterised (:meth:`_step_terms`, with the KL; :meth:`_local_preactivation`;
+:meth:`_sample_params`) and which tensors' gradient SNR is tracked. With ``snr_window`` W > 0 that SNR
+(:mod:`bdl_bench.methods._grad_snr`) over windows of W steps enters the history as ``train/grad_snr``,
+``train/grad_snr_l<i>`` (i-th parametrised layer) and their medians ``train/grad_snr_median[_l<i>]``; with
+``record_every`` > 0 the validation -ELBO and SNR go to ``steps.csv`` (:mod:`bdl_bench.methods._step_records`).
 """
 
 from __future__ import annotations
@@ -83,8 +63,6 @@ from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE
 
 _PREDICT_CHUNK = 64  # weight samples per batched forward pass in ``predict``
-
-
 CONV_ESTIMATORS = ("local", "reparam")
 LOCAL_LAYERS = (nn.Linear, nn.Conv2d)  # the layers whose outputs are sampled locally
 VARIATIONAL_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LSTM)  # what gmfvi and ktied take
@@ -92,25 +70,13 @@ VARIATIONAL_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LSTM)  # what gmfvi
 
 @dataclass(frozen=True, eq=False)
 class Layer:
-    """One parametrised module of the model.
+    """One parametrised module of the model (found by :func:`bdl_bench.models.params.param_layers`)."""
 
-    Attributes:
-        index: 1-based position among the parametrised modules, in ``model.modules()`` order
-            ("Dense 2" of an MLP is index 2).
-        name: the module's qualified name in the model (``"2"``, ``"lstm"``).
-        module: the module itself (``nn.Linear``, ``nn.Conv2d``, ``nn.Embedding`` or ``nn.LSTM``).
-        params: the module's parameter names (``"weight"``, ``"bias"``, ``"weight_ih_l0"``, ...), each
-            with its position in ``model.parameters()``.
-        slices: the same parameters' entries in the flat vector.
-
-    (:func:`bdl_bench.models.params.param_layers` finds them.)
-    """
-
-    index: int
-    name: str
+    index: int  # 1-based position among the parametrised modules ("Dense 2" of an MLP is 2)
+    name: str  # qualified name in the model ("2", "lstm")
     module: nn.Module
-    params: dict[str, int]
-    slices: dict[str, slice]
+    params: dict[str, int]  # parameter name ("weight", "weight_ih_l0", ...) -> position in model.parameters()
+    slices: dict[str, slice]  # the same parameters' entries in the flat vector
 
     @property
     def weight_param(self) -> int:
@@ -151,13 +117,8 @@ def _kinds(types: tuple[type[nn.Module], ...]) -> str:
 
 
 def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module], ...]) -> list[Layer]:
-    """The parametrised modules of ``model`` in ``model.modules()`` order (the flat parameter order).
-
-    Raises:
-        ValueError: naming the module, if a module that holds parameters is not one of ``supported``;
-            if the model holds dropout (its noise would not come from the method's generator); if it
-            has no parametrised module, or no ``forward`` of its own (e.g. an ``nn.ModuleDict``).
-    """
+    """The parametrised modules of ``model`` in the flat parameter order; refuses a parametrised module not in
+    ``supported``, dropout (its noise would not come from the generator), and a model without ``forward``."""
     if any(
         isinstance(m, nn.modules.dropout._DropoutNd) or (isinstance(m, nn.RNNBase) and m.dropout > 0)
         for m in model.modules()
@@ -182,13 +143,7 @@ def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module]
 
 
 def linear_layers(model: nn.Module, method: str) -> list[Layer]:
-    """The linear layers of ``model`` in forward order.
-
-    Raises:
-        ValueError: unless ``model`` is an ``nn.Sequential`` whose parametrised children are all
-            ``nn.Linear`` (and at least one is), naming the first module that is not; or if it holds
-            dropout (its noise would not come from the method's generator).
-    """
+    """The layers of ``model``, an ``nn.Sequential`` whose parametrised children are all ``nn.Linear``."""
     if not isinstance(model, nn.Sequential):
         model_layers(model, method, (nn.Linear,))  # names an unsupported layer, if there is one
         raise ConfigError(f"{method}: needs an nn.Sequential of nn.Linear layers, got {type(model).__name__}")
@@ -241,20 +196,9 @@ def local_reparam_conv2d(
     bias_var: Tensor | None,
     generator: torch.Generator,
 ) -> Tensor:
-    r"""Sample the output of a convolution with independent Gaussian weights and biases, per output element.
-
-    Each output element is a sum of products of weights and inputs, so given the input it is Gaussian with
-    mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b` and variance
-    :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2` (Kingma et al. 2015's local
-    reparameterisation; elements of one feature map are drawn independently, although they share weights).
-
-    Args:
-        layer: an ``nn.Conv2d`` layer (zero padding).
-        a: its input ``(N, C_in, H, W)``.
-        weight_mean, weight_var: ``(C_out, C_in/groups, kh, kw)``.
-        bias_mean, bias_var: ``(C_out,)``, or ``None`` without a bias.
-        generator: source of the standard normal noise.
-    """
+    r"""Sample the output of the convolution ``layer`` of ``a`` ``(N, C_in, H, W)`` with independent Gaussian
+    weights and biases, per output element: mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b`, variance
+    :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2` (module docstring)."""
     mean = conv2d(layer, a, weight_mean, bias_mean)
     var = conv2d(layer, a * a, weight_var, bias_var)
     return mean + sqrt_or_tiny(var) * standard_normal(tuple(mean.shape), generator, mean)
@@ -289,26 +233,8 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class LayerwiseVI(Method):
-    """Base of the layer-wise Gaussian VI methods (see the module docstring).
-
-    ``supported_layers`` are the parametrised modules a family handles (``setup`` refuses others, naming them).
-
-    Args:
-        lr: Adam learning rate.
-        n_train_mc_samples: MC samples S per training step.
-        init_std: initial posterior standard deviation (each family says how it is used).
-        kl_annealing_steps: steps over which the KL weight grows linearly from 0 to 1 (0: no annealing).
-        snr_window: steps per gradient-SNR window (0: no SNR tracking; the paper uses 10).
-        record_every: record the validation negative ELBO and gradient SNR after every this many steps into
-            ``steps.csv`` (0: off; needs a validation set).
-        conv_estimator: how training samples ``nn.Conv2d`` outputs: ``"local"`` (each output element
-            independently, :func:`local_reparam_conv2d`) or ``"reparam"`` (one kernel per MC sample, shared by
-            the minibatch: exact); see the module docstring.
-
-    Raises:
-        ValueError: on a non-positive ``lr`` or ``init_std``, ``n_train_mc_samples < 1``, a negative
-            ``kl_annealing_steps``, ``snr_window`` of 1 or below 0, or an unknown ``conv_estimator``.
-    """
+    """Base of the layer-wise Gaussian VI methods (see the module docstring); ``supported_layers`` are the
+    parametrised modules a family handles."""
 
     supported_layers: tuple[type[nn.Module], ...] = VARIATIONAL_LAYERS
     option_ranges = MappingProxyType(
@@ -371,8 +297,7 @@ class LayerwiseVI(Method):
         the variational parameters (the reparameterisation trick)."""
 
     def _param_std(self, terms: Any, position: int) -> Tensor:
-        """The standard deviations of the model parameter at ``position``, in its shape (for
-        ``conv_estimator="reparam"``; families with convolutions implement it)."""
+        """The standard deviations of the parameter at ``position``, in its shape (``conv_estimator="reparam"``)."""
         raise NotImplementedError(f"{self.name}: no per-parameter standard deviations")
 
     @abstractmethod
@@ -380,9 +305,7 @@ class LayerwiseVI(Method):
         """After ``backward``: the gradients of the tensors that parameterise ``layer``'s weight
         standard deviations (the quantities whose SNR the k-tied paper compares)."""
 
-    # ------------------------------------------------------------------ setup and training
     def use_validation(self, x_val: Tensor, y_val: Tensor, run_dir: str | Path | None = None) -> None:
-        """Where ``record_every`` records: the validation data and the run folder (``steps.csv``)."""
         if self.steps is not None:
             self.steps.use_validation(x_val, y_val, run_dir)
             self.steps.check(self.name)
@@ -413,7 +336,6 @@ class LayerwiseVI(Method):
         return [p.reshape(*lead, *shape) for p, shape in zip(parts, self.param_shapes)]
 
     def mean_parts(self) -> list[Tensor]:
-        """The mean split per model parameter (views)."""
         return self.split_params(self.mean)
 
     def _padding_rows(self) -> Tensor | None:
@@ -428,11 +350,7 @@ class LayerwiseVI(Method):
         return parts[layer.weight_param], None if layer.bias_param is None else parts[layer.bias_param]
 
     def _outputs_local(self, terms: Any, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs with locally reparameterised layer outputs: ``(S, N, out)``.
-
-        Dense networks carry the S samples as a leading dimension; networks with convolutions (whose
-        modules take ``(N, C, H, W)``) fold them into the batch, ``(S·N, ...)``.
-        """
+        """Network outputs with locally reparameterised layer outputs: ``(S, N, out)``."""
         h = self._local_forward(terms, x, n_samples)
         if n_samples == 1:
             return h.unsqueeze(0)
@@ -481,7 +399,6 @@ class LayerwiseVI(Method):
         return thetas
 
     def kl_weight(self, step: int) -> float:
-        """The KL annealing factor :math:`\\beta_t` of step ``step`` (1-based)."""
         return kl_annealing_weight(step, self.kl_annealing_steps)
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor | float]:
@@ -508,12 +425,10 @@ class LayerwiseVI(Method):
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": terms.kl.detach() / p.n_data, "kl_weight": beta}
 
     def epoch_stats(self) -> dict[str, float]:
-        """With SNR tracking, the mean SNR of the windows completed in the epoch (``train/grad_snr``,
-        ``train/grad_snr_l<i>``; absent if none completed)."""
+        """The mean SNR of the windows completed in the epoch (none without SNR tracking)."""
         snr = {} if self.snr is None else self.snr.pop_means()
         return {("train/grad_snr" if k == "all" else f"train/grad_snr_{k}"): v for k, v in snr.items()}
 
-    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
@@ -526,8 +441,7 @@ class LayerwiseVI(Method):
         return torch.cat(chunks)
 
     def forward_params(self, thetas: Tensor, x: Tensor) -> Tensor:
-        """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x``: ``(S, N, out)``
-        (batched matrix products for dense networks, else one ``functional_call`` per network)."""
+        """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x``: ``(S, N, out)``."""
         if self.dense:
             return forward_flat_params(self.problem.model, thetas, x)
         return torch.stack([forward_with(self.problem.model, theta, x) for theta in thetas])
@@ -540,7 +454,6 @@ class LayerwiseVI(Method):
         """Number of optimised numbers: the mean plus the family's parameters (Table 1's count)."""
         return self.mean.numel() + sum(t.numel() for t in self.variational.values())
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Mean, the family's tensors, Adam's state and the step count (the KL schedule's clock)."""
         return {

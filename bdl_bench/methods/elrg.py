@@ -39,15 +39,11 @@ constant; the per-parameter form is the same derivation), with :math:`V = [v_1 \
 
 :math:`O(K^2 D_l + K^3)` per layer instead of :math:`O(D_l^3)`.
 
-**Cost.** A training step of a dense network needs (1 + K) times SGD's layer-sized products; beyond
-them, fresh factor-sized (``K·D_l``) or ``(D,)`` tensors cost more than passes over them (each is mapped
-anew by the allocator, so every page is faulted in). Hence a training step runs through two autograd
-functions with hand-written backwards that compute in buffers reused from step to step
-(:class:`StepBuffers`): :class:`ElrgTerms` returns the KL and the views of :math:`\mu`, the
-:math:`v_k` (and :math:`\sigma^2`) that the network runs on, and :class:`LowRankLocalLinear` samples a
-dense layer by Lemma 1 and writes its weight gradients straight into the gradient buffers, over which
-:class:`ElrgTerms` then adds Lemma 2's gradient in place; the buffers become the leaves' ``.grad``.
-Evaluation (and the KL alone) take the plain autograd route.
+**Cost.** Beyond the (1 + K) layer products, fresh factor-sized or ``(D,)`` tensors cost more than passes over
+them (each is faulted in anew), so a training step runs through hand-written backwards in reused buffers
+(:mod:`bdl_bench.kernels.elrg_terms`): :class:`ElrgTerms` (the KL and the parts the network runs on) and
+:class:`LowRankLocalLinear` (a dense layer by Lemma 1, its gradients written into the buffers). Evaluation
+takes the plain autograd route.
 
 Initialisation (as the authors' code ``marctom/elrgvi``): :math:`\mu` = the model's weights,
 :math:`v_k` = ``0.5·std(W_l)/√K`` times standard normals for the weight part and ``0.01`` times standard
@@ -69,7 +65,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.kernels.buffers import reusable_grad_buffer
 from bdl_bench.kernels.elrg_kl import elrg_kl_blocks
 from bdl_bench.kernels.elrg_terms import ElrgTerms, LowRankLocalLinear, StepBuffers, TermsPlan
-from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal
+from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
 from bdl_bench.methods._layerwise_vi import (
     Layer,
     LayerwiseVI,
@@ -93,27 +89,9 @@ class _Terms:
 
 @register_method("elrg")
 class EfficientLowRankGaussianVI(LayerwiseVI):
-    """ELRG-(D-)VI (see the module docstring).
-
-    Args:
-        rank: K, the rank of each layer's low-rank covariance term.
-        learn_diag: ``False``: constant diagonal ``init_std``² (ELRG-VI); ``True``: learned (ELRG-D-VI).
-        lr: Adam learning rate.
-        n_train_mc_samples: MC samples S per training step.
-        init_std: the diagonal's standard deviation (constant, or initial when learned).
-        kl_annealing_steps: steps of linear KL annealing (0: none).
-        snr_window: steps per gradient-SNR window of the weights' :math:`v_k` (0: off).
-        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off), as in gmfvi.
-
-    Raises:
-        ValueError: if ``rank`` is not an integer >= 1 (at construction) or exceeds the number of
-            parameters :math:`D_l` of some linear layer (at ``setup``), if ``learn_diag`` is not a bool,
-            on the options ``gmfvi`` refuses, and (at ``setup``) naming the layer, on a model with a
-            parametrised module other than ``nn.Linear`` (ELRG is implemented for dense layers only).
-    """
+    """ELRG-(D-)VI (see the module docstring), for dense layers only."""
 
     supported_layers = (nn.Linear,)
-
     option_ranges = MappingProxyType({**LayerwiseVI.option_ranges, "rank": COUNT})
 
     def __init__(
@@ -154,7 +132,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         g, K = self.problem.generator, self.rank
         means = self.split_params(self.mean.detach())
         self.layer_offsets = []
-        self.param_prior: dict[int, Tensor | float] = {}
+        self._flat_prior: dict[int, Tensor | float] = {}  # lambda per parameter position: flat, or one number
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
             self.layer_offsets.append(layer.slices["weight"].start)
@@ -168,7 +146,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             for index in (layer.weight_param, layer.bias_param):
                 if index is not None:
                     lam = self.split_params(self.prior_precision)[index]
-                    self.param_prior[index] = float(lam.flatten()[0]) if bool((lam == lam.flatten()[0]).all()) else lam
+                    self._flat_prior[index] = uniform_value(lam.flatten())
         if self.learn_diag:
             tensors["rho"] = softplus_inverse(torch.full_like(self.mean, self.init_std))
         for t in tensors.values():
@@ -179,7 +157,6 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             kinds = [("weight", layer.weight_param), ("bias", layer.bias_param)]
             names = [(p, f"v_{kind}{layer.index}") for kind, p in kinds if p is not None]
             self._kl_blocks.append([(p, self._factor_names.index(name)) for p, name in names])
-        self._flat_prior = {i: lam.flatten() if isinstance(lam, Tensor) else lam for i, lam in self.param_prior.items()}
         flat = [torch.empty_like(self.mean) for _ in range(4 if self.learn_diag else 0)]
         self._buffers = StepBuffers(
             torch.empty_like(self.mean), [torch.empty_like(tensors[n]) for n in self._factor_names], *flat
@@ -208,8 +185,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         return self._plain_terms(with_kl)
 
     def _plain_terms(self, with_kl: bool) -> _Terms:
-        """The per-step terms by plain autograd (:func:`elrg_kl_blocks` for the KL); layers then sample by
-        the plain expression of Lemma 1 (the slow twin of :meth:`_fused_terms`)."""
+        """The per-step terms by plain autograd (the twin of :meth:`_fused_terms`)."""
         var = F.softplus(self.variational["rho"]).square() if self.learn_diag else None
         kl = means = None
         if with_kl:  # kl_to_prior, or a training step that draws whole parameter vectors
@@ -221,9 +197,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
                 for index, factor in zip((layer.weight_param, layer.bias_param), self._factor(layer)):
                     if index is not None:
                         diag = diags[index].flatten() if diags is not None else self.init_std**2
-                        lam = self.param_prior[index]
-                        lam = lam.flatten() if isinstance(lam, Tensor) else lam
-                        blocks.append((means[index].flatten(), factor.flatten(1), diag, lam))
+                        blocks.append((means[index].flatten(), factor.flatten(1), diag, self._flat_prior[index]))
                 terms.append(elrg_kl_blocks(blocks, self.alpha))
             kl = torch.stack(terms).sum()
         return _Terms(var=var, var_parts=None if var is None else self.split_params(var), kl=kl, mean_parts=means)
@@ -251,12 +225,8 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         )
         kl, *outs = ElrgTerms.apply(plan, self.mean, rho, *factors)
         n_params, n_factors = len(self.param_shapes), len(factors)
-        mean_parts, views, var_parts = (
-            outs[:n_params],
-            outs[n_params : n_params + n_factors],
-            outs[n_params + n_factors :],
-        )
-        by_name = dict(zip(self._factor_names, views))
+        mean_parts, var_parts = outs[:n_params], outs[n_params + n_factors :]
+        by_name = dict(zip(self._factor_names, outs[n_params : n_params + n_factors]))
         grads_by_name = dict(zip(self._factor_names, grad_factors))
         mean_grads = self.split_params(grad_mean)
         var_grads = None if grad_rho is None else self.split_params(grad_rho)
@@ -272,14 +242,7 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
                 None if var_grads is None else var_grads[w],
                 None if var_grads is None or b is None else var_grads[b],
             )
-        return _Terms(
-            var=None,
-            var_parts=var_parts or None,
-            kl=kl,
-            factors=factor_views,
-            mean_parts=mean_parts,
-            into=into,
-        )
+        return _Terms(None, var_parts or None, kl, factors=factor_views, mean_parts=mean_parts, into=into)
 
     def _local_preactivation(
         self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None

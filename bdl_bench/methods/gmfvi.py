@@ -11,27 +11,15 @@ with input :math:`a` the pre-activation is drawn as (Kingma et al. 2015, Sec. 2.
     a \mu_W^\top + \mu_b + \sqrt{a^2 (\sigma_W^2)^\top + \sigma_b^2} \odot \epsilon,
     \qquad \epsilon \sim \mathcal N(0, I),
 
-two layer-sized matrix products where an SGD step has one; a convolution likewise draws every output
-element from :math:`\operatorname{conv}(a, \mu_W) + \mu_b` and :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`.
-Embedding and LSTM layers (the IMDB model) are mean-field too, every weight with its own
-:math:`\sigma`; there each MC sample draws one weight vector per minibatch (the local
-reparameterisation does not apply through the recurrence; ``_layerwise_vi``). The KL to the prior
-:math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is the closed form of
-:func:`bdl_bench.methods._diag_vi.kl_diag_to_prior`.
+two layer-sized matrix products where an SGD step has one; a convolution likewise (``_layerwise_vi``).
+Embedding and LSTM layers (the IMDB model) are mean-field too, each MC sample drawing one weight vector per
+minibatch. The KL to the prior :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` is in closed form.
 
-**Cost.** A step needs twice SGD's layer-sized products; the rest is passes over the D parameters, the noise
-of the local reparameterisation (one normal per output element and example), Adam, and Python and autograd
-bookkeeping per operation. Fresh ``(D,)`` tensors cost more than passes over them (each is mapped anew by the
-allocator, so every page is faulted in). Hence: :func:`~bdl_bench.kernels.mean_field.mean_field_terms`
-evaluates :math:`\sigma^2` and the KL together and writes their gradient by hand, in four reused buffers
-(:class:`MeanFieldScratch`; two become ``mean.grad`` and ``rho.grad``): :math:`\partial/\partial\rho` is
-three passes (:class:`_MeanFieldTerms`), and the KL's :math:`\sum\log\sigma` takes the logarithms of
-products of up to 16 entries (:func:`sum_log2`, safe by the range of :math:`\sigma`, which the range of
-:math:`\rho` gives). In a dense network's training step the layers' hand-written backward
-(:func:`~bdl_bench.kernels.local_reparam.local_linear`) writes the gradients of their parameters straight into
-those buffers (``mm(out=...)``), so no per-layer gradient is allocated or gathered. A prior precision shared
-by all parameters is one number. On a device (:func:`on_host` false) the forward and backward read nothing
-back to the host: no bounds (one logarithm per entry), the KL's weight kept as a tensor.
+**Cost.** Beyond the layer products, a step is passes over the D parameters, and fresh ``(D,)`` tensors cost
+more than passes (each is faulted in anew). So :func:`~bdl_bench.kernels.mean_field.mean_field_terms` evaluates
+:math:`\sigma^2` and the KL with a hand-written backward in reused buffers (two become ``mean.grad`` and
+``rho.grad``), into which a dense layer's backward (:func:`~bdl_bench.kernels.local_reparam.local_linear`)
+writes its gradients directly.
 """
 
 from __future__ import annotations
@@ -71,19 +59,7 @@ class _Terms:
 
 @register_method("gmfvi")
 class GaussianMeanFieldVI(LayerwiseVI):
-    """Mean-field Gaussian VI with local reparameterisation (see the module docstring).
-
-    Args:
-        lr: Adam learning rate.
-        n_train_mc_samples: MC samples S per training step.
-        init_std: initial :math:`\\sigma` of every parameter (the mean starts at the model's weights).
-        kl_annealing_steps: steps of linear KL annealing (0: none).
-        snr_window: steps per gradient-SNR window of the weights' :math:`\\rho` (0: off).
-        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off;
-            ``bdl_bench.methods._step_records``).
-        conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
-            (``bdl_bench.methods._layerwise_vi``).
-    """
+    """Mean-field Gaussian VI with local reparameterisation (see the module docstring)."""
 
     def _init_variational(self) -> dict[str, Tensor]:
         self.log_prior_precision_sum = float(torch.log(self.prior_precision).sum())
@@ -93,7 +69,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
         return {"rho": self.rho}
 
     def std(self) -> Tensor:
-        """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)`` (detached)."""
+        """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)``, detached."""
         return F.softplus(self.rho.detach())
 
     def _step_terms(self, with_kl: bool) -> _Terms:

@@ -9,30 +9,19 @@ Swiatkowski et al. (2020), Eq. 8: for a layer with weight matrix :math:`W \in \m
     \qquad U \in \mathbb R_+^{m \times k},\; V \in \mathbb R_+^{n \times k},
 
 i.e. :math:`\sigma_{ij} = \sum_r u_{ir} v_{jr}`, with :math:`U = \operatorname{softplus}(\tilde U)`,
-:math:`V = \operatorname{softplus}(\tilde V)` kept positive. Biases keep one softplus standard deviation
-each (as in the paper, which ties only the kernels). Variational parameters per layer: :math:`mn + k(m + n)`
-for the weights (Table 1) plus :math:`2n` for the bias; :func:`ktied_param_count`. A layer's rank is
-:math:`k_l = \min(k, m, n)`: a product of rank above :math:`\min(m, n)` is no longer a restriction, so the
-regression head of a UCI network (n = 1) uses rank 1 whatever ``k`` is.
+:math:`V = \operatorname{softplus}(\tilde V)`. Biases keep one softplus standard deviation each (the paper
+ties only the kernels). Variational parameters per weight: :math:`mn + k(m + n)` (Table 1;
+:func:`ktied_param_count`). A layer's rank is :math:`k_l = \min(k, m, n)` (a higher rank restricts nothing).
 
-Which weights are tied (Swiatkowski et al. 2020, Sec. 3.1: "all the three layers of the MLP model, the
-two dense layers of the CNN model and the LSTM cell's kernel and recurrent kernel"):
+Which weights are tied (Sec. 3.1: "all the three layers of the MLP model, the two dense layers of the CNN
+model and the LSTM cell's kernel and recurrent kernel"):
 
-- ``nn.Linear``: the weight, as above.
-- ``nn.LSTM``: the input and the recurrent weight of each layer separately, ``weight_ih`` as a
-  :math:`4H \times m` and ``weight_hh`` as a :math:`4H \times H` matrix (outputs × inputs; the four gates
-  stacked along the outputs, as the paper's Keras kernels :math:`m \times 4H` and :math:`H \times 4H`). Its
-  biases keep one softplus standard deviation each. The dense head of the IMDB model (one output) is
-  tied too, at rank 1: the same family as mean-field there, with one parameter more.
-- ``nn.Conv2d``: mean-field, one softplus :math:`\sigma` per weight, by default: the paper's CNN
-  "use[s] the k-tied Normal posterior only for the two dense layers, while the two convolutional layers
-  are trained using the standard parameterization of the GMFVI" (this reproduces its Table 3
-  parameter counts, 2,262k for the 1-tied LeNet). With ``tie_conv: true`` a kernel
-  ``(C_out, C_in/groups, kh, kw)`` is tied as the :math:`m \times n` matrix with
-  :math:`m = C_\text{in}/\text{groups} \cdot k_h k_w` (inputs of the im2col product) and :math:`n = C_\text{out}`,
-  i.e. PyTorch's ``(C_out, C_in·kh·kw)`` matrix :math:`VU^\top`, reshaped to the kernel: the reshaping under
-  which the paper finds the low-rank structure of ResNet-18's convolutional standard deviations (Fig. 5),
-  though it trains no tied convolution. Parameters: :math:`mn + k(m + n)` for the kernel.
+- ``nn.Linear``: the weight.
+- ``nn.LSTM``: ``weight_ih`` (:math:`4H \times m`) and ``weight_hh`` (:math:`4H \times H`) of each layer
+  separately, outputs × inputs as the paper's Keras kernels transposed.
+- ``nn.Conv2d``: mean-field by default, as the paper's CNN (this reproduces its Table 3 parameter counts).
+  With ``tie_conv: true`` a kernel is tied as PyTorch's ``(C_out, C_in/groups·kh·kw)`` matrix
+  :math:`VU^\top`, the reshaping under which the paper finds low-rank convolutional standard deviations (Fig. 5).
 - ``nn.Embedding``: mean-field (the paper ties no embedding).
 
 Training (``bdl_bench.methods._layerwise_vi``) uses the local reparameterisation trick. Because
@@ -44,19 +33,15 @@ of the pre-activations needs no layer-sized product (a Khatri–Rao factorisatio
     a^2 (\sigma^2)^\top = \bigl(a^2 P_U\bigr) P_V^\top, \qquad (P_U)_{i,(r,s)} = u_{ir}u_{is},\;
     (P_V)_{j,(r,s)} = v_{jr}v_{js},
 
-:math:`O(Nk^2(m + n))` instead of :math:`O(Nmn)`, so a k-tied step costs one layer-sized product forward
-(as SGD) where mean-field GMFVI needs two. A convolution's variance is one more convolution, of
-:math:`a^2` with the materialised :math:`\sigma^2` (tied or not), as in GMFVI; models with an LSTM
-draw one weight vector per minibatch and MC sample (``_layerwise_vi``). The KL is the closed form of the mean-field Gaussian with
-:math:`\sigma = UV^\top` materialised (:math:`O(kmn)`, Table 4's remark). The gradient SNR tracked with
-``snr_window`` is that of :math:`\tilde U` and :math:`\tilde V` (the paper's u and v "in their log forms";
-softplus behaves as exp for the small values used here).
+:math:`O(Nk^2(m + n))` instead of :math:`O(Nmn)`. A convolution's variance is one more convolution with the
+materialised :math:`\sigma^2`, as in GMFVI. The KL is the mean-field closed form with :math:`\sigma = UV^\top`
+materialised (:math:`O(kmn)`, Table 4's remark). The gradient SNR tracked is that of :math:`\tilde U` and
+:math:`\tilde V` (the paper's u and v "in their log forms").
 
 Initialisation (Sec. 3.1: "the σ_ij have the same mean values as in the standard GMFVI"): entries
-:math:`u_{ir}, v_{jr} \propto e^{0.1\,\epsilon}` with :math:`\epsilon \sim \mathcal N(0, 1)` from the problem's
-generator, scaled by one common factor so that the mean of :math:`UV^\top` is exactly :math:`\sigma_0` =
-``init_std`` (the entries scatter by some ten per cent around it). The small jitter breaks the symmetry between the k
-columns, which would otherwise receive identical gradients and stay equal.
+:math:`u_{ir}, v_{jr} \propto e^{0.1\,\epsilon}`, :math:`\epsilon \sim \mathcal N(0, 1)`, scaled so that the mean of
+:math:`UV^\top` is exactly ``init_std``; the jitter breaks the symmetry between the k columns, which would
+otherwise receive identical gradients and stay equal.
 """
 
 from __future__ import annotations
@@ -101,18 +86,9 @@ def khatri_rao_square(factor: Tensor) -> Tensor:
 
 
 def ktied_variance(a: Tensor, in_factor: Tensor, out_factor: Tensor, bias_var: Tensor | None = None) -> Tensor:
-    r""":math:`a^2 (\sigma^2)^\top` (plus ``bias_var``) for :math:`\sigma = V U^\top` (``(out, in)``) without
-    forming :math:`\sigma`.
-
-    Args:
-        a: layer inputs ``(..., in)``.
-        in_factor: :math:`U^\top \geq 0`, ``(k, in)``.
-        out_factor: :math:`V^\top \geq 0`, ``(k, out)``.
-        bias_var: ``(out,)``, added (in the last product's ``addmm`` for a 2-d ``a``), or ``None``.
-
-    Returns:
-        ``(..., out)``, equal to ``F.linear(a**2, (out_factor.T @ in_factor)**2, bias_var)``.
-    """
+    r""":math:`a^2 (\sigma^2)^\top` (plus ``bias_var``) for :math:`\sigma = V U^\top` without forming :math:`\sigma`:
+    ``F.linear(a**2, (out_factor.T @ in_factor)**2, bias_var)`` for ``a`` ``(..., in)``, ``in_factor``
+    :math:`U^\top` ``(k, in)`` and ``out_factor`` :math:`V^\top` ``(k, out)``."""
     low = (a * a) @ khatri_rao_square(in_factor).T
     if bias_var is None:
         return low @ khatri_rao_square(out_factor)
@@ -131,26 +107,7 @@ class _Terms:
 
 @register_method("ktied")
 class KTiedNormalVI(LayerwiseVI):
-    """GMFVI with k-tied weight standard deviations (see the module docstring).
-
-    Args:
-        k: the rank of the tying (``k_l = min(k, rows, columns)`` per weight matrix).
-        tie_conv: also tie the kernels of ``nn.Conv2d`` layers (as ``(C_out, C_in·kh·kw)`` matrices); the
-            paper's CNN keeps them mean-field (``false``).
-        lr: Adam learning rate.
-        n_train_mc_samples: MC samples S per training step.
-        init_std: the initial :math:`\\sigma` of every parameter, as in GMFVI.
-        kl_annealing_steps: steps of linear KL annealing (0: none).
-        snr_window: steps per gradient-SNR window of :math:`\\tilde U, \\tilde V` (0: off).
-        record_every: steps between the rows of ``steps.csv`` (validation -ELBO, SNR; 0: off), as in gmfvi.
-        conv_estimator: ``"local"`` or ``"reparam"`` sampling of convolution outputs in training
-            (``bdl_bench.methods._layerwise_vi``).
-
-    Raises:
-        ValueError: if ``k`` is not an integer >= 1 or ``tie_conv`` not a bool (at construction), if ``k``
-            exceeds ``min(rows, columns)`` of every tied weight matrix of the model (at ``setup``, naming
-            them), and on the options ``gmfvi`` refuses.
-    """
+    """GMFVI with k-tied weight standard deviations (see the module docstring)."""
 
     option_ranges = MappingProxyType({**LayerwiseVI.option_ranges, "k": COUNT})
 
@@ -183,8 +140,7 @@ class KTiedNormalVI(LayerwiseVI):
         )
 
     def is_tied(self, layer: Layer) -> bool:
-        """Whether ``layer``'s weight matrices are k-tied: ``nn.Linear`` and ``nn.LSTM`` always, ``nn.Conv2d``
-        with ``tie_conv``, ``nn.Embedding`` never (Swiatkowski et al. 2020, Sec. 3.1)."""
+        """Whether ``layer``'s weight matrices are k-tied (module docstring)."""
         return isinstance(layer.module, (nn.Linear, nn.LSTM)) or (self.tie_conv and isinstance(layer.module, nn.Conv2d))
 
     def matrix_shape(self, position: int) -> tuple[int, int]:
