@@ -25,12 +25,8 @@ def reusable_grad_buffer(leaf: Tensor, buffer: Tensor) -> Tensor:
 def gather_part_grads(grads: tuple[Tensor | None, ...], sizes: list[int], out: Tensor) -> Tensor:
     """Write the parameter-shaped ``grads`` (sizes ``sizes``) into the flat ``out`` in order; a part without
     gradient (``None``) gets zeros, one already written in its place (a layer's backward with
-    ``mm(out=...)``) is left as it is.
-
-    The backward of splitting a flat vector into parts, into a reused buffer, where ``torch.split``'s
-    backward concatenates into a fresh ``(D,)`` tensor every step: fresh pages are what such a pass mostly
-    costs (a ``(D,)`` allocation is above glibc's mmap threshold, so each one is mapped anew).
-    """
+    ``mm(out=...)``) is left as it is: the backward of splitting a flat vector, into a reused buffer where
+    ``torch.split``'s backward would concatenate into fresh memory every step."""
     for segment, size, grad in zip(torch.split(out, sizes), sizes, grads):
         if grad is None:
             segment.zero_()

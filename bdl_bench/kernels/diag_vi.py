@@ -67,14 +67,9 @@ def diag_kl(
     r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
     \mathcal N(0, \operatorname{diag}\lambda^{-1}))` of same-shaped tensors, with a fused backward
     (:math:`\lambda\mu` and :math:`\lambda\sigma - 1/\sigma`); the value of :func:`kl_diag_to_prior`.
-
-    Args:
-        mean, std: tensors of one shape (any), ``std > 0``; ``mean=None``: the KL without its term
-            :math:`\tfrac12\sum\lambda\mu^2` (which :func:`prior_quadratic` gives, e.g. of a whole flat mean).
-        prior_precision: :math:`\lambda > 0`, broadcastable to it, or one number.
-        log_prior_precision_sum: :math:`\sum\log\lambda` (over all of ``std``'s entries) if already known.
-        scratch: a buffer of at least half ``std``'s size for :math:`\sum\log\sigma` (:func:`sum_log`),
-            kept from step to step (else a fresh one).
+    ``mean=None`` leaves out the term :math:`\tfrac12\sum\lambda\mu^2` (:func:`prior_quadratic`);
+    ``prior_precision`` broadcasts to ``std`` or is one number; ``log_prior_precision_sum`` is
+    :math:`\sum\log\lambda` if known; ``scratch`` a reused buffer of half ``std``'s size for :func:`sum_log`.
     """
     if isinstance(prior_precision, Tensor):
         lam = prior_precision.expand_as(std)

@@ -105,14 +105,7 @@ def elrg_kl(
     and :math:`\partial/\partial c_d = \tfrac12(\lambda_d - 1/c_d + \alpha\, v_d^\top G^{-1} v_d / c_d^2)`
     (:math:`v_d` the d-th row of V).
 
-    Args:
-        mean: :math:`\mu`, ``(D,)``.
-        cov_factor: :math:`V^\top`, ``(K, D)`` (row k is :math:`v_k`).
-        cov_diag: the diagonal variances :math:`c > 0`, ``(D,)``, or one number for all.
-        prior_precision: :math:`\lambda > 0`, ``(D,)``, or one number for all.
-        alpha: :math:`\alpha > 0`.
-
-    Returns:
-        A scalar tensor, differentiable in every tensor argument.
+    ``cov_factor`` is :math:`V^\top` ``(K, D)``; ``cov_diag`` :math:`c` and ``prior_precision`` :math:`\lambda`
+    are ``(D,)`` or one number.
     """
     return elrg_kl_blocks([(mean, cov_factor, cov_diag, prior_precision)], alpha)

@@ -92,24 +92,11 @@ def local_linear(
 
 
 class StackedLocalLinear(torch.autograd.Function):
-    r""":func:`local_reparam_linear` of R stacked copies with a hand-written backward: inputs ``a`` ``(R, P, in)``,
-    each copy's :math:`\mu_W, \sigma_W^2` ``(R, out, in)`` and :math:`\mu_b, \sigma_b^2` ``(R, out)`` (or
-    ``None``), noise ``eps`` ``(P, out)`` shared by the copies. Output
-    :math:`a\mu_W^\top + \mu_b + s \odot \epsilon` with :math:`s = \sqrt{\max(a^2 (\sigma_W^2)^\top +
-    \sigma_b^2, \text{tiny})}`. With :math:`g = \partial L/\partial h` and :math:`g' = g \odot \epsilon / s`
-    (zero where the variance was clamped), twice :math:`\partial L/\partial s^2`:
-
-    .. math::
-
-        \partial_{\mu_W} L = g^\top a, \quad \partial_{\sigma_W^2} L = \tfrac12 g'^\top a^2, \quad
-        \partial_a L = g \mu_W + a \odot (g' \sigma_W^2)
-
-    (biases: the sums over P), a few passes over the ``(R, P, out)`` activations where autograd's graph of
-    the same expression takes a dozen.
-
-    An input ``a`` ``(R, M, in)`` with ``eps`` ``(S·M, out)`` is shared by the S samples (a first layer's data):
-    its two products are taken once per example and g, g' summed over the samples before theirs (twice fewer
-    GEMMs at S = 2)."""
+    r""":class:`_LocalLinear` of R stacked copies (same forward and backward formulas): inputs ``a``
+    ``(R, P, in)``, each copy's :math:`\mu_W, \sigma_W^2` ``(R, out, in)`` and :math:`\mu_b, \sigma_b^2` ``(R, out)``
+    (or ``None``), noise ``eps`` ``(P, out)`` shared by the copies. An input ``a`` ``(R, M, in)`` with ``eps``
+    ``(S·M, out)`` is shared by the S samples (a first layer's data): its products are taken once per example
+    and g, g' summed over the samples first."""
 
     @staticmethod
     def forward(

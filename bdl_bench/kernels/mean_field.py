@@ -17,15 +17,10 @@ from bdl_bench.methods._diag_vi import on_host, sum_log2
 
 @dataclass(frozen=True)
 class MeanFieldScratch:
-    r"""The ``(D,)`` buffers of :func:`mean_field_terms`, reused from step to step (fresh ``(D,)`` tensors
-    are mapped anew by the allocator each time: their page faults cost more than the passes over them).
-
-    ``var`` and ``ratio`` hold :math:`\sigma^2` and :math:`\operatorname{sigmoid}(\rho)/\sigma` from a forward
-    to its backward; ``grad_mean`` and ``grad_rho`` are the forward's scratch (:math:`\sigma` among it),
-    then receive the gradients, which the leaves then hold as their ``.grad`` (a leaf that still holds
-    one when the next forward starts gets fresh buffers, :func:`reusable_grad_buffer`; once
-    ``optimizer.zero_grad`` lets go of them, the next forward overwrites them). Four buffers, not more:
-    the fewer the step touches, the more of them stay in cache.
+    r"""The four ``(D,)`` buffers of :func:`mean_field_terms`, reused from step to step (fresh ``(D,)`` tensors
+    cost page faults). ``var`` and ``ratio`` hold :math:`\sigma^2` and :math:`\operatorname{sigmoid}(\rho)/\sigma`
+    from a forward to its backward; ``grad_mean`` and ``grad_rho`` are the forward's scratch, then receive the
+    gradients, which the leaves hold as ``.grad`` (:func:`reusable_grad_buffer`).
     """
 
     var: Tensor
@@ -158,17 +153,10 @@ def mean_field_terms(
     scratch: MeanFieldScratch,
 ) -> MeanFieldParts:
     r"""The closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))`, :math:`\sigma = \operatorname{softplus}(\rho)`, with
-    :math:`\mu` and :math:`\sigma^2` split into parts of ``shapes`` (views), all differentiable in ``mean``
-    and ``rho`` through one fused backward (see :class:`_MeanFieldTerms`).
-
-    Args:
-        mean, rho: flat ``(D,)`` leaves.
-        prior_precision: :math:`\lambda > 0`, ``(D,)``, or one number for all coordinates.
-        log_prior_precision_sum: :math:`\sum_d \log\lambda_d`.
-        shapes: the parts' shapes (sizes summing to D), e.g. the model's parameter shapes.
-        scratch: buffers to compute in (:class:`MeanFieldScratch`); the variance parts are views of
-            ``scratch.var``, valid until the next call with the same scratch.
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))`, :math:`\sigma = \operatorname{softplus}(\rho)`, with the flat
+    leaves :math:`\mu` and :math:`\sigma^2` split into parts of ``shapes`` (views), all differentiable in ``mean``
+    and ``rho`` through one fused backward (:class:`_MeanFieldTerms`). ``prior_precision`` is ``(D,)`` or one
+    number; the variance parts are views of ``scratch.var``, valid until the next call with the same scratch.
     """
     # the gradients' buffers, unless a leaf's .grad is one of them (a backward that accumulates)
     grad_mean = reusable_grad_buffer(mean, scratch.grad_mean)
@@ -186,14 +174,8 @@ def mean_field_variance_and_kl(
     prior_precision: Tensor,
     log_prior_precision_sum: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    r""":math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and the closed-form KL to the prior, both
-    ``(D,)``-flat, through :func:`mean_field_terms` with fresh buffers.
-
-    Same values as ``softplus(rho)**2`` and ``kl_diag_to_prior(mean, softplus(rho), prior_precision)``.
-
-    Returns:
-        ``(var (D,), kl ())``, differentiable in ``mean`` and ``rho``.
-    """
+    r"""``(var (D,), kl ())``: :math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and the closed-form KL to the
+    prior, through :func:`mean_field_terms` with fresh buffers."""
     if log_prior_precision_sum is None:
         log_prior_precision_sum = float(torch.log(prior_precision).sum())
     terms = mean_field_terms(

@@ -1,27 +1,16 @@
-r"""Building blocks of the diagonal-Gaussian variational methods; no method of its own (it registers nothing).
+r"""Building blocks of the diagonal-Gaussian variational methods (it registers no method).
 
 A factor :math:`\mathcal N(\mu, \operatorname{diag}\sigma^2)` over some or all of the flat parameters, with
-:math:`\sigma = \operatorname{softplus}(\rho)`, fitted against the prior
-:math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` (``bbb``, ``gmfvi``, ``ktied``, ``elrg``; ``slang`` and
-the low-rank study share the last three helpers):
+:math:`\sigma = \operatorname{softplus}(\rho)`, fitted against the prior :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
+(``bbb``, ``gmfvi``, ``ktied``, ``elrg``, ``slang``): the noise of the reparameterisation, the closed-form KL
 
-* :func:`softplus_inverse`: the :math:`\rho` of a given :math:`\sigma`, for initialisation.
-* :func:`standard_normal`: the noise of the reparameterisation, from the problem's generator.
-* :func:`kl_diag_to_prior` gives the closed form (``bdl_bench.kernels.diag_vi.diag_kl`` is the same value with
-  a fused backward)
+.. math::
 
-  .. math::
+    \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_d \sigma_d^2 + \lambda_d \mu_d^2 - 1
+        - \log(\lambda_d \sigma_d^2)\bigr),
 
-      \mathrm{KL}(q \,\|\, p) = \tfrac12 \sum_d \bigl(\lambda_d \sigma_d^2 + \lambda_d \mu_d^2 - 1
-          - \log(\lambda_d \sigma_d^2)\bigr).
-
-* :func:`local_reparam_linear`: a linear layer's pre-activation sampled per example (Kingma, Salimans &
-  Welling 2015, Sec. 2.3).
-* :func:`on_host`, :func:`uniform_value` and :func:`sum_log`: what the training steps read back to the host
-  and how (a shared prior precision as one number; :math:`\sum\log\sigma` through products of entries).
-
-Kept out of ``bdl_bench.gaussians``, whose classes are posteriors handed to evaluation: these are the
-training steps' helpers (noise, host/device reads); the hand-written backwards are in ``bdl_bench.kernels``.
+a linear layer's locally reparameterised pre-activation, and what the training steps read back to the host.
+The hand-written backwards are in ``bdl_bench.kernels``.
 """
 
 from __future__ import annotations
@@ -40,26 +29,16 @@ def softplus_inverse(x: Tensor) -> Tensor:
 
 
 def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
-    """``N(0, 1)`` draws from ``generator`` with ``like``'s dtype and device.
-
-    Drawn on the generator's device and moved, so a CPU generator also serves a CUDA model.
-    """
+    """``N(0, 1)`` draws from ``generator`` (on its device, so a CPU generator also serves a CUDA model), moved to
+    ``like``'s device with its dtype."""
     eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
     return eps.to(like.device)
 
 
 def kl_diag_to_prior(mean: Tensor, std: Tensor, prior_precision: Tensor) -> Tensor:
     r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` (module docstring).
-
-    Args:
-        mean: :math:`\mu`, ``(D,)``.
-        std: :math:`\sigma > 0`, ``(D,)``.
-        prior_precision: :math:`\lambda > 0`, ``(D,)``.
-
-    Returns:
-        A scalar tensor, differentiable in ``mean`` and ``std`` (``(R,)`` for stacked ``(R, D)`` inputs).
-    """
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` (module docstring) of ``(D,)`` inputs, or ``(R,)`` of
+    stacked ``(R, D)`` ones."""
     var_ratio = prior_precision * std**2
     return 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum(-1)
 
@@ -72,37 +51,29 @@ def local_reparam_linear(
     bias_var: Tensor | None,
     generator: torch.Generator,
 ) -> Tensor:
-    r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per example.
-
-    Kingma, Salimans & Welling (2015), Sec. 2.3: given the layer input, the pre-activation is Gaussian
-    with mean :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`.
-
-    Args:
-        a: layer inputs ``(..., in)``.
-        weight_mean, weight_var: :math:`\mu_W`, :math:`\sigma_W^2`, ``(out, in)``.
-        bias_mean, bias_var: :math:`\mu_b`, :math:`\sigma_b^2`, ``(out,)``, or ``None`` without a bias.
-        generator: source of the standard normal noise.
-
-    Returns:
-        One sample per row of ``a``: ``(..., out)``.
-    """
+    r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per row of ``a``
+    ``(..., in)`` (Kingma, Salimans & Welling 2015, Sec. 2.3): given the input it is Gaussian with mean
+    :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`."""
     mean = F.linear(a, weight_mean, bias_mean)
     var = F.linear(a**2, weight_var, bias_var)
     eps = standard_normal(tuple(mean.shape), generator, mean)
-    # clamp keeps the gradient finite where the variance is exactly 0 (no bias, all-zero input)
-    return mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps
+    return mean + sqrt_or_tiny(var) * eps
+
+
+def sqrt_or_tiny(var: Tensor) -> Tensor:
+    """``sqrt(var)``, with the variance clamped at the dtype's tiny so the gradient stays finite at 0."""
+    return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
 
 
 def on_host(t: Tensor) -> bool:
-    """Whether ``t`` is in host memory, where reading a number from it (``float``, a branch on a value)
-    costs nothing; elsewhere (CUDA) it would wait for the device, so the training steps keep such numbers
-    as tensors there (tests patch this to check the device path on a CPU)."""
+    """Whether ``t`` is in host memory, where reading a number from it costs nothing; elsewhere it would wait for
+    the device, so the training steps keep such numbers as tensors (tests patch this to check that path)."""
     return t.device.type == "cpu"
 
 
 def uniform_value(t: Tensor) -> Tensor | float:
-    """``t``'s one value as a float if all its entries are equal (a prior precision shared by all
-    coordinates, the usual case: the passes then read one tensor fewer), else ``t``."""
+    """``t``'s one value as a float if all its entries are equal (a prior precision shared by all coordinates:
+    the passes then read one tensor fewer), else ``t``."""
     first = t.reshape(-1)[0]
     return float(first) if bool((t == first).all()) else t
 

@@ -6,24 +6,16 @@ Swiatkowski et al. (2020), Sec. 3.2 and footnote 3: for one parameter with gradi
 .. math::
 
     \mathrm{SNR} = \frac{\mathbb E[g^2]}{\operatorname{Var}[g]}
-        = \frac{\frac1W \sum_t g_t^2}{\frac1W \sum_t g_t^2 - \bigl(\frac1W \sum_t g_t\bigr)^2},
+        = \frac{\frac1W \sum_t g_t^2}{\frac1W \sum_t g_t^2 - \bigl(\frac1W \sum_t g_t\bigr)^2}
 
-with the window's (population) mean and variance, and a layer's SNR is the mean over its parameters.
-This is the paper's formula as written; it equals :math:`1 + \bar g^2 / \operatorname{Var}[g]`, one
-plus the more common squared-mean-over-variance ratio. Parameters whose gradient is exactly zero over
-the whole window (no signal, e.g. dead ReLU units) are left out of the mean.
-
-The mean of ratios is at the mercy of its largest terms: a parameter whose gradient barely varies over
-the window has an SNR of :math:`10^6` or more, and one whose gradient does not vary at all (in float32:
-a weight that only the deterministic KL term moves, e.g. one fed by MNIST's always-zero border pixels or
-by a dead ReLU unit, once its update no longer changes its gradient's float32 value) has an infinite
-SNR, which makes the layer's mean infinite. Each record therefore also holds the median over the
-parameters (``median`` for all layers, ``median_<group>`` per group), which such parameters cannot move
+(the paper's formula as written: :math:`1 + \bar g^2 / \operatorname{Var}[g]`), and a layer's SNR is the mean
+over its parameters, leaving out those whose gradient is zero over the whole window. A gradient that does not
+vary at all (in float32, e.g. a weight only the KL term moves) has an infinite SNR, which makes the mean
+infinite; each record therefore also holds the median over the parameters, which such parameters cannot move
 while they are fewer than half.
 
-:class:`GradientSNR` accumulates running sums (float64) over non-overlapping windows of ``window`` steps
-(two passes over the tracked gradients per step, no stored history) and records one value per group at
-the end of each window, i.e. the SNR "over the last W batches" at steps W, 2W, 3W, ...
+:class:`GradientSNR` accumulates running sums (float64) over non-overlapping windows and records one value
+per group at steps W, 2W, 3W, ...
 """
 
 from __future__ import annotations
@@ -36,18 +28,8 @@ from torch import Tensor
 
 
 def gradient_snr(grads: Tensor) -> Tensor:
-    r"""Per-parameter :math:`\mathbb E[g^2] / \operatorname{Var}[g]` over the first dimension.
-
-    Args:
-        grads: gradients of W steps, ``(W, ...)``, W >= 2.
-
-    Returns:
-        ``grads.shape[1:]``; ``nan`` where every gradient is zero, ``inf`` where a nonzero gradient
-        does not vary.
-
-    Raises:
-        ValueError: with fewer than two steps.
-    """
+    r"""Per-parameter :math:`\mathbb E[g^2] / \operatorname{Var}[g]` of the gradients of W >= 2 steps ``(W, ...)``:
+    ``nan`` where every gradient is zero, ``inf`` where a nonzero gradient does not vary."""
     if grads.shape[0] < 2:
         raise ValueError(f"gradient SNR needs at least 2 steps, got {grads.shape[0]}")
     return _snr_from_sums(grads.sum(0), grads.square().sum(0), grads.shape[0])
@@ -66,8 +48,7 @@ def mean_snr(snr: Tensor) -> float:
 
 
 def median_snr(snr: Tensor) -> float:
-    """Median (the lower of the two middle values) of per-parameter SNRs, leaving out ``nan``; ``nan`` if
-    none is left. Infinite SNRs count as large values, so it is finite while fewer than half are."""
+    """Median (the lower middle value) of per-parameter SNRs, leaving out ``nan``; ``nan`` if none is left."""
     kept = snr[~torch.isnan(snr)]
     return float(kept.median()) if kept.numel() else float("nan")
 
@@ -80,16 +61,9 @@ class _Window:
 
 @dataclass
 class GradientSNR:
-    """Running gradient sums per named group of tensors, one SNR value per group and window.
-
-    Args:
-        window: steps per window W (>= 2).
-
-    Attributes:
-        records: ``(step, {key: snr})`` for every completed window, in order; the keys are each group's
-            name (its mean SNR), ``all`` (the mean over all groups' parameters), ``median_<group>`` and
-            ``median`` (the medians of the same sets).
-    """
+    """Running gradient sums per named group of tensors over windows of ``window`` steps. ``records`` holds
+    ``(step, {key: snr})`` per completed window, the keys each group's name (its mean SNR), ``all`` (the mean
+    over all groups' parameters), ``median_<group>`` and ``median``."""
 
     window: int
     records: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -123,13 +97,11 @@ class GradientSNR:
                 values[name] = mean_snr(snr)
                 values[f"median_{name}"] = median_snr(snr)
                 every.append(snr)
-                torch._foreach_zero_(sums.total)
-                torch._foreach_zero_(sums.total_sq)
             every = torch.cat(every)
             values["all"], values["median"] = mean_snr(every), median_snr(every)
             self.records.append((step, values))
             self._unread += 1
-            self._count = 0
+            self.reset()
 
     def pop_means(self) -> dict[str, float]:
         """Mean per group over the windows completed since the last call (empty if none)."""
@@ -141,7 +113,7 @@ class GradientSNR:
         return {name: sum(values[name] for _, values in fresh) / len(fresh) for name in names}
 
     def reset(self) -> None:
-        """Drop the partial window (e.g. after restoring a checkpoint)."""
+        """Start a new window (dropping a partial one, e.g. after restoring a checkpoint)."""
         for sums in self._sums.values():
             torch._foreach_zero_(sums.total)
             torch._foreach_zero_(sums.total_sq)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.methods._diag_vi import standard_normal
+from bdl_bench.methods._diag_vi import sqrt_or_tiny, standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods._step_records import StepRecorder
 from bdl_bench.methods.base import Method, Problem
@@ -476,8 +476,3 @@ class LayerwiseVI(Method):
             self.snr.reset()
         if self.steps is not None:
             self.steps.load_state_dict(state.get("step_rows", []))
-
-
-def sqrt_or_tiny(var: Tensor) -> Tensor:
-    """``sqrt(var)``, with the variance clamped at the dtype's tiny so the gradient stays finite at 0."""
-    return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()

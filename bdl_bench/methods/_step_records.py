@@ -1,22 +1,18 @@
 r"""Validation negative ELBO and gradient SNR at given training steps (Swiatkowski et al. 2020, Fig. 6 right and
-Fig. 7): the paper reads both at steps 1000, 5000 and 9000, which fall inside epochs, so the per-epoch history
-cannot hold them.
+Fig. 7 read them at steps 1000, 5000 and 9000, inside epochs).
 
-A layer-wise VI method (``gmfvi``, ``ktied``) with ``record_every`` R > 0 calls :meth:`StepRecorder.record` after
-every R-th optimiser step t; a row of ``steps.csv`` in the run folder holds
+A layer-wise VI method with ``record_every`` R > 0 records after every R-th step t a row of ``steps.csv``:
 
-- ``val_nll``: :math:`\frac1S \sum_s \frac1{N_{val}} \sum_{i \in val} -\log p(y_i \mid x_i, \theta_s)`, S whole
-  networks drawn from q (``n_samples``);
+- ``val_nll``: :math:`\frac1S \sum_s \frac1{N_{val}} \sum_{i \in val} -\log p(y_i \mid x_i, \theta_s)`, S networks
+  drawn from q (``n_samples``);
 - ``kl``: :math:`\mathrm{KL}(q_t \,\|\, p) / N`, N the number of training examples;
-- ``val_neg_elbo``: ``val_nll + kl``, the negative ELBO per example with the full KL (not the annealed
-  :math:`\beta_t`, also recorded as ``kl_weight``): at initialisation this is dominated by the KL, which is why
-  the paper's -ELBO starts near 42 nats on MNIST;
-- ``grad_snr_<group>`` and ``grad_snr_median_<group>``: the gradient SNR of the window that ended last, at step
-  ``snr_step`` (= t when the SNR window divides R; :mod:`bdl_bench.methods._grad_snr`).
+- ``val_neg_elbo``: ``val_nll + kl``, with the full KL (not the annealed :math:`\beta_t`, recorded as
+  ``kl_weight``), so at initialisation it is dominated by the KL (the paper's -ELBO starts near 42 nats on MNIST);
+- ``grad_snr_<group>`` and ``grad_snr_median_<group>``: the SNR of the last completed window, at ``snr_step``.
 
-The networks are drawn with a generator seeded from the method's own seed and t, so recording never moves the
-training stream and a resumed run records the same rows. The rows are part of the method's checkpoint, and the
-file is rewritten whole after each record, so a run resumed from an earlier epoch drops the rows it recomputes.
+The networks are drawn with a generator seeded from the method's seed and t, so recording never moves the
+training stream. The rows are part of the checkpoint and the file is rewritten whole after each record, so a
+resumed run drops the rows it recomputes.
 """
 
 from __future__ import annotations
@@ -38,12 +34,7 @@ STEPS_FILE = "steps.csv"
 
 @dataclass
 class StepRecorder:
-    """The ``steps.csv`` rows of one run (see the module docstring).
-
-    Args:
-        every: R, record after every R-th step.
-        n_samples: S, networks drawn for the validation NLL.
-    """
+    """The ``steps.csv`` rows of one run (see the module docstring)."""
 
     every: int
     n_samples: int = 10
@@ -57,8 +48,7 @@ class StepRecorder:
         self.path = None if run_dir is None else Path(run_dir) / STEPS_FILE
 
     def check(self, name: str) -> None:
-        """Raises ConfigError when there is no validation set to record on (called when the runner passes the
-        validation set, before training, and before each record)."""
+        """Refuse to record without a validation set."""
         if self.x_val is None or self.x_val.shape[0] == 0:
             raise ConfigError(f"{name}: method.record_every needs a validation set (data.n_val > 0)")
 
