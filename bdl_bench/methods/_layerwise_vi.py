@@ -275,7 +275,6 @@ class LayerwiseVI(Method):
             raise ConfigError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
         self.steps = StepRecorder(int(record_every)) if record_every else None
 
-    # ------------------------------------------------------------------ family hooks
     @abstractmethod
     def _init_variational(self) -> dict[str, Tensor]:
         """Create the family's variational tensors (leaves with ``requires_grad``), keyed by name."""

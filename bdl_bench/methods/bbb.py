@@ -142,7 +142,6 @@ class BayesByBackprop(StackedMethod):
         self.optimizer.step()
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
 
-    # ------------------------------------------------------------------ evaluation (one copy)
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""

@@ -140,7 +140,6 @@ class MCDropout(StackedMethod):
             ):
                 raise ConfigError(f"dropout: layer {n} ({type(child).__name__}) holds a dropout module inside it")
 
-    # ------------------------------------------------------------------ masks
     def _masks(self, shape: Sequence[int], like: Tensor) -> Tensor:
         r"""Every copy's inverted-dropout mask :math:`m/(1 - p_r)`, :math:`m = [u \ge p_r]`, from one uniform
         draw u of ``shape`` (a single run's): ``shape`` itself where the copies share their rate, else
@@ -164,7 +163,6 @@ class MCDropout(StackedMethod):
         g = self.problem.generator
         return torch.rand(shape, generator=g, device=g.device, dtype=like.dtype).to(like.device)
 
-    # ------------------------------------------------------------------ fitting
     def _outputs(self, x: Tensor, n_samples: int) -> Tensor:
         """Every copy's network outputs on its inputs ``x`` ``(R, M, in)`` under ``n_samples`` mask draws, draw by
         draw: ``(R, S·M, out)`` (models of ``nn.Linear`` layers)."""
@@ -201,7 +199,6 @@ class MCDropout(StackedMethod):
         nll = nll.detach()
         return {"loss": nll + penalty, "nll": nll}
 
-    # ------------------------------------------------------------------ prediction
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """``n_samples`` stochastic forward passes with dropout active: ``(S, N, out)``."""
@@ -313,7 +310,6 @@ class MCDropout(StackedMethod):
             chunks.append(torch.cat([self._stochastic_part(params, hs, s) for hs in h.split(rows)], dim=1))
         return torch.cat(chunks)
 
-    # ------------------------------------------------------------------ state
     def point_estimate(self) -> Tensor:
         """The trained weights (what a deterministic network with dropout switched off would use)."""
         return self.only_copy(self.theta.detach())

@@ -64,13 +64,15 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.kernels.buffers import reusable_grad_buffer
 from bdl_bench.kernels.elrg_kl import elrg_kl_blocks
-from bdl_bench.kernels.elrg_terms import ElrgTerms, LowRankLocalLinear, StepBuffers, TermsPlan
-from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
-from bdl_bench.methods._layerwise_vi import (
-    Layer,
-    LayerwiseVI,
-    sqrt_or_tiny,
+from bdl_bench.kernels.elrg_terms import (
+    ElrgTerms,
+    LowRankLocalLinear,
+    StepBuffers,
+    TermsPlan,
+    low_rank_local_linear_reference,
 )
+from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, sqrt_or_tiny
 from bdl_bench.methods.base import register_method
 from bdl_bench.ranges import COUNT
 
@@ -247,38 +249,28 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
     def _local_preactivation(
         self, terms: _Terms, layer: Layer, a: Tensor, weight_mean: Tensor, bias_mean: Tensor | None
     ) -> Tensor:
+        """Lemma 1's sample: with the hand-written backward in a training step, else by plain autograd."""
         g, K, out = self.problem.generator, self.rank, layer.out_features
-        if terms.into is not None:  # a training step: Lemma 1 with the hand-written backward
-            v_weight, v_bias = terms.factors[layer.index]
-            eps_k = standard_normal((*a.shape[:-1], 1, K), g, a)
-            eps = standard_normal((*a.shape[:-1], out), g, a)
-            w_var = b_var = None
-            if terms.var_parts is not None:
-                w_var = terms.var_parts[layer.weight_param]
-                b_var = None if layer.bias_param is None else terms.var_parts[layer.bias_param]
-            const_var = None if self.learn_diag else self.init_std**2
-            rows = a.numel() // a.shape[-1]
-            temps = tuple(self._buffers.temp((layer.index, role), (rows, K * out), a) for role in ("low", "g_low"))
-            coef = math.sqrt(self.alpha) * eps_k
-            return LowRankLocalLinear.apply(
-                a, weight_mean, bias_mean, v_weight, v_bias, w_var, b_var, coef, eps, const_var,
-                terms.into[layer.index], temps,
-            )  # fmt: skip
-        v_weight, v_bias = self._factor(layer)
-        mean = F.linear(a, weight_mean, bias_mean)  # F_mu(x)
-        # the K products F_{v_k}(x) as one product with a (K*out, in) weight
-        low = F.linear(a, v_weight.view(K * out, -1), None if v_bias is None else v_bias.view(K * out))
-        low = low.unflatten(-1, (K, out))  # (..., K, out)
-        eps_k = standard_normal((*mean.shape[:-1], 1, K), g, mean)
-        h = mean + math.sqrt(self.alpha) * (eps_k @ low).squeeze(-2)
-        a2 = a * a
-        if terms.var_parts is not None:  # F_{sigma^2}(x^2)
-            bias_var = None if layer.bias_param is None else terms.var_parts[layer.bias_param]
-            var = F.linear(a2, terms.var_parts[layer.weight_param], bias_var)
-        else:  # constant sigma^2: sigma^2 (|x|^2 + 1) for every output
-            var = self.init_std**2 * (a2.sum(-1, keepdim=True) + (0.0 if layer.bias_param is None else 1.0))
-        eps = standard_normal(tuple(mean.shape), g, mean)
-        return h + sqrt_or_tiny(var) * eps
+        eps_k = standard_normal((*a.shape[:-1], 1, K), g, a)
+        eps = standard_normal((*a.shape[:-1], out), g, a)
+        w_var = b_var = None
+        if terms.var_parts is not None:
+            w_var = terms.var_parts[layer.weight_param]
+            b_var = None if layer.bias_param is None else terms.var_parts[layer.bias_param]
+        const_var = None if self.learn_diag else self.init_std**2
+        if terms.into is None:
+            v_weight, v_bias = self._factor(layer)
+            return low_rank_local_linear_reference(
+                a, weight_mean, bias_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, self.alpha
+            )
+        v_weight, v_bias = terms.factors[layer.index]
+        rows = a.numel() // a.shape[-1]
+        temps = tuple(self._buffers.temp((layer.index, role), (rows, K * out), a) for role in ("low", "g_low"))
+        coef = math.sqrt(self.alpha) * eps_k
+        return LowRankLocalLinear.apply(
+            a, weight_mean, bias_mean, v_weight, v_bias, w_var, b_var, coef, eps, const_var,
+            terms.into[layer.index], temps,
+        )  # fmt: skip
 
     def _sample_params(self, terms: _Terms, n_samples: int) -> Tensor:
         g = self.problem.generator

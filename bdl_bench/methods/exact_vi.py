@@ -55,15 +55,6 @@ from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.quadrature import Expectation, expected_log_sigmoid_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
-__all__ = [
-    "ExactVI",
-    "ExactVIState",
-    "check_logistic_regression",
-    "logistic_design",
-    "logistic_elbo",
-    "logistic_elbo_from_scale",
-]
-
 _HISTORY_SIZE = 50
 
 

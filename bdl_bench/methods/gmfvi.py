@@ -33,18 +33,8 @@ from torch import Tensor, nn
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.local_reparam import local_linear
 from bdl_bench.kernels.mean_field import MeanFieldScratch, mean_field_terms
-from bdl_bench.methods._diag_vi import (
-    local_reparam_linear,
-    softplus_inverse,
-    standard_normal,
-    uniform_value,
-)
-from bdl_bench.methods._layerwise_vi import (
-    Layer,
-    LayerwiseVI,
-    local_reparam_conv2d,
-    sqrt_or_tiny,
-)
+from bdl_bench.methods._diag_vi import local_reparam_linear, softplus_inverse, standard_normal, uniform_value
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, local_reparam_conv2d, sqrt_or_tiny
 from bdl_bench.methods.base import register_method
 
 

@@ -132,7 +132,6 @@ class IVON(StackedMethod):
         self.clip_radius = None if clip_radius is None else float(clip_radius)
         self.decay = float(decay)
 
-    # ------------------------------------------------------------------ state
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """R copies starting from the model's weights: m ``(R, D)``, h = ``hess_init``, g = 0, and each copy's
         prior precision ``(R, D)``; a model with dropout is refused (its noise would not come from the generator)."""
@@ -155,7 +154,6 @@ class IVON(StackedMethod):
         out = workspace_buffer(workspace, "precision", self.hess.shape, self.hess)
         return torch.add(self.prior, self.hess, alpha=self.problem.n_data, out=out)
 
-    # ------------------------------------------------------------------ training
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One step of Algorithm 1 for every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; its
         ``(R, D)`` temporaries live in reused buffers (a fresh large tensor costs page faults at first touch)."""
@@ -221,7 +219,6 @@ class IVON(StackedMethod):
     def _rate(self) -> float:
         return self.lr / (1 + self.step**self.decay) if self.decay > 0 else self.lr
 
-    # ------------------------------------------------------------------ evaluation (a one-copy state)
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""

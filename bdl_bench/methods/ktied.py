@@ -57,17 +57,8 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
-from bdl_bench.methods._diag_vi import (
-    softplus_inverse,
-    standard_normal,
-    uniform_value,
-)
-from bdl_bench.methods._layerwise_vi import (
-    Layer,
-    LayerwiseVI,
-    local_reparam_conv2d,
-    sqrt_or_tiny,
-)
+from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, local_reparam_conv2d, sqrt_or_tiny
 from bdl_bench.methods.base import register_method
 from bdl_bench.ranges import COUNT
 

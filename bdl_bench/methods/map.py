@@ -17,8 +17,6 @@ from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam
 from bdl_bench.ranges import POSITIVE
 
-__all__ = ["MAP"]
-
 
 @register_method("map")
 class MAP(Method):

@@ -72,16 +72,6 @@ from bdl_bench.methods.base import (
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
-__all__ = [
-    "MAX_FULL_PARAMS",
-    "VOGN",
-    "Covariance",
-    "Curvature",
-    "VognState",
-    "factored_terms",
-    "per_example_terms",
-]
-
 MAX_FULL_PARAMS = 5000
 """Largest D for ``covariance=full`` (a D x D precision and its Cholesky factor each step)."""
 
@@ -133,22 +123,18 @@ def _first_bad_copy(*tensors: Tensor) -> int | None:
     return int((~finite).nonzero()[0, 0])
 
 
-def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor, noise: Tensor | None = None) -> Tensor:
+def _kl_to_prior(state: VognState, chol: Tensor | None, prior_precision: Tensor, noise: Tensor) -> Tensor:
     r"""KL(N(μ, S⁻¹) ‖ N(0, diag(λ)⁻¹)) = ½[Σ_j λ_j Σ_jj + Σ_j λ_j μ_j² − D − Σ_j log λ_j + log|S|], one per copy
     of the state's leading copy dimension.
 
-    For a full S given ``noise`` (θ_k − μ of K samples of q, ``(..., K, D)``), the trace term
-    Σ_j λ_j Σ_jj is estimated by their mean of (θ_k − μ)ᵀ diag(λ)(θ_k − μ) (unbiased; a training step's
-    loss, as SLANG's), sparing the D³/3 triangular solve for S⁻¹."""
+    For a full S (``chol`` its Cholesky factors) the trace term Σ_j λ_j Σ_jj is estimated from ``noise``
+    (θ_k − μ of K samples of q, ``(..., K, D)``) by their mean of (θ_k − μ)ᵀ diag(λ)(θ_k − μ) (unbiased; a
+    training step's loss, as SLANG's), sparing the D³/3 triangular solve for S⁻¹."""
     lam, mean = prior_precision, state.mean
     if chol is None:  # diagonal
         trace, logdet = (lam * state.precision.reciprocal()).sum(-1), state.precision.log().sum(-1)
     else:
-        if noise is None:
-            eye = torch.eye(mean.shape[-1], dtype=mean.dtype, device=mean.device).expand_as(chol)
-            trace = (lam * torch.linalg.solve_triangular(chol, eye, upper=False).square().sum(-2)).sum(-1)
-        else:
-            trace = (noise.square() @ lam[..., None]).squeeze(-1).mean(-1)
+        trace = (noise.square() @ lam[..., None]).squeeze(-1).mean(-1)
         logdet = 2.0 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
     quad = trace + (lam * mean * mean).sum(-1)
     return 0.5 * (quad - mean.shape[-1] - lam.log().sum(-1) + logdet)
@@ -289,7 +275,6 @@ class VOGN(StackedMethod):
     def _full(self) -> bool:
         return self.covariance is Covariance.FULL
 
-    # ------------------------------------------------------------------------------ setup
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked."""
         super().setup_replicas(problems)
@@ -398,7 +383,7 @@ class VOGN(StackedMethod):
             ok = (precision > 0).all(1) & torch.isfinite(precision).all(1) & torch.isfinite(mean).all(1)  # (R,)
             mean = torch.where(ok[:, None], mean, state.mean)
             precision = torch.where(ok[:, None], precision, state.precision)
-        kl = _kl_to_prior(state, chol, lam, None if chol is None else noise)
+        kl = _kl_to_prior(state, chol, lam, noise)
         self.state = VognState(mean=mean, precision=precision, step=step, chol=new_chol)
         loss = nll + kl / p.n_data
         if ok is not None:
