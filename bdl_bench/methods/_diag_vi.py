@@ -28,9 +28,13 @@ def softplus_inverse(x: Tensor) -> Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
-def standard_normal(shape: tuple[int, ...], generator: torch.Generator, like: Tensor) -> Tensor:
+def standard_normal(
+    shape: tuple[int, ...], generator: torch.Generator, like: Tensor, out: Tensor | None = None
+) -> Tensor:
     """``N(0, 1)`` draws from ``generator`` (on its device, so a CPU generator also serves a CUDA model), moved to
-    ``like``'s device with its dtype."""
+    ``like``'s device with its dtype; written into ``out`` (a reused buffer) where the generator is on that device."""
+    if out is not None and generator.device == like.device:
+        return torch.randn(shape, generator=generator, out=out)
     eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
     return eps.to(like.device)
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._shared import map_step
 from bdl_bench.methods.base import PostHocMethod, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
@@ -64,16 +65,7 @@ class _DualAveraging:
 
 @register_method("hmc")
 class HMC(PostHocMethod):
-    """HMC with a warmed-up step size and diagonal mass matrix (see the module docstring).
-
-    Args:
-        n_samples: kept iterations after warm-up (before thinning).
-        n_warmup: warm-up iterations (discarded).
-        n_leapfrog: leapfrog steps per iteration.
-        step_size: initial step size ε.
-        target_accept: acceptance rate aimed at in warm-up, in (0, 1).
-        thin: keep every ``thin``-th kept iteration.
-        lr: Adam learning rate of the MAP fit that initialises the chain."""
+    """HMC with a warmed-up step size and diagonal mass matrix (see the module docstring)."""
 
     option_ranges = MappingProxyType(
         {
@@ -128,10 +120,6 @@ class HMC(PostHocMethod):
             (g,) = torch.autograd.grad(u, th)
         return u.detach(), g
 
-    def _randn(self, like: Tensor) -> Tensor:
-        g = self.problem.generator
-        return torch.randn(like.shape, generator=g, dtype=like.dtype, device=g.device).to(like.device)
-
     def _uniform(self) -> float:
         g = self.problem.generator
         return float(torch.rand((), generator=g, device=g.device))
@@ -149,7 +137,7 @@ class HMC(PostHocMethod):
         kept: list[Tensor] = []
         n_accepted = 0
         for it in range(self.n_warmup + self.n_samples):
-            momentum = self._randn(theta) / inv_mass.sqrt()  # r ~ N(0, M), M = diag(1 / inv_mass)
+            momentum = standard_normal(theta.shape, self.problem.generator, theta) / inv_mass.sqrt()  # r ~ N(0, M)
             step = eps * (0.9 + 0.2 * self._uniform())
             new_theta, new_momentum = theta.clone(), momentum - 0.5 * step * grad
             for leap in range(self.n_leapfrog):

@@ -55,20 +55,12 @@ from bdl_bench.curvature.gram import workspace_buffer
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
-
-
-def _normals(shape: tuple[int, ...], generator: torch.Generator, like: Tensor, out: Tensor | None = None) -> Tensor:
-    """``N(0, 1)`` draws from ``generator`` (on its device), moved to ``like``'s device with its dtype; written into
-    ``out`` (a scratch buffer of that shape) where the generator is on ``like``'s device."""
-    if out is not None and generator.device == like.device:
-        return torch.randn(shape, generator=generator, out=out)
-    eps = torch.randn(shape, generator=generator, device=generator.device, dtype=like.dtype)
-    return eps.to(like.device)
 
 
 def _kl_from_precision(
@@ -86,18 +78,9 @@ def _kl_from_precision(
 
 @register_method("ivon")
 class IVON(StackedMethod):
-    """IVON (Shen et al. 2024, Algorithm 1; see the module docstring).
-
-    Args:
-        lr: the mean's step size :math:`\\alpha` (> 0).
-        beta1: momentum weight :math:`\\beta_1` of the gradient, in [0, 1).
-        beta2: weight :math:`\\beta_2` of the old Hessian estimate, in [0, 1).
-        hess_init: :math:`h_0 > 0`, the initial Hessian estimate (initial std :math:`1/\\sqrt{N h_0 + \\lambda_0}`).
-        n_train_mc_samples: samples S of q per step (>= 1).
-        clip_radius: :math:`\\xi`, each coordinate of the preconditioned step clamped to :math:`[-\\xi, \\xi]`
-            (> 0), or ``None`` for no clipping.
-        decay: :math:`\\gamma \\ge 0`, step size :math:`\\alpha_t = \\alpha / (1 + t^\\gamma)` (0: constant).
-    """
+    """IVON (Shen et al. 2024, Algorithm 1; see the module docstring): ``lr`` :math:`\\alpha`, ``beta1``
+    :math:`\\beta_1`, ``beta2`` :math:`\\beta_2`, ``hess_init`` :math:`h_0`, ``n_train_mc_samples`` S,
+    ``clip_radius`` :math:`\\xi` (``None``: no clipping), ``decay`` :math:`\\gamma`."""
 
     option_ranges = MappingProxyType(
         {
@@ -164,7 +147,7 @@ class IVON(StackedMethod):
         precision = self._precision(ws)
         std = torch.rsqrt(precision, out=workspace_buffer(ws, "std", precision.shape, precision))  # (R, D)
         shape = (self.n_train_mc_samples, dim)
-        eps = _normals(shape, self.problem.generator, self.mean, workspace_buffer(ws, "eps", shape, self.mean))
+        eps = standard_normal(shape, self.problem.generator, self.mean, workspace_buffer(ws, "eps", shape, self.mean))
         thetas = workspace_buffer(ws, "thetas", (n_copies, *shape), self.mean)
         torch.addcmul(self.mean.unsqueeze(1), std.unsqueeze(1), eps, out=thetas).requires_grad_(True)  # (R, S, D)
         with torch.enable_grad():
@@ -226,7 +209,7 @@ class IVON(StackedMethod):
         model = self.problem.model
         chunks = []
         for start in range(0, n_samples, _PREDICT_CHUNK):
-            eps = _normals((min(_PREDICT_CHUNK, n_samples - start), mean.numel()), self.problem.generator, mean)
+            eps = standard_normal((min(_PREDICT_CHUNK, n_samples - start), mean.numel()), self.problem.generator, mean)
             thetas = torch.addcmul(mean, std, eps)
             chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
         return torch.cat(chunks)
