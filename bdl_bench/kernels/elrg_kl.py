@@ -1,6 +1,13 @@
 r"""ELRG's KL of a low-rank-plus-diagonal Gaussian to a diagonal prior by the matrix determinant lemma
-(Tomczak et al. 2020, Lemma 2; :func:`elrg_kl`), and its gradients (:func:`add_factor_grad`, :func:`diag_grad`)
-for the hand-written backward of :class:`~bdl_bench.kernels.elrg_terms.ElrgTerms`."""
+(Tomczak et al. 2020, Lemma 2; :func:`elrg_kl_blocks`), and its gradients (:func:`add_factor_grad`,
+:func:`diag_grad`) for the hand-written backward of :class:`~bdl_bench.kernels.elrg_terms.ElrgTerms`: for
+:math:`\mathrm{KL}(\mathcal N(\mu, \alpha V V^\top + \operatorname{diag} c) \,\|\,
+\mathcal N(0, \operatorname{diag}\lambda^{-1}))` with :math:`G = I_K + \alpha V^\top C^{-1} V`,
+:math:`\partial/\partial\mu = \lambda\mu`,
+:math:`\partial/\partial V = \alpha(\lambda \circ V - C^{-1} V G^{-1})` and
+:math:`\partial/\partial c_d = \tfrac12(\lambda_d - 1/c_d + \alpha\, v_d^\top G^{-1} v_d / c_d^2)`
+(:math:`v_d` the d-th row of V).
+"""
 
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ def lemma2(blocks: list[KLBlock], alpha: float) -> tuple[Tensor, Tensor]:
 
 def add_factor_grad(b: KLBlock, gram_inv: Tensor, scale: float | Tensor, out: Tensor) -> Tensor:
     r"""``out += scale·(λ∘V^T − G^{-1} V^T C^{-1})`` in place, ``(K, D_b)``: Lemma 2's
-    :math:`\partial\mathrm{KL}/\partial V^\top` is this with ``scale`` = α (see :func:`elrg_kl`). A 0-dim
+    :math:`\partial\mathrm{KL}/\partial V^\top` is this with ``scale`` = α (module docstring). A 0-dim
     tensor ``scale`` (a weight on the device, never read on the host) scales the unit-weight gradient."""
     if isinstance(scale, Tensor):
         return out.add_(add_factor_grad(b, gram_inv, 1.0, torch.zeros_like(out)).mul_(scale))
@@ -84,28 +91,7 @@ def diag_grad(b: KLBlock, gram_inv: Tensor, alpha: float, g: float | Tensor) -> 
 
 
 def elrg_kl_blocks(blocks: list[tuple[Tensor, Tensor, Tensor | float, Tensor | float]], alpha: float) -> Tensor:
-    """:func:`elrg_kl` of a Gaussian whose coordinates come in blocks ``(mean, factor, diag, prior_precision)``
-    (e.g. a layer's weights and its bias), without concatenating them: the Gram matrix is a sum over blocks."""
+    """Lemma 2's KL of a Gaussian whose coordinates come in blocks ``(mean (D_b,), factor V^T (K, D_b), diag,
+    prior_precision)`` (diagonal and prior ``(D_b,)`` or one number; e.g. a layer's weights and its bias), without
+    concatenating them: the Gram matrix is a sum over blocks."""
     return lemma2([KLBlock(*block) for block in blocks], float(alpha))[0]
-
-
-def elrg_kl(
-    mean: Tensor,
-    cov_factor: Tensor,
-    cov_diag: Tensor | float,
-    prior_precision: Tensor | float,
-    alpha: float,
-) -> Tensor:
-    r""":math:`\mathrm{KL}(\mathcal N(\mu, \alpha V V^\top + \operatorname{diag} c) \,\|\, \mathcal N(0, \operatorname{diag}\lambda^{-1}))`
-    by the matrix determinant lemma (Tomczak et al. 2020, Lemma 2; see the module docstring).
-
-    Its gradients, which :class:`~bdl_bench.kernels.elrg_terms.ElrgTerms` writes by hand
-    (:func:`add_factor_grad`, :func:`diag_grad`), with :math:`G = I_K + \alpha V^\top C^{-1} V`:
-    :math:`\partial/\partial\mu = \lambda\mu`, :math:`\partial/\partial V = \alpha(\lambda \circ V - C^{-1} V G^{-1})`
-    and :math:`\partial/\partial c_d = \tfrac12(\lambda_d - 1/c_d + \alpha\, v_d^\top G^{-1} v_d / c_d^2)`
-    (:math:`v_d` the d-th row of V).
-
-    ``cov_factor`` is :math:`V^\top` ``(K, D)``; ``cov_diag`` :math:`c` and ``prior_precision`` :math:`\lambda`
-    are ``(D,)`` or one number.
-    """
-    return elrg_kl_blocks([(mean, cov_factor, cov_diag, prior_precision)], alpha)

@@ -75,7 +75,8 @@ class ElrgTerms(torch.autograd.Function):
         \partial_{V^\top} L = \partial_{V^\top}\ell + g\alpha(\lambda\circ V^\top - G^{-1}V^\top C^{-1}), \quad
         \partial_\rho L = 2\sigma\operatorname{sigmoid}(\rho)\bigl(\partial_{\sigma^2}\ell + g\,\partial_c\mathrm{KL}\bigr)
 
-    (Lemma 2's gradients, :func:`elrg_kl`), so no factor-sized gradient is allocated or summed by autograd.
+    (Lemma 2's gradients, :mod:`~bdl_bench.kernels.elrg_kl`), so no factor-sized gradient is allocated or summed
+    by autograd.
     """
 
     @staticmethod

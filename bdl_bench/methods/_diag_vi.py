@@ -1,8 +1,9 @@
 r"""Building blocks of the diagonal-Gaussian variational methods (it registers no method).
 
 A factor :math:`\mathcal N(\mu, \operatorname{diag}\sigma^2)` over some or all of the flat parameters, with
-:math:`\sigma = \operatorname{softplus}(\rho)`, fitted against the prior :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
-(``bbb``, ``gmfvi``, ``ktied``, ``elrg``, ``slang``): the noise of the reparameterisation, the closed-form KL
+:math:`\sigma = \operatorname{softplus}(\rho)`, fitted against the prior
+:math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` (``bbb``, ``gmfvi``, ``ktied``, ``elrg``, ``slang``): the
+noise of the reparameterisation, the closed-form KL
 
 .. math::
 

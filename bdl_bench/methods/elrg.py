@@ -29,7 +29,7 @@ drawn independently per example. The K products :math:`F_{v_k}(x)` are one matri
 **KL (Lemma 2, via the matrix determinant lemma).** Against the prior
 :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})` (the paper states it for :math:`\lambda = 1/\gamma`
 constant; the per-parameter form is the same derivation), with :math:`V = [v_1 \dots v_K]`
-(:func:`elrg_kl`):
+(:func:`~bdl_bench.kernels.elrg_kl.elrg_kl_blocks`):
 
 .. math::
 
