@@ -1,6 +1,6 @@
 r"""The closed-form KL of a diagonal Gaussian to the prior :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
-with a fused backward (:func:`diag_kl`), and its term in the mean (:func:`prior_quadratic`); references
-:func:`diag_kl_reference` and :func:`prior_quadratic_reference`."""
+in two parts with fused backwards, the term in the standard deviations (:func:`diag_kl`) and the one in the mean
+(:func:`prior_quadratic`); references :func:`diag_kl_reference` and :func:`prior_quadratic_reference`."""
 
 from __future__ import annotations
 
@@ -14,61 +14,45 @@ from bdl_bench.methods._diag_vi import sum_log
 
 
 class _DiagKL(torch.autograd.Function):
-    """KL(N(mean, diag std²) || N(0, diag 1/lam)) with a hand-written backward (``lam`` a tensor of the
-    same shape, or one number: then no λ-scaled copies are formed); without ``mean`` (``None``) the KL
-    less its term ½ Σ λ μ² (:func:`prior_quadratic`)."""
+    """KL(N(mean, diag std²) || N(0, diag 1/lam)) less its term ½ Σ λ μ² (:func:`prior_quadratic`), with a
+    hand-written backward (``lam`` a tensor of ``std``'s shape, or one number: then no λ-scaled copy is formed)."""
 
     @staticmethod
-    def forward(
-        ctx: Any, mean: Tensor | None, std: Tensor, lam: Tensor | float, log_lam_sum: float, scratch: Tensor | None
-    ) -> Tensor:
+    def forward(ctx: Any, std: Tensor, lam: Tensor | float, log_lam_sum: float, scratch: Tensor | None) -> Tensor:
         s = std.reshape(-1)
         if isinstance(lam, Tensor):
             lam_std = lam * std
-            lam_mean = None if mean is None else lam * mean
             quad = torch.dot(lam_std.flatten(), s)
-            if mean is not None and lam_mean is not None:
-                quad = quad + torch.dot(lam_mean.flatten(), mean.flatten())
-            ctx.save_for_backward(std, lam_std, lam_mean)
+            ctx.save_for_backward(std, lam_std)
         else:
-            quad = torch.dot(s, s)
-            if mean is not None:
-                m = mean.reshape(-1)
-                quad.add_(torch.dot(m, m))
-            quad.mul_(lam)
-            ctx.save_for_backward(std, mean)
+            quad = torch.dot(s, s).mul_(lam)
+            ctx.save_for_backward(std)
         ctx.lam = lam
         # (quad - D - sum log lam) / 2 - sum log sigma
         return quad.mul_(0.5).sub_(sum_log(s, scratch)).sub_(0.5 * (std.numel() + log_lam_sum))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        need_mean, need_std = ctx.needs_input_grad[:2]
-        # (lam mu, lam sigma - 1/sigma) g; one fresh tensor per gradient (fresh memory costs more than a pass)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        # (lam sigma - 1/sigma) g in one fresh tensor (fresh memory costs more than a pass)
         if isinstance(ctx.lam, Tensor):
-            std, lam_std, lam_mean = ctx.saved_tensors
-            g_mean = lam_mean * g if need_mean else None
-            g_std = torch.addcdiv(lam_std, std.new_ones(()), std, value=-1.0).mul_(g) if need_std else None
-            return g_mean, g_std, None, None, None
-        std, mean = ctx.saved_tensors
-        scale = ctx.lam * g
-        g_mean = mean * scale if need_mean else None
-        g_std = torch.mul(std, scale).addcdiv_(g, std, value=-1.0) if need_std else None
-        return g_mean, g_std, None, None, None
+            std, lam_std = ctx.saved_tensors
+            return torch.addcdiv(lam_std, std.new_ones(()), std, value=-1.0).mul_(g), None, None, None
+        (std,) = ctx.saved_tensors
+        return torch.mul(std, ctx.lam * g).addcdiv_(g, std, value=-1.0), None, None, None
 
 
 def diag_kl(
-    mean: Tensor | None,
     std: Tensor,
     prior_precision: Tensor | float,
     log_prior_precision_sum: float | None = None,
     scratch: Tensor | None = None,
 ) -> Tensor:
     r"""Closed-form :math:`\mathrm{KL}(\mathcal N(\mu, \operatorname{diag}\sigma^2) \,\|\,
-    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` of same-shaped tensors, with a fused backward
-    (:math:`\lambda\mu` and :math:`\lambda\sigma - 1/\sigma`); the value of :func:`kl_diag_to_prior`.
-    ``mean=None`` leaves out the term :math:`\tfrac12\sum\lambda\mu^2` (:func:`prior_quadratic`);
-    ``prior_precision`` broadcasts to ``std`` or is one number; ``log_prior_precision_sum`` is
+    \mathcal N(0, \operatorname{diag}\lambda^{-1}))` less its term :math:`\tfrac12\sum\lambda\mu^2`
+    (:func:`prior_quadratic`), with a fused backward (:math:`\lambda\sigma - 1/\sigma`): with it, the value of
+    :func:`kl_diag_to_prior`. ``prior_precision`` broadcasts to ``std`` or is one number; ``log_prior_precision_sum`` is
     :math:`\sum\log\lambda` if known; ``scratch`` a reused buffer of half ``std``'s size for :func:`sum_log`.
     """
     if isinstance(prior_precision, Tensor):
@@ -77,7 +61,7 @@ def diag_kl(
     else:
         lam = float(prior_precision)
         log_sum = std.numel() * math.log(lam) if log_prior_precision_sum is None else log_prior_precision_sum
-    return _DiagKL.apply(mean, std, lam, log_sum, scratch)
+    return _DiagKL.apply(std, lam, log_sum, scratch)
 
 
 class _PriorQuadratic(torch.autograd.Function):
@@ -104,12 +88,10 @@ def prior_quadratic(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
     return _PriorQuadratic.apply(mean, prior_precision)
 
 
-def diag_kl_reference(mean: Tensor | None, std: Tensor, prior_precision: Tensor | float) -> Tensor:
-    """The plain-autograd twin of :func:`diag_kl` (``mean=None``: without the term in the mean)."""
-    lam = torch.as_tensor(prior_precision, dtype=std.dtype).expand_as(std)
-    var_ratio = lam * std**2
-    kl = 0.5 * (var_ratio - 1 - torch.log(var_ratio)).sum()
-    return kl if mean is None else kl + prior_quadratic_reference(mean, prior_precision)
+def diag_kl_reference(std: Tensor, prior_precision: Tensor | float) -> Tensor:
+    """The plain-autograd twin of :func:`diag_kl`."""
+    var_ratio = torch.as_tensor(prior_precision, dtype=std.dtype).expand_as(std) * std**2
+    return 0.5 * (var_ratio - 1 - torch.log(var_ratio)).sum()
 
 
 def prior_quadratic_reference(mean: Tensor, prior_precision: Tensor | float) -> Tensor:

@@ -209,7 +209,7 @@ class KTiedNormalVI(LayerwiseVI):
         # the KL's term in the mean on the flat mean (its gradient added to .grad in place), the rest per part
         parts = range(len(self.param_sizes))
         scratch, priors, log_priors = self._kl_scratch, self.prior_parts, self.log_prior_parts
-        kl = torch.stack([diag_kl(None, self._param_std(terms, p), priors[p], log_priors[p], scratch) for p in parts])
+        kl = torch.stack([diag_kl(self._param_std(terms, p), priors[p], log_priors[p], scratch) for p in parts])
         kl = kl.sum() + prior_quadratic(self.mean, self._prior)
         return _Terms(factors=factors, stds=stds, kl=kl, mean_parts=self.mean_parts())
 

@@ -11,7 +11,7 @@ from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
-from bdl_bench.kernels.diag_vi import diag_kl
+from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
 from bdl_bench.kernels.local_reparam import local_linear
 from bdl_bench.kernels.mean_field import (
     MeanFieldScratch,
@@ -57,10 +57,11 @@ def test_fused_gradient_passes_gradcheck() -> None:
     m, r = mean.requires_grad_(True), rho.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: mean_field_variance_and_kl(a, b, lam), (m, r))
     std = F.softplus(rho.detach()).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda a, s: diag_kl(a, s, lam.view(5)), (m, std))
-    assert_close(diag_kl(mean, std, lam), kl_diag_to_prior(mean, std, lam))
+    assert torch.autograd.gradcheck(lambda s: diag_kl(s, lam.view(5)), (std,))
+    assert_close(diag_kl(std, lam) + prior_quadratic(mean, lam), kl_diag_to_prior(mean, std, lam))
     two = torch.tensor(2.0, dtype=torch.float64)  # a scalar precision broadcasts
-    assert_close(diag_kl(mean, std, two), kl_diag_to_prior(mean, std, 2.0 * torch.ones_like(lam)))
+    full_kl = diag_kl(std, two) + prior_quadratic(mean, two)
+    assert_close(full_kl, kl_diag_to_prior(mean, std, 2.0 * torch.ones_like(lam)))
 
 
 def test_starts_at_init_std_and_reports_a_diagonal_posterior() -> None:
@@ -177,8 +178,8 @@ def test_diag_kl_with_one_prior_precision_matches_autograd() -> None:
     mean, rho, _ = _random(6, n=6)
     std = F.softplus(rho)
     m, s = mean.view(2, 3).requires_grad_(True), std.view(2, 3).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda a, b: diag_kl(a, b, 1.7), (m, s))
-    assert_close(diag_kl(m, s, 1.7), kl_diag_to_prior(mean, std, torch.full_like(mean, 1.7)))
+    assert torch.autograd.gradcheck(lambda b: diag_kl(b, 1.7), (s,))
+    assert_close(diag_kl(s, 1.7) + prior_quadratic(m, 1.7), kl_diag_to_prior(mean, std, torch.full_like(mean, 1.7)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
