@@ -190,10 +190,7 @@ class KTiedNormalVI(LayerwiseVI):
                     self.factor_keys[pos] = keys
                 else:
                     key = f"bias_rho{layer.index}" if name == "bias" else f"rho{layer.index}_{name}"
-                    init = torch.full(
-                        self.param_shapes[pos], self.init_std, dtype=self.mean.dtype, device=self.mean.device
-                    )
-                    tensors[key] = softplus_inverse(init)
+                    tensors[key] = softplus_inverse(self.mean.new_full(self.param_shapes[pos], self.init_std))
                     self.rho_keys[pos] = key
         for t in tensors.values():
             t.requires_grad_(True)
