@@ -19,23 +19,16 @@ from bdl_bench.methods._diag_vi import on_host
 
 @dataclass
 class StepBuffers:
-    r"""What a training step computes in, reused from step to step: fresh factor- or ``(D,)``-sized tensors
-    are mapped anew by the allocator each time, and their page faults cost more than the passes over them.
-
-    ``grad_mean``, ``grad_factors`` (one like each :math:`v` leaf) and ``grad_rho`` receive the gradients,
-    which the leaves then hold as their ``.grad`` (until the next backward overwrites them;
-    ``optimizer.zero_grad`` lets go of them); ``std`` and ``var`` hold :math:`\sigma, \sigma^2` of the
-    learned diagonal from a forward to its backward, ``work`` is scratch; ``temps`` holds the
-    per-layer temporaries of :class:`LowRankLocalLinear` (:meth:`temp`).
-    """
+    r"""What a training step computes in, reused from step to step (fresh factor- or ``(D,)``-sized tensors
+    cost page faults). The ``grad_*`` buffers receive the gradients, which the leaves then hold as ``.grad``."""
 
     grad_mean: Tensor
-    grad_factors: list[Tensor]
+    grad_factors: list[Tensor]  # one like each v leaf
     grad_rho: Tensor | None = None
-    std: Tensor | None = None
-    var: Tensor | None = None
-    work: Tensor | None = None
-    temps: dict[tuple[int, str], Tensor] = field(default_factory=dict)
+    std: Tensor | None = None  # sigma of the learned diagonal, from a forward to its backward
+    var: Tensor | None = None  # sigma^2, likewise
+    work: Tensor | None = None  # scratch
+    temps: dict[tuple[int, str], Tensor] = field(default_factory=dict)  # LowRankLocalLinear's, by layer (temp)
 
     def temp(self, key: tuple[int, str], shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A reused tensor of ``shape`` (contents undefined); a new one when the shape changes (a smaller
