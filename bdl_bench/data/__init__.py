@@ -12,6 +12,8 @@ import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from bdl_bench.data.base import DATASETS, DataFileError, Dataset, DatasetLoader, Task, default_data_root
 from bdl_bench.errors import ConfigError
 
@@ -45,50 +47,23 @@ def import_all_loaders() -> None:
 
 
 def available_datasets() -> list[str]:
-    """Sorted names of all registered datasets."""
     import_all_loaders()
     return sorted(DATASETS)
 
 
 def get_loader(name: str) -> DatasetLoader:
-    """The loader registered under ``name``.
-
-    Raises:
-        ValueError: If no dataset has that name; the message lists the available ones.
-    """
+    """The loader registered under ``name``; an unknown name is a :class:`ConfigError` listing the known ones."""
     import_all_loaders()
     if name not in DATASETS:
         raise ConfigError(f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}")
     return DATASETS[name]
 
 
-def _plain(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with hydra
-        DictConfig = None  # type: ignore[assignment,misc]  # noqa: N806
-    if DictConfig is not None and isinstance(cfg, DictConfig):
-        container = OmegaConf.to_container(cfg, resolve=True)
-        assert isinstance(container, dict)
-        return {str(k): v for k, v in container.items()}
-    return dict(cfg)
-
-
 def build_dataset(cfg: Mapping[str, Any]) -> Dataset:
-    """Build the dataset described by the ``data`` config.
-
-    Args:
-        cfg: ``name`` (a registered dataset name) plus the loader's keyword arguments; a ``protocol``
-            sub-mapping, if present, is ignored here (other code reads it).
-
-    Returns:
-        The loaded :class:`Dataset`.
-
-    Raises:
-        ValueError: On a missing or unknown ``name`` (listing the available names) or an option the loader
-            does not accept (listing the accepted ones).
-    """
-    options = _plain(cfg)
+    """Build the dataset of a ``data`` config: ``name`` plus the loader's keyword arguments (``protocol`` is
+    ignored here; other code reads it). A missing or unknown name, or an option the loader does not accept, is a
+    :class:`ConfigError` listing the choices."""
+    options = dict(OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg)
     name = options.get("name")
     if not isinstance(name, str):
         raise ConfigError(f"data config needs a 'name' (e.g. data=uci/boston); got {name!r}")

@@ -19,11 +19,7 @@ class UnsafeArchiveError(DataError):
 
 
 def check_member(member: tarfile.TarInfo) -> None:
-    """Refuse a member with an absolute path, a ``..`` component, or that is not a file or folder.
-
-    Raises:
-        UnsafeArchiveError: Naming the member.
-    """
+    """Refuse (naming it) a member with an absolute path, a ``..`` component, or that is not a file or folder."""
     name = member.name
     path = PurePosixPath(name)
     if name.startswith(("/", "\\")) or path.is_absolute() or (len(name) > 1 and name[1] == ":"):
@@ -35,14 +31,8 @@ def check_member(member: tarfile.TarInfo) -> None:
 
 
 def safe_extract(archive: Path, dest: Path) -> list[Path]:
-    """Extract a tar archive into ``dest`` after checking every member (then with ``filter="data"``).
-
-    Returns:
-        The extracted regular files.
-
-    Raises:
-        UnsafeArchiveError: If any member is unsafe (nothing is extracted then).
-    """
+    """Extract a tar archive into ``dest`` after checking every member (then with ``filter="data"``); returns the
+    extracted regular files. Nothing is extracted if any member is unsafe."""
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive) as tar:
         members = tar.getmembers()

@@ -101,7 +101,6 @@ DATASETS: dict[str, DatasetLoader] = {}
 
 
 def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-    """Register a loader under the name users type after ``data=``."""
 
     def add(fn: DatasetLoader) -> DatasetLoader:
         if name in DATASETS:

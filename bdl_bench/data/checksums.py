@@ -29,12 +29,10 @@ FIX_HINT = (
 
 
 def manifest_path() -> Path:
-    """Path of the repository's checksum manifest, ``data/SHA256SUMS``."""
     return default_data_root() / MANIFEST_NAME
 
 
 def sha256_file(path: Path) -> str:
-    """Hex SHA-256 digest of a file's bytes."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -43,14 +41,8 @@ def sha256_file(path: Path) -> str:
 
 
 def parse_manifest(text: str) -> dict[str, str]:
-    """Parse ``sha256sum`` output into ``{relative path: hex digest}``.
-
-    Args:
-        text: Lines ``<64 hex digits><space><space or *><path>``; blank lines and ``#`` comments are skipped.
-
-    Returns:
-        Mapping from POSIX path relative to ``data/`` (without a leading ``./``) to lower-case digest.
-    """
+    """``sha256sum`` lines ``<64 hex digits><space><space or *><path>`` as ``{path relative to data/ (no leading
+    ./): lower-case digest}``; blank lines and ``#`` comments are skipped."""
     entries: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.startswith("#"):
@@ -83,18 +75,8 @@ def _digest_cached(path: str, size: int, mtime_ns: int) -> str:
 
 
 def verify_file(path: Path, rel: str) -> Path:
-    """Check that ``path`` exists and matches the manifest entry ``rel``.
-
-    Args:
-        path: The file to check (anywhere on disk).
-        rel: Its path relative to ``data/`` as recorded in ``data/SHA256SUMS`` (e.g. ``uci/yacht/data.txt``).
-
-    Returns:
-        ``path``, unchanged, so calls can be chained.
-
-    Raises:
-        DataFileError: If the file is missing, is not listed in the manifest, or its SHA-256 differs.
-    """
+    """``path`` (anywhere on disk) after checking that it exists and matches the manifest entry ``rel`` (its path
+    relative to ``data/``, e.g. ``uci/yacht/data.txt``); otherwise a :class:`DataFileError`."""
     if not path.is_file():
         raise DataFileError(f"data file {path} is missing; {FIX_HINT}")
     expected = load_manifest().get(rel)
@@ -114,18 +96,7 @@ def verify_file(path: Path, rel: str) -> Path:
 
 
 def data_file(rel: str, root: str | Path | None = None) -> Path:
-    """Resolve ``rel`` under ``root`` (default: the shipped ``data/``) and verify it.
-
-    Args:
-        rel: Path relative to the data root, POSIX style (``libsvm/a1a.mat``).
-        root: Data root folder; ``None`` means :func:`~bdl_bench.data.base.default_data_root`.
-
-    Returns:
-        The verified path.
-
-    Raises:
-        DataFileError: See :func:`verify_file`.
-    """
+    """``rel`` (POSIX, e.g. ``libsvm/a1a.mat``) under ``root`` (default: the shipped ``data/``), verified."""
     base = default_data_root() if root is None else Path(root).expanduser()
     return verify_file(base / rel, rel)
 

@@ -12,11 +12,8 @@ from bdl_bench.errors import ConfigError
 
 @dataclass(frozen=True)
 class SplitIndices:
-    """Row ids (into the loader's raw table) of the train / validation / test parts.
-
-    ``train`` and ``val`` come from the original training part; ``val`` is empty when no validation part
-    was asked for. The three arrays are disjoint.
-    """
+    """Disjoint row ids (into the loader's raw table) of the parts; ``train`` and ``val`` (empty when no
+    validation part was asked for) come from the original training part."""
 
     train: np.ndarray
     val: np.ndarray
@@ -24,19 +21,7 @@ class SplitIndices:
 
 
 def check_split(split: int, n_splits: int, dataset: str) -> int:
-    """Validate a fixed-split index.
-
-    Args:
-        split: The requested split.
-        n_splits: How many fixed splits the dataset has.
-        dataset: Dataset name for the error message.
-
-    Returns:
-        ``split`` as an ``int``.
-
-    Raises:
-        ValueError: If ``split`` is not an integer in ``[0, n_splits - 1]``.
-    """
+    """``split`` as an ``int`` if it indexes one of the dataset's ``n_splits`` fixed splits, else a ConfigError."""
     if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 0 <= split < n_splits:
         valid = "0" if n_splits == 1 else f"0..{n_splits - 1}"
         raise ConfigError(f"{dataset}: split={split!r} is out of range; valid splits are {valid} ({n_splits} in all)")
@@ -44,7 +29,6 @@ def check_split(split: int, n_splits: int, dataset: str) -> int:
 
 
 def check_seed(value: int, what: str, dataset: str) -> int:
-    """Validate a non-negative integer used to seed a permutation."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ConfigError(f"{dataset}: {what}={value!r} must be a non-negative integer")
     return int(value)
@@ -57,36 +41,16 @@ def permutation(n: int, seed: int) -> np.ndarray:
 
 
 def random_halves(n: int, split: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random 50/50 train/test split of ``n`` rows, the permutation seeded by ``split``.
-
-    Args:
-        n: Number of rows.
-        split: Seed of the permutation (split ``i`` is ``torch.Generator().manual_seed(i)``).
-
-    Returns:
-        ``(train, test)`` row ids in permutation order; ``len(train) == n // 2``.
-    """
+    """Random 50/50 ``(train, test)`` row ids of ``n`` rows in permutation order (``len(train) == n // 2``); split
+    ``i`` is the permutation of ``torch.Generator().manual_seed(i)``."""
     perm = permutation(n, split)
     return perm[: n // 2], perm[n // 2 :]
 
 
 def carve_validation(train: np.ndarray, val_fraction: float, seed: int, dataset: str) -> tuple[np.ndarray, np.ndarray]:
-    """Move ``val_fraction`` of the training rows to a validation part.
-
-    Args:
-        train: Row ids of the full training part.
-        val_fraction: Fraction in ``[0, 1)``; ``round(val_fraction * len(train))`` rows (at least one when
-            positive) go to validation.
-        seed: Seed of the permutation choosing the validation rows.
-        dataset: Dataset name for error messages.
-
-    Returns:
-        ``(train, val)``, each keeping the relative order of ``train``; ``val`` is empty when ``val_fraction``
-        is 0.
-
-    Raises:
-        ValueError: If ``val_fraction`` is outside ``[0, 1)`` or would leave no training rows.
-    """
+    """``(train, val)``: ``round(val_fraction * len(train))`` of the training rows ``train`` (at least one when
+    ``val_fraction`` in ``[0, 1)`` is positive), chosen by a permutation seeded with ``seed``, move to ``val``;
+    both keep ``train``'s relative order."""
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"{dataset}: val_fraction={val_fraction!r} must be a number in [0, 1)")
     seed = check_seed(seed, "seed", dataset)

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bdl_bench.data.base import Dataset, Task, as_float
+from bdl_bench.data.splits import SplitIndices
+
 
 @dataclass(frozen=True)
 class Standardiser:
@@ -32,6 +35,21 @@ class Standardiser:
         """Standardise ``x`` (float64 result)."""
         return (np.asarray(x, dtype=np.float64) - self.mean) / self.std
 
-    def inverse(self, z: np.ndarray) -> np.ndarray:
-        """Map standardised values back to original units."""
-        return np.asarray(z, dtype=np.float64) * self.std + self.mean
+
+def regression_dataset(name: str, x: np.ndarray, y: np.ndarray, idx: SplitIndices) -> Dataset:
+    """A regression :class:`Dataset` of the rows ``idx`` of ``x`` ``(N, D)`` and ``y`` ``(N,)``, inputs and targets
+    standardised with the training part's statistics; ``y_mean``/``y_std`` map back to original units."""
+    x_scaler, y_scaler = Standardiser.fit(x[idx.train]), Standardiser.fit(y[idx.train])
+
+    def part(rows: np.ndarray) -> tuple:
+        return as_float(x_scaler.transform(x[rows])), as_float(y_scaler.transform(y[rows]))
+
+    return Dataset(
+        name,
+        Task.REGRESSION,
+        *part(idx.train),
+        *part(idx.val),
+        *part(idx.test),
+        y_mean=float(y_scaler.mean),
+        y_std=float(y_scaler.std),
+    )

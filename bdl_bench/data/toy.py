@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bdl_bench.data.base import Dataset, Task, as_float, register_dataset
-from bdl_bench.data.splits import carve_validation, check_seed, check_split
-from bdl_bench.data.standardise import Standardiser
+from bdl_bench.data.base import Dataset, register_dataset
+from bdl_bench.data.splits import SplitIndices, carve_validation, check_seed, check_split
+from bdl_bench.data.standardise import regression_dataset
 from bdl_bench.errors import ConfigError
 
 
@@ -51,36 +51,14 @@ def load_cubic(
     val_fraction: float = 0.0,
     seed: int = 0,
 ) -> Dataset:
-    """The ``toy/cubic`` regression task, standardised with training statistics like the UCI sets.
-
-    Args:
-        split: Must be 0 (one synthetic split; vary ``seed`` for new draws).
-        n_train: Number of training points, uniform on ``[-train_bound, train_bound]``.
-        n_test: Number of test grid points on ``[-test_bound, test_bound]``.
-        noise_std: Standard deviation of the Gaussian noise, in original units.
-        train_bound: Half-width of the training input range.
-        test_bound: Half-width of the test grid.
-        val_fraction: Fraction of the training points carved out for validation.
-        seed: Seeds the data draw and the validation permutation.
-
-    Returns:
-        A :class:`Dataset` with ``Task.REGRESSION``; ``y_mean``/``y_std`` map back to original units.
-    """
+    """The ``toy/cubic`` regression task of :func:`make_cubic`, standardised with training statistics like the UCI
+    sets. ``split`` must be 0 (vary ``seed`` for new draws); ``seed`` also seeds the choice of the
+    ``val_fraction`` validation points."""
     check_split(split, 1, "toy/cubic")
     x_tr, y_tr, x_te, y_te = make_cubic(
         n_train=n_train, n_test=n_test, noise_std=noise_std, train_bound=train_bound, test_bound=test_bound, seed=seed
     )
     train, val = carve_validation(np.arange(n_train), val_fraction, seed, "toy/cubic")
-    x_scaler, y_scaler = Standardiser.fit(x_tr[train]), Standardiser.fit(y_tr[train])
-    return Dataset(
-        name="toy/cubic",
-        task=Task.REGRESSION,
-        x_train=as_float(x_scaler.transform(x_tr[train])),
-        y_train=as_float(y_scaler.transform(y_tr[train])),
-        x_val=as_float(x_scaler.transform(x_tr[val])),
-        y_val=as_float(y_scaler.transform(y_tr[val])),
-        x_test=as_float(x_scaler.transform(x_te)),
-        y_test=as_float(y_scaler.transform(y_te)),
-        y_mean=float(y_scaler.mean),
-        y_std=float(y_scaler.std),
-    )
+    test = np.arange(n_train, n_train + n_test)
+    idx = SplitIndices(train=train, val=val, test=test)
+    return regression_dataset("toy/cubic", np.concatenate([x_tr, x_te]), np.concatenate([y_tr, y_te]), idx)

@@ -9,15 +9,15 @@ predictions back to original units.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
 
-from bdl_bench.data.base import Dataset, DatasetLoader, Task, as_float, register_dataset
+from bdl_bench.data.base import Dataset, register_dataset
 from bdl_bench.data.checksums import data_file
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_split
-from bdl_bench.data.standardise import Standardiser
+from bdl_bench.data.standardise import regression_dataset
 from bdl_bench.errors import ConfigError
 
 UCI_FOLDERS: dict[str, str] = {
@@ -58,16 +58,8 @@ def _folder(name: str) -> str:
 
 
 def load_uci_raw(name: str, root: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The whole table of a UCI set in original units, before any split.
-
-    Args:
-        name: Short name, e.g. ``"boston"``.
-        root: Data root (default: the shipped ``data/``).
-
-    Returns:
-        ``(x, y)``: float64 arrays of shape ``(N, D)`` and ``(N,)``, read-only; row ``i`` is row ``i`` of
-        ``data.txt``, so the ids of :func:`uci_split_indices` index them.
-    """
+    """The whole table of a UCI set in original units: read-only float64 ``x`` ``(N, D)`` and ``y`` ``(N,)``,
+    row ``i`` being row ``i`` of ``data.txt`` (what the ids of :func:`uci_split_indices` index)."""
     folder = _folder(name)
     table = _read(f"{folder}/data.txt", root)
     features = _read(f"{folder}/index_features.txt", root, integer=True)
@@ -78,21 +70,8 @@ def load_uci_raw(name: str, root: str | Path | None = None) -> tuple[np.ndarray,
 def uci_split_indices(
     name: str, *, split: int, val_fraction: float = 0.0, seed: int = 0, root: str | Path | None = None
 ) -> SplitIndices:
-    """Row ids of Gal's split ``split``, with ``val_fraction`` of its training rows moved to validation.
-
-    Args:
-        name: Short name, e.g. ``"boston"``.
-        split: Gal's split index, ``0..19`` (protein: ``0..4``).
-        val_fraction: Fraction of training rows for validation, in ``[0, 1)``.
-        seed: Seed of the permutation that picks the validation rows.
-        root: Data root (default: the shipped ``data/``).
-
-    Returns:
-        Disjoint train / val / test row ids into :func:`load_uci_raw`'s arrays.
-
-    Raises:
-        ValueError: On an unknown name, a split out of range or a bad ``val_fraction``.
-    """
+    """Row ids of Gal's split ``split`` (``0..19``; protein ``0..4``), with ``val_fraction`` of its training rows
+    moved to validation by a permutation seeded with ``seed``."""
     folder = _folder(name)
     split = check_split(split, UCI_N_SPLITS[name], f"uci/{name}")
     train = np.array(_read(f"{folder}/index_train_{split}.txt", root, integer=True))
@@ -104,52 +83,12 @@ def uci_split_indices(
 def load_uci(
     name: str, *, split: int = 0, val_fraction: float = 0.0, seed: int = 0, root: str | Path | None = None
 ) -> Dataset:
-    """Load UCI set ``name`` on Gal's split ``split``, standardised with training-part statistics.
-
-    Args:
-        name: Short name, one of :data:`UCI_FOLDERS` (``"boston"``, ``"naval"``, ...).
-        split: Gal's split index, ``0..19`` (protein: ``0..4``).
-        val_fraction: Fraction of the training rows carved out as a validation part (0: none).
-        seed: Seed of the permutation choosing the validation rows (ignored when ``val_fraction`` is 0).
-        root: Data root (default: the shipped ``data/``); files are checked against ``data/SHA256SUMS``.
-
-    Returns:
-        A :class:`Dataset` with ``Task.REGRESSION``, float32 tensors, ``y_mean``/``y_std`` in original units.
-
-    Raises:
-        ValueError: On a split out of range or a bad ``val_fraction``.
-        DataFileError: If a data file is missing or corrupted.
-    """
+    """UCI set ``name`` on Gal's split ``split``, standardised with training-part statistics (``root``: data
+    folder, default the shipped ``data/``, files checked against ``data/SHA256SUMS``)."""
     x, y = load_uci_raw(name, root)
     idx = uci_split_indices(name, split=split, val_fraction=val_fraction, seed=seed, root=root)
-    x_scaler = Standardiser.fit(x[idx.train])
-    y_scaler = Standardiser.fit(y[idx.train])
-    parts = {
-        part: (as_float(x_scaler.transform(x[rows])), as_float(y_scaler.transform(y[rows])))
-        for part, rows in (("train", idx.train), ("val", idx.val), ("test", idx.test))
-    }
-    return Dataset(
-        name=f"uci/{name}",
-        task=Task.REGRESSION,
-        x_train=parts["train"][0],
-        y_train=parts["train"][1],
-        x_val=parts["val"][0],
-        y_val=parts["val"][1],
-        x_test=parts["test"][0],
-        y_test=parts["test"][1],
-        y_mean=float(y_scaler.mean),
-        y_std=float(y_scaler.std),
-    )
+    return regression_dataset(f"uci/{name}", x, y, idx)
 
 
-def _make_loader(name: str) -> DatasetLoader:
-    def load(*, split: int = 0, val_fraction: float = 0.0, seed: int = 0, root: str | Path | None = None) -> Dataset:
-        return load_uci(name, split=split, val_fraction=val_fraction, seed=seed, root=root)
-
-    load.__name__ = load.__qualname__ = f"load_uci_{name}"
-    load.__doc__ = f"Load ``uci/{name}`` (folder ``data/uci/{UCI_FOLDERS[name]}``); see :func:`load_uci`."
-    return register_dataset(f"uci/{name}")(load)
-
-
-LOADERS: dict[str, DatasetLoader] = {name: _make_loader(name) for name in UCI_FOLDERS}
-"""The registered ``uci/<name>`` loaders, keyed by short name."""
+for _name in UCI_FOLDERS:
+    register_dataset(f"uci/{_name}")(partial(load_uci, _name))
