@@ -11,6 +11,7 @@ are read straight from the verified tarball (every member name checked), never e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,22 @@ PIXELS = 3 * 32 * 32
 class CifarLayout:
     """Where a CIFAR variant keeps its records inside the tarball, and how labels are stored."""
 
+    name: str  # dataset name
     key: str  # cache key of the tarball (registry_files.FILES)
     train_members: tuple[str, ...]
     test_members: tuple[str, ...]
     label_bytes: int
     n_classes: dict[str, int]  # label kind -> number of classes
 
+    def label_index(self, label: str) -> int:
+        """Which label byte of a record holds the label kind ``label``."""
+        if label not in self.n_classes:
+            raise ConfigError(f"{self.name}: label must be one of {', '.join(self.n_classes)}, got {label!r}")
+        return 0 if label == "coarse" else self.label_bytes - 1
+
 
 CIFAR10 = CifarLayout(
+    name="vision/cifar10",
     key="cifar10/cifar-10-binary.tar.gz",
     train_members=tuple(f"cifar-10-batches-bin/data_batch_{i}.bin" for i in range(1, 6)),
     test_members=("cifar-10-batches-bin/test_batch.bin",),
@@ -45,6 +54,7 @@ CIFAR10 = CifarLayout(
     n_classes={"fine": 10},
 )
 CIFAR100 = CifarLayout(
+    name="vision/cifar100",
     key="cifar100/cifar-100-binary.tar.gz",
     train_members=("cifar-100-binary/train.bin",),
     test_members=("cifar-100-binary/test.bin",),
@@ -56,20 +66,8 @@ CIFAR100 = CifarLayout(
 def parse_cifar_records(
     raw: bytes, *, label_bytes: int, label_index: int | None = None, name: str = "<bytes>"
 ) -> ImageArrays:
-    """Decode CIFAR binary records.
-
-    Args:
-        raw: Concatenated records of ``label_bytes + 3072`` bytes.
-        label_bytes: 1 (CIFAR-10) or 2 (CIFAR-100: coarse, fine).
-        label_index: Which label byte to return (default: the last, i.e. CIFAR-100's fine label).
-        name: Shown in error messages.
-
-    Returns:
-        ``(N, 3, 32, 32)`` uint8 images and ``(N,)`` int64 labels.
-
-    Raises:
-        ValueError: If the length is not a whole number of records.
-    """
+    """``(N, 3, 32, 32)`` uint8 images and ``(N,)`` int64 labels of concatenated ``label_bytes + 3072``-byte
+    records; ``label_index`` picks the label byte (default: the last, i.e. CIFAR-100's fine label)."""
     record = label_bytes + PIXELS
     if len(raw) == 0 or len(raw) % record:
         raise DataError(f"{name}: {len(raw)} bytes is not a whole number of {record}-byte CIFAR records")
@@ -83,17 +81,13 @@ def parse_cifar_records(
 
 
 def read_cifar_archive(archive: Path, layout: CifarLayout, label: str = "fine") -> tuple[ImageArrays, ImageArrays]:
-    """The training and test splits of a CIFAR binary tarball.
-
-    Raises:
-        ValueError: On an unknown ``label`` kind, or when a member is missing from the archive.
-    """
-    if label not in layout.n_classes:
-        raise ConfigError(f"label must be one of {', '.join(layout.n_classes)} for {layout.key}, got {label!r}")
-    label_index = 0 if label == "coarse" else layout.label_bytes - 1
+    """The training and test splits of a CIFAR binary tarball (a missing member is a :class:`DataError`)."""
+    label_index = layout.label_index(label)
     wanted = set(layout.train_members) | set(layout.test_members)
-    found = {name: data for name, data in iter_tar_files(archive, lambda n: n.removeprefix("./") in wanted)}
-    found = {name.removeprefix("./"): data for name, data in found.items()}
+    found = {
+        name.removeprefix("./"): data
+        for name, data in iter_tar_files(archive, lambda n: n.removeprefix("./") in wanted)
+    }
     missing = sorted(wanted - set(found))
     if missing:
         raise DataError(f"{archive}: missing member(s) {', '.join(missing)}")
@@ -109,9 +103,7 @@ def read_cifar_archive(archive: Path, layout: CifarLayout, label: str = "fine") 
 
 
 def _load(
-    name: str,
     layout: CifarLayout,
-    *,
     label: str,
     n_val: int,
     flatten: bool,
@@ -122,19 +114,18 @@ def _load(
     root: str | Path | None,
     mirror: str | Path | None,
 ) -> Dataset:
-    check_ood(ood, _OOD_CHOICES, name)
-    if label not in layout.n_classes:
-        raise ConfigError(f"{name}: label must be one of {', '.join(layout.n_classes)}, got {label!r}")
+    check_ood(ood, _OOD_CHOICES, layout.name)  # bad options fail before the download
+    layout.label_index(label)
     train, test = read_cifar_archive(get_file(layout.key, root=root, mirror=mirror), layout, label)
     return image_dataset(
-        name,
+        layout.name,
         train=train,
         test=test,
         n_classes=layout.n_classes[label],
         n_val=n_val,
         flatten=flatten,
         standardise=standardise,
-        ood=read_ood(ood, _OOD_CHOICES, root=root, mirror=mirror, name=name),
+        ood=read_ood(ood, _OOD_CHOICES, root=root, mirror=mirror, name=layout.name),
         augmentation=(crop_padding, horizontal_flip),
     )
 
@@ -153,29 +144,14 @@ def load_cifar10(
 ) -> Dataset:
     """CIFAR-10: 50k training images (the last ``n_val`` for validation), 10k test, 10 classes.
 
-    Args:
-        n_val: Training images held out for validation.
-        flatten: ``(N, 3072)`` rows instead of ``(N, 3, 32, 32)`` images.
-        standardise: Standardise each channel with the training part's mean and std.
-        crop_padding: Training augmentation: random 32×32 crop of the zero-padded image (0: off).
-        horizontal_flip: Training augmentation: random left-right flip.
-        ood: Out-of-distribution set (DEF Table 1: ``svhn``; also ``cifar100``) or ``None``.
-        root: Cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``).
-        mirror: Folder or base URL holding the tarball, tried before the canonical URL.
+    ``flatten``: ``(N, 3072)`` rows instead of ``(N, 3, 32, 32)`` images; ``standardise``: each channel with the
+    training part's mean and std; training augmentation: a random 32×32 crop of the image zero-padded by
+    ``crop_padding`` (0: off) and a random left-right flip; ``ood``: DEF Table 1's ``svhn``, ``cifar100`` or
+    ``None``; ``root``: cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``); ``mirror``: folder
+    or base URL holding the tarball, tried before the canonical URL.
     """
-    return _load(
-        "vision/cifar10",
-        CIFAR10,
-        label="fine",
-        n_val=n_val,
-        flatten=flatten,
-        standardise=standardise,
-        crop_padding=crop_padding,
-        horizontal_flip=horizontal_flip,
-        ood=ood,
-        root=root,
-        mirror=mirror,
-    )
+    args = (n_val, flatten, standardise, crop_padding, horizontal_flip, ood, root, mirror)
+    return _load(CIFAR10, "fine", *args)
 
 
 @register_dataset("vision/cifar100")
@@ -193,26 +169,13 @@ def load_cifar100(
 ) -> Dataset:
     """CIFAR-100: 50k training images (k-tied: the last 10k for validation), 10k test; ``label`` is
     ``fine`` (100 classes) or ``coarse`` (20). Other options as :func:`load_cifar10`."""
-    return _load(
-        "vision/cifar100",
-        CIFAR100,
-        label=label,
-        n_val=n_val,
-        flatten=flatten,
-        standardise=standardise,
-        crop_padding=crop_padding,
-        horizontal_flip=horizontal_flip,
-        ood=ood,
-        root=root,
-        mirror=mirror,
-    )
+    args = (n_val, flatten, standardise, crop_padding, horizontal_flip, ood, root, mirror)
+    return _load(CIFAR100, label, *args)
 
 
-@register_ood("cifar10")
-def _cifar10_test(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
-    return read_cifar_archive(get_file(CIFAR10.key, root=root, mirror=mirror), CIFAR10)[1]
+def _test_split(layout: CifarLayout, root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
+    return read_cifar_archive(get_file(layout.key, root=root, mirror=mirror), layout)[1]
 
 
-@register_ood("cifar100")
-def _cifar100_test(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
-    return read_cifar_archive(get_file(CIFAR100.key, root=root, mirror=mirror), CIFAR100)[1]
+register_ood("cifar10")(partial(_test_split, CIFAR10))
+register_ood("cifar100")(partial(_test_split, CIFAR100))

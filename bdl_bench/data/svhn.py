@@ -16,13 +16,11 @@ from bdl_bench.data.registry_files import get_file
 from bdl_bench.data.vision import ImageArrays, check_ood, image_dataset, read_ood, register_ood
 from bdl_bench.errors import DataError
 
+_OOD_CHOICES = ("cifar10", "cifar100")
+
 
 def read_svhn_mat(path: str | Path) -> ImageArrays:
-    """Images ``(N, 3, 32, 32)`` uint8 and labels ``(N,)`` in 0–9 from one SVHN ``.mat`` file.
-
-    Raises:
-        ValueError: If ``X``/``y`` are missing or have unexpected shapes or labels.
-    """
+    """Images ``(N, 3, 32, 32)`` uint8 and labels ``(N,)`` in 0–9 from one SVHN ``.mat`` file."""
     mat = scipy.io.loadmat(str(path), variable_names=["X", "y"])
     if "X" not in mat or "y" not in mat:
         raise DataError(f"{path}: expected variables X and y, found {sorted(k for k in mat if not k.startswith('__'))}")
@@ -57,7 +55,7 @@ def load_svhn(
     """SVHN: 73,257 training digits (+531,131 with ``use_extra``; the last ``n_val`` for validation),
     26,032 test digits, 10 classes. Options as :func:`bdl_bench.data.cifar.load_cifar10`
     (``ood``: ``cifar10``, ``cifar100`` or ``None``); flips are off by default (digits are not symmetric)."""
-    check_ood(ood, ("cifar10", "cifar100"), "vision/svhn")
+    check_ood(ood, _OOD_CHOICES, "vision/svhn")
     train = read_svhn_mat(get_file("svhn/train_32x32.mat", root=root, mirror=mirror))
     if use_extra:
         extra = read_svhn_mat(get_file("svhn/extra_32x32.mat", root=root, mirror=mirror))
@@ -70,6 +68,6 @@ def load_svhn(
         n_val=n_val,
         flatten=flatten,
         standardise=standardise,
-        ood=read_ood(ood, ("cifar10", "cifar100"), root=root, mirror=mirror, name="vision/svhn"),
+        ood=read_ood(ood, _OOD_CHOICES, root=root, mirror=mirror, name="vision/svhn"),
         augmentation=(crop_padding, horizontal_flip),
     )

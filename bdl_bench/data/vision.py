@@ -42,16 +42,10 @@ class ImageArrays:
 
 @dataclass(frozen=True)
 class ImageAugmentation:
-    """Random crop after zero padding, and random horizontal flip, applied per example to a batch.
-
-    Works on ``(N, C, H, W)`` batches, or on flattened ``(N, C·H·W)`` ones given ``image_shape``.
-    Randomness comes only from the ``generator`` argument (drawn on the CPU, applied on ``x``'s device).
-
-    Attributes:
-        crop_padding: Pixels of zero padding on each side before a random crop back to ``H × W`` (0: off).
-        horizontal_flip: Flip each image left-right with probability 1/2.
-        image_shape: ``(C, H, W)``, needed to unflatten 2-D batches.
-    """
+    """A random ``H × W`` crop of each image zero-padded by ``crop_padding`` pixels on each side (0: off), and a
+    left-right flip with probability 1/2, per example of a ``(N, C, H, W)`` batch, or of a flattened ``(N, C·H·W)``
+    one (unflattened to ``image_shape``). Randomness comes only from ``generator`` (drawn on the CPU, applied on
+    ``x``'s device)."""
 
     crop_padding: int
     horizontal_flip: bool
@@ -80,15 +74,6 @@ class ImageAugmentation:
             flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         return x.flatten(1) if flat else x
-
-
-def make_augmentation(
-    crop_padding: int, horizontal_flip: bool, image_shape: tuple[int, int, int]
-) -> ImageAugmentation | None:
-    """An :class:`ImageAugmentation`, or ``None`` when both parts are off."""
-    if crop_padding == 0 and not horizontal_flip:
-        return None
-    return ImageAugmentation(int(crop_padding), bool(horizontal_flip), tuple(image_shape))  # type: ignore[arg-type]
 
 
 def split_last(arrays: ImageArrays, n_val: int, name: str) -> tuple[ImageArrays, ImageArrays]:
@@ -146,41 +131,31 @@ def image_dataset(
     ood: tuple[str, ImageArrays] | None = None,
     augmentation: tuple[int, bool] | None = None,
 ) -> Dataset:
-    """Assemble a multiclass :class:`Dataset` from raw uint8 splits (see module docstring).
-
-    Args:
-        name: Dataset name (``vision/mnist``).
-        train, test: Official training and test splits.
-        n_classes: Number of classes.
-        n_val: Rows at the end of ``train`` held out for validation.
-        flatten: Return ``(N, C·H·W)`` rows instead of ``(N, C, H, W)`` images.
-        standardise: Subtract the training part's channel means and divide by its channel stds.
-        ood: ``(name, arrays)`` of an out-of-distribution set, preprocessed like ``test``.
-        augmentation: ``(crop_padding, horizontal_flip)`` for the training loop, or ``None``.
-    """
+    """A multiclass :class:`Dataset` of the official splits (see module docstring): the last ``n_val`` rows of
+    ``train`` for validation, ``ood`` ``(name, arrays)`` preprocessed like ``test``, and ``augmentation``
+    ``(crop_padding, horizontal_flip)`` for the training loop."""
+    crop, flip = augmentation or (0, False)
     fit, val = split_last(train, n_val, name)
     prep = Preprocess.fit(fit.images, standardise=standardise, flatten=flatten)
     shape = tuple(train.images.shape[1:])
     if ood is not None and tuple(ood[1].images.shape[1:]) != shape:
         raise ConfigError(f"{name}: OOD set {ood[0]} has images {ood[1].images.shape[1:]}, not {shape}")
 
-    def labels(a: ImageArrays) -> Tensor:
-        return torch.from_numpy(np.asarray(a.labels, dtype=np.int64).copy())
+    def part(a: ImageArrays) -> tuple[Tensor, Tensor]:
+        return prep(a.images), torch.from_numpy(np.asarray(a.labels, dtype=np.int64).copy())
 
+    x_ood, y_ood = part(ood[1]) if ood is not None else (None, None)
     return Dataset(
-        name=name,
-        task=Task.MULTICLASS,
-        x_train=prep(fit.images),
-        y_train=labels(fit),
-        x_val=prep(val.images),
-        y_val=labels(val),
-        x_test=prep(test.images),
-        y_test=labels(test),
+        name,
+        Task.MULTICLASS,
+        *part(fit),
+        *part(val),
+        *part(test),
         n_classes=n_classes,
-        x_ood=prep(ood[1].images) if ood is not None else None,
-        y_ood=labels(ood[1]) if ood is not None else None,
+        x_ood=x_ood,
+        y_ood=y_ood,
         ood_name=ood[0] if ood is not None else None,
-        augmentation=make_augmentation(*augmentation, shape) if augmentation is not None else None,  # type: ignore[arg-type]
+        augmentation=ImageAugmentation(int(crop), bool(flip), shape) if crop or flip else None,  # type: ignore[arg-type]
     )
 
 
@@ -200,11 +175,7 @@ def register_ood(name: str) -> Callable[[OodReader], OodReader]:
 
 
 def check_ood(ood: str | None, allowed: tuple[str, ...], name: str) -> str | None:
-    """``ood`` if it is one of ``allowed``, ``None`` for no OOD set (called before any download).
-
-    Raises:
-        ValueError: Naming the choices.
-    """
+    """``ood`` if it is one of ``allowed``, ``None`` for no OOD set (called before any download)."""
     if ood is None or ood in ("", "none", "null"):
         return None
     if ood not in allowed:
@@ -239,22 +210,10 @@ def _idx_split(
     return ImageArrays(x[:, None, :, :], y.astype(np.int64))
 
 
-def read_mnist(root: str | Path | None = None, mirror: str | Path | None = None) -> tuple[ImageArrays, ImageArrays]:
-    """MNIST's official 60k training and 10k test split (LeCun's IDX files)."""
-    train = _idx_split("mnist", "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", root, mirror)
-    test = _idx_split("mnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror)
-    return train, test
-
-
 @register_ood("notmnist")
 def read_notmnist(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
     """The 10k-image IDX sample of notMNIST_small (letters A–J as labels 0–9)."""
     return _idx_split("notmnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror)
-
-
-@register_ood("mnist")
-def _mnist_test(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
-    return read_mnist(root, mirror)[1]
 
 
 @register_dataset("vision/mnist")
@@ -267,22 +226,15 @@ def load_mnist(
     root: str | Path | None = None,
     mirror: str | Path | None = None,
 ) -> Dataset:
-    """MNIST digits, 10 classes: 60k official training images (the last ``n_val`` for validation), 10k test.
-
-    Args:
-        n_val: Training images held out for validation (SLANG Table 3: 10000, leaving 50k to train).
-        flatten: ``(N, 784)`` rows for MLPs instead of ``(N, 1, 28, 28)`` images.
-        standardise: Standardise with the training part's pixel mean/std (default: pixels in [0, 1]).
-        ood: Out-of-distribution set: ``notmnist`` (DEF Table 1) or ``None``.
-        root: Cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``).
-        mirror: Folder or base URL holding the files, tried before the canonical URLs.
-    """
+    """MNIST digits, 10 classes: 60k official training images (the last ``n_val`` for validation; SLANG Table 3:
+    10000, leaving 50k to train), 10k test. ``flatten``: ``(N, 784)`` rows for MLPs; ``standardise``: with the
+    training part's pixel mean/std (default: pixels in [0, 1]); ``ood``: ``notmnist`` (DEF Table 1) or ``None``;
+    ``root``, ``mirror`` as :func:`bdl_bench.data.cifar.load_cifar10`."""
     check_ood(ood, ("notmnist",), "vision/mnist")
-    train, test = read_mnist(root, mirror)
     return image_dataset(
         "vision/mnist",
-        train=train,
-        test=test,
+        train=_idx_split("mnist", "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", root, mirror),
+        test=_idx_split("mnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror),
         n_classes=10,
         n_val=n_val,
         flatten=flatten,
@@ -304,8 +256,7 @@ def load_notmnist(
     """notMNIST letters A–J as a 10-class task on the 10k IDX sample: the last ``n_test`` images are the
     test part, the ``n_val`` before them validation. Mostly used as MNIST's OOD set (``vision/mnist``'s
     ``ood``); see :func:`load_mnist` for the options."""
-    sample = read_notmnist(root, mirror)
-    rest, test = split_last(sample, n_test, "vision/notmnist")
+    rest, test = split_last(read_notmnist(root, mirror), n_test, "vision/notmnist")
     return image_dataset(
         "vision/notmnist",
         train=rest,
