@@ -146,14 +146,13 @@ def test_a_bad_search_spec_fails_every_split_of_the_sweep_member(tmp_path: Path)
 
 def test_user_errors_keep_the_builtin_classes_their_callers_catch() -> None:
     from bdl_bench.data.archives import UnsafeArchiveError
-    from bdl_bench.data.download import ChecksumError, DownloadError
+    from bdl_bench.data.download import DownloadError
     from bdl_bench.errors import UserError
     from bdl_bench.methods.base import NonFiniteLossError
     from bdl_bench.orchestration.sweep import ConfigVersionError
 
     for cls, builtin in [
         (UnsafeArchiveError, ValueError),
-        (ChecksumError, FileNotFoundError),
         (DownloadError, FileNotFoundError),
         (NonFiniteLossError, FloatingPointError),
         (ConfigVersionError, RuntimeError),

@@ -49,11 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def resolve(names: list[str]) -> list[RemoteFile]:
-    """The remote files behind dataset names and cache keys, without duplicates, in order.
-
-    Raises:
-        SystemExit: Naming an unknown name and listing the known ones.
-    """
+    """The remote files behind dataset names and cache keys, without duplicates, in order (an unknown name exits,
+    listing the known ones)."""
     keys: list[str] = []
     for name in names:
         if name in registry_files.DATASET_FILES:
@@ -98,29 +95,28 @@ def list_command(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(ns: argparse.Namespace) -> DownloadSettings:
-    return DownloadSettings(timeout=ns.timeout, retries=ns.retries, progress=not ns.quiet)
+def _fetch(remote: RemoteFile, ns: argparse.Namespace, note: str = "") -> bool:
+    """Fetch ``remote`` and print the outcome; ``False`` when it failed."""
+    settings = DownloadSettings(timeout=ns.timeout, retries=ns.retries, progress=not ns.quiet)
+    try:
+        path = fetch(remote, root=ns.root, mirror=ns.mirror, settings=settings)
+    except DownloadError as err:
+        print(f"FAILED   {remote.key}: {err}", file=sys.stderr)
+        return False
+    print(f"ok       {path}{note}")
+    return True
 
 
 def fetch_command(ns: argparse.Namespace) -> int:
     if not ns.names and not ns.all:
         raise SystemExit(f"bdl-bench data fetch: name datasets or give --all; datasets: {', '.join(_all_names())}")
-    remotes = resolve(_all_names() if ns.all else ns.names)
-    failed = 0
-    for remote in remotes:
-        try:
-            path = fetch(remote, root=ns.root, mirror=ns.mirror, settings=_settings(ns))
-            print(f"ok       {path}")
-        except DownloadError as err:
-            failed += 1
-            print(f"FAILED   {remote.key}: {err}", file=sys.stderr)
+    failed = [remote for remote in resolve(_all_names() if ns.all else ns.names) if not _fetch(remote, ns)]
     return 1 if failed else 0
 
 
 def verify_command(ns: argparse.Namespace) -> int:
-    remotes = resolve(ns.names or _all_names())
     bad = 0
-    for remote in remotes:
+    for remote in resolve(ns.names or _all_names()):
         state = verify_cached(remote, ns.root)
         path = cache_path(remote, ns.root)
         if state is None:
@@ -132,21 +128,12 @@ def verify_command(ns: argparse.Namespace) -> int:
             print(f"CORRUPT  {path}: {state}")
         else:
             print(f"CORRUPT  {path}: {state}; fetching it again")
-            try:
-                fetch(remote, root=ns.root, mirror=ns.mirror, settings=_settings(ns))
-                print(f"ok       {path} (re-fetched)")
-            except DownloadError as err:
-                bad += 1
-                print(f"FAILED   {remote.key}: {err}", file=sys.stderr)
+            bad += not _fetch(remote, ns, " (re-fetched)")
     return 1 if bad else 0
 
 
 def main(args: list[str]) -> None:
-    """Entry point of ``bdl-bench data``.
-
-    Raises:
-        SystemExit: With status 1 when a file could not be fetched or is corrupt.
-    """
+    """Entry point of ``bdl-bench data``; exits with status 1 when a file could not be fetched or is corrupt."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     ns = _parser().parse_args(args)
     commands = {"list": list_command, "fetch": fetch_command, "verify": verify_command}

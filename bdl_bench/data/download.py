@@ -1,4 +1,4 @@
-"""Verified downloads into the data cache, and safe reading of the archives they bring.
+"""Verified downloads into the data cache.
 
 Every large dataset file is described by a :class:`RemoteFile` (``registry_files.py``): its place in
 the cache, its canonical URLs and its published checksum. :func:`fetch` returns the cached copy after
@@ -14,13 +14,11 @@ after a broken connection (or from a ``.part`` an earlier process left), retried
 back-off on connection errors, time-outs and 5xx answers, and renamed to its final name only once
 its size and checksums match. A file whose checksum does not match is deleted, never used.
 
-Checksums: SHA-256 where it is known (ours for the files in ``../shared/data``, keras' for others);
-where only an MD5 is published (CIFAR binary, SVHN, IMDB) the MD5 is checked and the SHA-256 of the
+Where only an MD5 is published (CIFAR binary, SVHN, IMDB) the MD5 is checked and the SHA-256 of the
 accepted file is written beside it (``<name>.sha256``) and checked on every later use as well.
 
 The cache folder is ``$BDL_BENCH_DATA``, by default ``~/.cache/bdl-bench``. Concurrent runs of a sweep
-share it safely: each file is fetched under an exclusive lock (POSIX ``flock``). Archives are read with
-:mod:`bdl_bench.data.archives`.
+share it safely: each file is fetched under an exclusive lock (POSIX ``flock``).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -63,29 +62,16 @@ class DownloadError(DataFileError):
     """No source gave a file matching its recorded checksum (the message names what was tried)."""
 
 
-class ChecksumError(DataFileError):
-    """A file's size or checksum differs from the recorded one."""
-
-
 @dataclass(frozen=True)
 class RemoteFile:
-    """One downloadable file and what it must hash to.
+    """One downloadable file and what it must hash to (a SHA-256, or where none is trusted an MD5)."""
 
-    Attributes:
-        key: POSIX path inside the cache folder, e.g. ``mnist/train-images-idx3-ubyte.gz``.
-        urls: Canonical URLs, tried in order.
-        sha256: Hex SHA-256, or ``None`` where none is trusted (then ``md5`` is required).
-        md5: Hex MD5 as published by the source or well-known loaders, or ``None``.
-        size: Size in bytes, or ``None`` when not recorded.
-        source: Where the checksums come from (shown by ``bdl-bench data list``).
-    """
-
-    key: str
-    urls: tuple[str, ...]
+    key: str  # POSIX path inside the cache folder, e.g. mnist/train-images-idx3-ubyte.gz
+    urls: tuple[str, ...]  # canonical URLs, tried in order
     sha256: str | None = None
-    md5: str | None = None
-    size: int | None = None
-    source: str = ""
+    md5: str | None = None  # as published by the source or well-known loaders
+    size: int | None = None  # bytes, None when not recorded
+    source: str = ""  # where the checksums come from
 
     def __post_init__(self) -> None:
         if self.sha256 is None and self.md5 is None:
@@ -104,22 +90,14 @@ class RemoteFile:
 
 @dataclass(frozen=True)
 class DownloadSettings:
-    """How hard :func:`fetch` tries.
+    """How hard :func:`fetch` tries: ``retries`` further attempts per URL after the first (on connection errors,
+    time-outs, 5xx answers, truncated transfers), each resuming where the last one stopped."""
 
-    Attributes:
-        timeout: Seconds to wait for a connection and between received bytes.
-        retries: Further attempts per URL after the first (connection errors, time-outs, 5xx answers,
-            truncated transfers); each attempt resumes where the last one stopped.
-        backoff: Seconds before the first retry, doubled before each later one.
-        chunk_size: Bytes per read.
-        progress: Show a tqdm bar.
-    """
-
-    timeout: float = 30.0
+    timeout: float = 30.0  # seconds to wait for a connection and between received bytes
     retries: int = 3
-    backoff: float = 1.0
-    chunk_size: int = 1 << 16
-    progress: bool = True
+    backoff: float = 1.0  # seconds before the first retry, doubled before each later one
+    chunk_size: int = 1 << 16  # bytes per read
+    progress: bool = True  # show a tqdm bar
 
 
 def cache_root(root: str | Path | None = None) -> Path:
@@ -130,12 +108,10 @@ def cache_root(root: str | Path | None = None) -> Path:
 
 
 def cache_path(remote: RemoteFile, root: str | Path | None = None) -> Path:
-    """Where ``remote`` lives in the cache."""
     return cache_root(root) / remote.key
 
 
 def offline() -> bool:
-    """Whether ``$BDL_BENCH_OFFLINE`` forbids contacting the canonical URLs."""
     return os.environ.get(OFFLINE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -150,7 +126,6 @@ class Digests:
 
 
 def file_digests(path: Path) -> Digests:
-    """SHA-256 and MD5 of a file in one pass."""
     sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
     size = 0
     with open(path, "rb") as f:
@@ -166,11 +141,8 @@ def _sidecar(path: Path) -> Path:
 
 
 def checksum_problem(path: Path, remote: RemoteFile, *, use_sidecar: bool = True) -> str | None:
-    """Why ``path`` is not a good copy of ``remote`` (size, SHA-256, MD5), or ``None`` if it is.
-
-    With ``use_sidecar``, a ``<name>.sha256`` written when an MD5-only file was first accepted is
-    checked too.
-    """
+    """Why ``path`` is not a good copy of ``remote`` (size, SHA-256, MD5, and with ``use_sidecar`` the
+    ``<name>.sha256`` written when an MD5-only file was first accepted), or ``None`` if it is."""
     size = path.stat().st_size
     if remote.size is not None and size != remote.size:
         return f"size {size} bytes differs from the recorded {remote.size}"
@@ -219,14 +191,11 @@ def download_url(
     A server that ignores ``Range`` (status 200) restarts the file; 416 on a non-empty part means
     the part is already whole (the checksum decides). Connection errors, time-outs, 5xx answers and
     bodies shorter than their ``Content-Length`` are retried ``settings.retries`` times with
-    back-off, each time resuming.
-
-    Raises:
-        DownloadError: On a 4xx answer or when the retries are spent; ``part`` keeps what arrived.
+    back-off, each time resuming. A 4xx answer or spent retries raise :class:`DownloadError`;
+    ``part`` keeps what arrived.
     """
     with contextlib.ExitStack() as stack:
-        if session is None:
-            session = stack.enter_context(requests.Session())
+        session = session or stack.enter_context(requests.Session())
         _download(url, part, settings, session, expected_size)
 
 
@@ -295,14 +264,8 @@ def _download(
 
 def _content_range_start(response: requests.Response) -> int | None:
     """First byte of a 206 answer (``Content-Range: bytes <start>-<end>/<total>``)."""
-    value = response.headers.get("Content-Range", "")
-    unit, _, spec = value.partition(" ")
-    if unit != "bytes" or "-" not in spec:
-        return None
-    try:
-        return int(spec.split("-", 1)[0])
-    except ValueError:
-        return None
+    match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+    return int(match.group(1)) if match else None
 
 
 @contextlib.contextmanager
@@ -362,22 +325,9 @@ def fetch(
     settings: DownloadSettings | None = None,
     session: requests.Session | None = None,
 ) -> Path:
-    """The verified cached copy of ``remote``, fetched first when missing or corrupt.
-
-    Args:
-        remote: What to get.
-        root: Cache folder (default :func:`cache_root`).
-        mirror: A folder or base URL tried before the canonical URLs (see module docstring).
-        settings: Time-out, retries, back-off, progress bar.
-        session: A ``requests.Session`` to reuse.
-
-    Returns:
-        The path of the cached file, whose size and checksums match ``remote``.
-
-    Raises:
-        DownloadError: If no source gives a matching file; the message names the URLs tried, the cache
-            path and the ``data.mirror`` option.
-    """
+    """The verified cached copy of ``remote`` in ``root`` (default :func:`cache_root`), fetched first when missing
+    or corrupt, from ``mirror`` (see module docstring) or the canonical URLs. If no source gives a matching file,
+    a :class:`DownloadError` names the URLs tried, the cache path and the ``data.mirror`` option."""
     settings = settings or DownloadSettings()
     target = cache_path(remote, root)
     if target.is_file() and checksum_problem(target, remote) is None:

@@ -31,18 +31,7 @@ class IdxFormatError(DataError):
 
 
 def parse_idx(raw: bytes, *, name: str = "<bytes>") -> np.ndarray:
-    """Decode IDX bytes (gunzipped first when they start with the gzip magic).
-
-    Args:
-        raw: The file's bytes.
-        name: Shown in error messages.
-
-    Returns:
-        A read-only array with the file's shape and a native-endian dtype.
-
-    Raises:
-        IdxFormatError: On a bad magic number, an unknown type, or a length that does not match the header.
-    """
+    """A read-only native-endian array of IDX bytes (gunzipped first when they start with the gzip magic)."""
     if raw[:2] == _GZIP_MAGIC:
         try:
             raw = gzip.decompress(raw)

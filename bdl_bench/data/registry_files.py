@@ -19,67 +19,60 @@ from pathlib import Path
 
 from bdl_bench.data.download import RemoteFile, fetch
 
-_MNIST_URLS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
-_NOTMNIST_URL = "https://raw.githubusercontent.com/davidflanagan/notMNIST-to-MNIST/master/"
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/"
 _SVHN_URL = "http://ufldl.stanford.edu/housenumbers/"
+_IDX_SOURCES = {
+    "mnist": (
+        ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/"),
+        "sha256: ours (shared/data/mnist, byte-exact canonical file); md5: torchvision",
+    ),
+    "notmnist": (
+        ("https://raw.githubusercontent.com/davidflanagan/notMNIST-to-MNIST/master/",),
+        "10k IDX sample of notMNIST_small (davidflanagan/notMNIST-to-MNIST); sha256/md5: ours",
+    ),
+}
+"""Base URLs and checksum source of the MNIST and notMNIST IDX files."""
 
 
-def _mnist(name: str, sha256: str, md5: str, size: int) -> RemoteFile:
-    return RemoteFile(
-        key=f"mnist/{name}",
-        urls=tuple(base + name for base in _MNIST_URLS),
-        sha256=sha256,
-        md5=md5,
-        size=size,
-        source="sha256: ours (shared/data/mnist, byte-exact canonical file); md5: torchvision",
-    )
-
-
-def _notmnist(name: str, sha256: str, md5: str, size: int) -> RemoteFile:
-    return RemoteFile(
-        key=f"notmnist/{name}",
-        urls=(_NOTMNIST_URL + name,),
-        sha256=sha256,
-        md5=md5,
-        size=size,
-        source="10k IDX sample of notMNIST_small (davidflanagan/notMNIST-to-MNIST); sha256/md5: ours",
-    )
+def _idx(key: str, sha256: str, md5: str, size: int) -> RemoteFile:
+    prefix, name = key.split("/")
+    bases, source = _IDX_SOURCES[prefix]
+    return RemoteFile(key, tuple(base + name for base in bases), sha256, md5, size, source)
 
 
 _ALL = (
-    _mnist(
-        "train-images-idx3-ubyte.gz",
+    _idx(
+        "mnist/train-images-idx3-ubyte.gz",
         "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
         "f68b3c2dcbeaaa9fbdd348bbdeb94873",
         9912422,
     ),
-    _mnist(
-        "train-labels-idx1-ubyte.gz",
+    _idx(
+        "mnist/train-labels-idx1-ubyte.gz",
         "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
         "d53e105ee54ea40749a09fcbcd1e9432",
         28881,
     ),
-    _mnist(
-        "t10k-images-idx3-ubyte.gz",
+    _idx(
+        "mnist/t10k-images-idx3-ubyte.gz",
         "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
         "9fb629c4189551a2d022fa330f9573f3",
         1648877,
     ),
-    _mnist(
-        "t10k-labels-idx1-ubyte.gz",
+    _idx(
+        "mnist/t10k-labels-idx1-ubyte.gz",
         "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
         "ec29112dd5afa0611ce80d1b7f02629c",
         4542,
     ),
-    _notmnist(
-        "t10k-images-idx3-ubyte.gz",
+    _idx(
+        "notmnist/t10k-images-idx3-ubyte.gz",
         "70ae9e06201f2827e5b0a3781a3169d735dd2efc69996b9eeaee7f10ed4044d7",
         "2c87c839a4ef9b238846600eec8c35b7",
         3172375,
     ),
-    _notmnist(
-        "t10k-labels-idx1-ubyte.gz",
+    _idx(
+        "notmnist/t10k-labels-idx1-ubyte.gz",
         "1fa03836e01c862542f8eb83463bb951bebec6fcb3efa28dad748c6b38a9021b",
         "7ea9118cbafd0f6e3ee2ad771d782a01",
         5118,
@@ -131,13 +124,8 @@ FILES: dict[str, RemoteFile] = {f.key: f for f in _ALL}
 """Cache key → remote file."""
 
 DATASET_FILES: dict[str, tuple[str, ...]] = {
-    "vision/mnist": (
-        "mnist/train-images-idx3-ubyte.gz",
-        "mnist/train-labels-idx1-ubyte.gz",
-        "mnist/t10k-images-idx3-ubyte.gz",
-        "mnist/t10k-labels-idx1-ubyte.gz",
-    ),
-    "vision/notmnist": ("notmnist/t10k-images-idx3-ubyte.gz", "notmnist/t10k-labels-idx1-ubyte.gz"),
+    "vision/mnist": tuple(key for key in FILES if key.startswith("mnist/")),
+    "vision/notmnist": tuple(key for key in FILES if key.startswith("notmnist/")),
     "vision/cifar10": ("cifar10/cifar-10-binary.tar.gz",),
     "vision/cifar100": ("cifar100/cifar-100-binary.tar.gz",),
     "vision/svhn": ("svhn/train_32x32.mat", "svhn/test_32x32.mat"),
@@ -148,11 +136,7 @@ DATASET_FILES: dict[str, tuple[str, ...]] = {
 
 
 def remote(key: str) -> RemoteFile:
-    """The registry entry for cache key ``key``.
-
-    Raises:
-        KeyError: Listing the known keys.
-    """
+    """The registry entry for cache key ``key`` (a :class:`KeyError` lists the known keys)."""
     if key not in FILES:
         raise KeyError(f"no remote file {key!r}; known: {', '.join(sorted(FILES))}")
     return FILES[key]

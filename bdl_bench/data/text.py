@@ -64,11 +64,7 @@ class Reviews:
 
 
 def read_imdb_archive(archive: Path) -> dict[str, Reviews]:
-    """``{"train": ..., "test": ...}`` from ``aclImdb_v1.tar.gz`` (or a tarball with the same layout).
-
-    Raises:
-        ValueError: If a split has no reviews.
-    """
+    """``{"train": ..., "test": ...}`` from ``aclImdb_v1.tar.gz`` (or a tarball with the same layout)."""
     found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
     for name, data in iter_tar_files(archive, lambda n: _MEMBER.match(n) is not None):
         match = _MEMBER.match(name)
@@ -94,16 +90,8 @@ def load_imdb(
     root: str | Path | None = None,
     mirror: str | Path | None = None,
 ) -> Dataset:
-    """IMDB sentiment as token-id sequences ``(N, max_len)`` (long) with binary labels (float).
-
-    Args:
-        vocab_size: Number of token ids, padding and unknown included (the top ``vocab_size - 2`` words).
-        max_len: Sequence length after truncation/padding.
-        n_val: Training reviews held out for validation, after a shuffle with ``seed``.
-        seed: Seed of that shuffle.
-        root: Cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``).
-        mirror: Folder or base URL holding ``aclImdb_v1.tar.gz``, tried before the canonical URL.
-    """
+    """IMDB sentiment as token-id sequences ``(N, max_len)`` (long) with binary labels (float), as the module
+    docstring says; ``root``, ``mirror`` as :func:`bdl_bench.data.cifar.load_cifar10`."""
     if max_len < 1:
         raise ConfigError(f"max_len must be positive, got {max_len}")
     splits = read_imdb_archive(get_file("imdb/aclImdb_v1.tar.gz", root=root, mirror=mirror))
