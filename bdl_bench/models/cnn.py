@@ -9,11 +9,15 @@ flattened rows, which the model then unflattens itself (so ``data.flatten=true``
   → FC 384 → FC 192 → FC C ("2 conv + 3 FC"). TensorFlow's ``lrn(depth_radius=4, bias=1,
   alpha=0.001/9, beta=0.75)`` is ``nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1)`` (PyTorch
   divides ``alpha`` by the window size).
+- ``lenet`` — DEF Laplace's MNIST network (Lee et al., 2020, Sec. 5 and App. E; the TensorFlow MNIST
+  tutorial): conv 5×5×32 ("same") → ReLU → max-pool 2×2/2 → conv 5×5×64 → ReLU → max-pool 2×2/2 → FC 1024
+  → ReLU → (dropout) → FC C. The first fully connected layer maps the 7·7·64 = 3136 pooled features (3137
+  with the bias) to 1024 units: the paper's θ₃ ∈ R^{3137×1024}, whose covariance is too large to store.
 - ``cnn_ktied`` — the k-tied paper's "LeNet with 2 convolutional and 2 dense layers" for CIFAR-100
   (Swiatkowski et al., 2020, Sec. 2.3): conv 5×5×32 → ReLU → max-pool 2 → conv 5×5×64 → ReLU →
   max-pool 2 → FC 512 → FC C. The widths are not printed in the paper; these reproduce its Table 3
   parameter counts exactly up to rounding: 2,202,660 weights, so 4,405k mean-field parameters
-  (2 per weight) and 2,262k for 1-tied dense layers.
+  (2 per weight) and 2,262k for 1-tied dense layers. The same layers as ``lenet``, without dropout.
 """
 
 from __future__ import annotations
@@ -25,15 +29,8 @@ from bdl_bench.models import register_model
 
 
 def image_input(in_features: int, image_size: int, model: str, max_channels: int = 4) -> tuple[list[nn.Module], int]:
-    """Leading modules and the channel count for an image model (see module docstring).
-
-    Returns:
-        ``([nn.Unflatten(...)], C)`` for flattened input of ``C·image_size²`` features, ``([], C)``
-        for ``in_features = C`` channels.
-
-    Raises:
-        ValueError: When ``in_features`` is neither a channel count nor ``C·image_size²``.
-    """
+    """Leading modules and the channel count for an image model (see module docstring): ``([nn.Unflatten(...)],
+    C)`` for flattened input of ``C·image_size²`` features, ``([], C)`` for ``in_features = C`` channels."""
     pixels = image_size * image_size
     if 1 <= in_features <= max_channels:
         return [], in_features
@@ -86,19 +83,20 @@ def cnn_def(
     return nn.Sequential(*layers)
 
 
-@register_model("cnn_ktied")
-def cnn_ktied(
-    *,
+def _lenet(
+    name: str,
     in_features: int,
     out_features: int,
     image_size: int,
     channels: list[int],
     hidden: int,
+    dropout: float,
 ) -> nn.Sequential:
-    """The k-tied CIFAR-100 LeNet (module docstring); ``channels`` = [32, 64], ``hidden`` = 512."""
-    head, c_in = image_input(in_features, image_size, "cnn_ktied")
+    head, c_in = image_input(in_features, image_size, name)
     if len(channels) != 2:
-        raise ConfigError(f"cnn_ktied has two convolutional layers; got channels={list(channels)}")
+        raise ConfigError(f"{name} has two convolutional layers; got channels={list(channels)}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
     c1, c2 = map(int, channels)
     size = image_size // 4
     return nn.Sequential(
@@ -112,5 +110,29 @@ def cnn_ktied(
         nn.Flatten(),
         nn.Linear(c2 * size * size, int(hidden)),
         nn.ReLU(),
+        *([nn.Dropout(dropout)] if dropout > 0 else []),
         nn.Linear(int(hidden), out_features),
     )
+
+
+@register_model("lenet")
+def lenet(
+    *,
+    in_features: int,
+    out_features: int,
+    image_size: int,
+    channels: list[int],
+    hidden: int,
+    dropout: float,
+) -> nn.Sequential:
+    """DEF's LeNet (module docstring): ``channels=[32, 64]``, ``hidden=1024``, ``image_size=28`` in the paper;
+    ``dropout`` before the last layer (DEF's MC-dropout baseline: 0.6; 0 = none)."""
+    return _lenet("lenet", in_features, out_features, image_size, channels, hidden, dropout)
+
+
+@register_model("cnn_ktied")
+def cnn_ktied(
+    *, in_features: int, out_features: int, image_size: int, channels: list[int], hidden: int
+) -> nn.Sequential:
+    """The k-tied CIFAR-100 LeNet (module docstring); ``channels`` = [32, 64], ``hidden`` = 512."""
+    return _lenet("cnn_ktied", in_features, out_features, image_size, channels, hidden, 0.0)

@@ -39,13 +39,8 @@ class LSTMClassifier(nn.Module):
 def lstm(
     *, in_features: int, out_features: int, vocab_size: int, embedding_dim: int, hidden_size: int
 ) -> LSTMClassifier:
-    """The IMDB LSTM; ``in_features`` (the sequence length) is not needed and ignored.
-
-    Args:
-        vocab_size: Number of token ids, padding (0) and unknown (1) included: ``data.vocab_size``.
-        embedding_dim: Width of the token embedding.
-        hidden_size: LSTM state width.
-    """
+    """The IMDB LSTM; ``vocab_size`` counts padding (0) and unknown (1) as ``data.vocab_size`` does;
+    ``in_features`` (the sequence length) is ignored."""
     for key, value in (("vocab_size", vocab_size), ("embedding_dim", embedding_dim), ("hidden_size", hidden_size)):
         if int(value) < 1:
             raise ConfigError(f"lstm: {key} must be positive, got {value}")

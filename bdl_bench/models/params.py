@@ -29,20 +29,12 @@ def n_params(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class ParamLayer:
-    """A module holding parameters of its own, and where they sit.
+    """A module holding parameters of its own, and where they sit."""
 
-    Attributes:
-        name: the module's qualified name in the model (``"2"``, ``"lstm"``, ``"1.blocks.0.conv1"``).
-        module: the module.
-        positions: each of its own parameters (``"weight"``, ``"bias"``, ``"weight_ih_l0"``, ...) by name, with its
-            position in ``model.parameters()``.
-        slices: the same parameters' entries in the flat vector (each flattened row-major there).
-    """
-
-    name: str
+    name: str  # qualified name in the model: "2", "lstm", "1.blocks.0.conv1"
     module: nn.Module
-    positions: dict[str, int]
-    slices: dict[str, slice]
+    positions: dict[str, int]  # own parameter ("weight", "bias", "weight_ih_l0", ...) -> place in model.parameters()
+    slices: dict[str, slice]  # the same parameters' entries in the flat vector (each flattened row-major there)
 
     def offset(self, param: str) -> int | None:
         """Index of the first entry of the parameter ``param`` in the flat vector, ``None`` if the module has none
@@ -53,9 +45,7 @@ class ParamLayer:
 
 def param_layers(model: nn.Module) -> list[ParamLayer]:
     """Every module of ``model`` that holds parameters of its own, in ``model.named_modules()`` order, which is
-    the flat order: ``model.parameters()`` lists each module's own parameters in turn. The one walk over a model's
-    layers that the layouts of the methods and the curvature code read (a parameter shared by two modules is
-    listed under both, at its first place)."""
+    the flat order (a parameter shared by two modules is listed under both, at its first place)."""
     positions: dict[int, int] = {}
     slices: dict[int, slice] = {}
     offset = 0
@@ -80,7 +70,6 @@ def sequential_layers(model: nn.Sequential) -> list[tuple[int, nn.Module, ParamL
 
 
 def _param_sizes(model: nn.Module, n_entries: int, what: str) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
-    """The model's named parameters and their sizes, checked against the ``n_entries`` of a flat vector."""
     named = list(model.named_parameters())
     sizes = [p.numel() for _, p in named]
     if sum(sizes) != n_entries:
@@ -109,10 +98,8 @@ def forward_with(model: nn.Module, theta: Tensor, x: Tensor) -> Tensor:
 
 
 def prior_precision_vector(model: nn.Module, prior_precision: float, bias_prior_precision: float | None) -> Tensor:
-    """Per-parameter precision of the zero-mean Gaussian prior ``(D,)``.
-
-    Parameters whose name ends in ``bias`` get ``bias_prior_precision`` when it is given.
-    """
+    """Per-parameter precision ``(D,)`` of the zero-mean Gaussian prior; parameters whose name ends in ``bias`` get
+    ``bias_prior_precision`` when it is given."""
     if not prior_precision > 0:
         raise ConfigError(f"prior_precision must be positive, got {prior_precision}")
     if bias_prior_precision is not None and not bias_prior_precision > 0:

@@ -70,13 +70,8 @@ class ResNet18(nn.Module):
 
 @register_model("resnet18")
 def resnet18(*, in_features: int, out_features: int, image_size: int, base_width: int, batch_norm: bool) -> nn.Module:
-    """ResNet-18 (CIFAR variant) for ``(N, C, image_size, image_size)`` images or flattened rows.
-
-    Args:
-        image_size: Height = width of the inputs (32 for CIFAR; only used to unflatten rows).
-        base_width: Channels of the first stage (64 in ResNet-18; smaller for tests).
-        batch_norm: Use batch normalisation after each convolution.
-    """
+    """ResNet-18 (CIFAR variant) for ``(N, C, image_size, image_size)`` images or flattened rows; ``base_width``:
+    channels of the first stage (64 in ResNet-18; smaller for tests)."""
     head, channels = image_input(in_features, image_size, "resnet18")
     if int(base_width) < 1:
         raise ConfigError(f"resnet18: base_width must be positive, got {base_width}")
