@@ -7,6 +7,7 @@ returns a :class:`Dataset` whose tensors are already standardised/encoded and re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -86,6 +87,17 @@ class Dataset:
     @property
     def n_train(self) -> int:
         return self.x_train.shape[0]
+
+    def with_dtype(self, dtype: torch.dtype) -> Dataset:
+        """A copy whose floating tensors have ``dtype`` (labels keep theirs)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: value.to(dtype)
+                for f in dataclasses.fields(self)
+                if isinstance(value := getattr(self, f.name), Tensor) and value.is_floating_point()
+            },
+        )
 
     @property
     def n_outputs(self) -> int:

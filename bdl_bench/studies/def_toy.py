@@ -1,23 +1,16 @@
 r"""DEF toy-regression figure (Lee et al. 2020, Fig. 4): predictive mean and up to ±3σ of every method.
 
-Two ways to the same figure (:func:`_plot`):
+Two ways to the same figure (:func:`_plot`): :func:`plot_runs` draws it from finished run folders holding
+``predictive.npz`` (``trainer.save_predictive: true``, as ``conf/experiment/def_toy.yaml`` sets; ``bdl-bench
+reproduce def_toy`` does this); :func:`run_study` fits each ``variant=def_toy/<name>`` in-process with the
+config and seeds of ``bdl-bench run experiment=def_toy variant=def_toy/<name>`` (``torch.manual_seed(seed)``
+before the model is built, method generator ``seed + 1``, data order ``seed + 2``, evaluation ``seed + 3``)
+and also writes ``def_toy.csv``: per method, the test metrics and the mean absolute difference of the
+predictive standard deviation from HMC's, relative to HMC's, inside and outside the training range.
 
-* :func:`plot_runs` draws it from finished run folders, each holding ``predictive.npz`` (the runner writes it
-  with ``trainer.save_predictive: true``, which ``conf/experiment/def_toy.yaml`` sets). ``bdl-bench reproduce
-  def_toy`` does this through its ``figures`` entry ``kind: def_toy`` (``bdl_bench/report/figures.py``).
-* :func:`run_study` fits each ``variant=def_toy/<name>`` of ``conf/experiment/def_toy.yaml`` in-process, exactly
-  as ``bdl-bench run experiment=def_toy variant=def_toy/<name>`` does (same composed config, same seeds:
-  ``torch.manual_seed(trainer.seed)`` before the model is built, method generator ``seed + 1``, data order
-  ``seed + 2``, evaluation ``seed + 3``), then evaluates each method's predictive on the test grid.
-
-Either way each method's predictive on the grid is the mean and standard deviation of the network output over
+Each method's predictive on the grid is the mean and standard deviation of the network output over
 ``trainer.n_test_mc_samples`` samples (epistemic), and with the noise variance added (predictive), in original
-units. One panel per method, HMC first; the deterministic network (MAP) in red and HMC's ±3σ as dotted lines in
-every panel, as the paper compares them.
-
-Also written by :func:`run_study`: ``def_toy.csv`` with, per method, the test metrics on the toy/cubic grid and
-the mean absolute difference of the predictive standard deviation from HMC's inside and outside the training
-range, relative to HMC's.
+units.
 
 Usage::
 
@@ -64,25 +57,17 @@ LABELS = {
     "efb": "EFB Laplace",
     "block": "FB Laplace (exact blocks)",
     "def": "DEF Laplace (full rank)",
-    "def_rank1": "DEF Laplace (rank 1)",
 }
 
 
 @dataclass(frozen=True)
 class ToyPrediction:
-    """One method's predictive on the grid, in original units.
-
-    Attributes:
-        mean: predictive mean ``(G,)``.
-        epistemic_std: standard deviation of the network output over samples ``(G,)``.
-        predictive_std: with the noise variance added ``(G,)``.
-        metrics: the runner's test metrics on the toy/cubic test set.
-    """
+    """One method's predictive on the grid ``(G,)``, in original units."""
 
     mean: Tensor
-    epistemic_std: Tensor
-    predictive_std: Tensor
-    metrics: dict[str, float]
+    epistemic_std: Tensor  # standard deviation of the network output over samples
+    predictive_std: Tensor  # with the noise variance added
+    metrics: dict[str, float]  # the runner's test metrics on the toy/cubic test set
 
 
 def compose_variant(variant: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -95,15 +80,7 @@ def fit_method(cfg: DictConfig) -> tuple[Method, object, Gaussian]:
     """Build and fit what ``runner.run(cfg)`` would, on the CPU; returns (method, dataset, likelihood)."""
     trainer = cfg.trainer
     dtype = {"float32": torch.float32, "float64": torch.float64}[str(trainer.dtype)]
-    data = build_dataset(OmegaConf.to_container(cfg.data, resolve=True))  # type: ignore[arg-type]
-    data = dataclasses.replace(
-        data,
-        **{
-            f.name: getattr(data, f.name).to(dtype)
-            for f in dataclasses.fields(data)
-            if isinstance(getattr(data, f.name), Tensor) and getattr(data, f.name).is_floating_point()
-        },
-    )
+    data = build_dataset(OmegaConf.to_container(cfg.data, resolve=True)).with_dtype(dtype)  # type: ignore[arg-type]
     seed = int(trainer.seed)
     torch.manual_seed(seed)
     model = build_model(
@@ -142,24 +119,16 @@ def run_study(out: Path, variants: Sequence[str] = VARIANTS, overrides: Sequence
     """Fit every variant, draw the figure and write the table; returns (png, csv) paths."""
     out.mkdir(parents=True, exist_ok=True)
     predictions: dict[str, ToyPrediction] = {}
-    raw = None
     for variant in variants:
         cfg = compose_variant(variant, overrides)
+        if not predictions:  # the figure's training points and grid: the first variant's data
+            data_cfg: dict = OmegaConf.to_container(cfg.data, resolve=True)  # type: ignore[assignment]
         method, data, likelihood = fit_method(cfg)
-        if raw is None:
-            params = {
-                k: v
-                for k, v in OmegaConf.to_container(cfg.data, resolve=True).items()
-                if k not in ("name", "split", "val_fraction", "protocol")
-            }  # type: ignore[union-attr]
-            x_tr, y_tr, x_te, _ = make_cubic(**params)
-            raw = (x_tr[:, 0], y_tr, x_te[:, 0], float(params.get("train_bound", 4.0)))
         predictions[variant] = predict_grid(method, data, likelihood, data.x_test, int(cfg.trainer.n_test_mc_samples))
-    assert raw is not None
-    x_train, y_train, x_grid, bound = raw
+    x_train, y_train, x_grid = _raw_data(data_cfg)
     png = _plot(out / "def_toy.png", predictions, x_train, y_train, x_grid)
     csv = out / "def_toy.csv"
-    _table(predictions, torch.as_tensor(x_grid), bound).to_csv(csv, index=False)
+    _table(predictions, x_grid, float(data_cfg.get("train_bound", 4.0))).to_csv(csv, index=False)
     return png, csv
 
 
@@ -287,9 +256,6 @@ def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) ->
     """Fig. 4 from finished run folders below ``folder``: each run's ``predictive.npz`` (written with
     ``trainer.save_predictive: true``, as ``conf/experiment/def_toy.yaml`` sets) and ``metrics.json``; the
     training points are redrawn from the runs' ``data`` config (they must all share it). ``variants``: only these.
-
-    Raises:
-        ResultsError: when no run below ``folder`` has a ``predictive.npz``, or the runs' data differ.
     """
     import json
 

@@ -47,24 +47,18 @@ from bdl_bench.methods._layerwise_vi import Layer, forward_flat_params, linear_l
 from bdl_bench.metrics import brier_score, predictive_metrics
 
 _SAMPLE_CHUNK = 20  # weight samples per batched forward pass
+_STUDY = "low-rank std study"  # names the study in linear_layers' errors
 
 
 @dataclass(frozen=True)
 class MeanFieldNetwork:
-    """A fitted mean-field Gaussian posterior over the parameters of an ``nn.Sequential`` MLP.
+    """A fitted mean-field Gaussian posterior over the parameters of an ``nn.Sequential`` MLP."""
 
-    Attributes:
-        model: the network (its own parameters are not used).
-        layers: its linear layers (``bdl_bench.methods._layerwise_vi.linear_layers``).
-        mean, std: the posterior mean and standard deviation of every parameter, flat ``(D,)``.
-        prior_precision: :math:`\\lambda` of the zero-mean Gaussian prior, ``(D,)``.
-    """
-
-    model: nn.Module
-    layers: list[Layer]
-    mean: Tensor  # (D,)
-    std: Tensor  # (D,)
-    prior_precision: Tensor  # (D,)
+    model: nn.Module  # the network (its own parameters are not used)
+    layers: list[Layer]  # its linear layers
+    mean: Tensor  # (D,) posterior mean of every parameter
+    std: Tensor  # (D,) posterior standard deviation
+    prior_precision: Tensor  # (D,) of the zero-mean Gaussian prior
 
     @classmethod
     def from_method(cls, method: Any) -> MeanFieldNetwork:
@@ -72,23 +66,13 @@ class MeanFieldNetwork:
         q = method.posterior()
         if q is None or not hasattr(q, "prec_diag"):
             raise ValueError(f"low-rank std study: method {method.name!r} has no diagonal posterior")
-        model = method.problem.model
-        return cls(
-            model=model,
-            layers=linear_layers(model, "low-rank std study"),
-            mean=q.mean.detach(),
-            std=q.prec_diag.detach().rsqrt(),
-            prior_precision=method.problem.prior_precision.detach().to(q.mean),
-        )
+        model, prior = method.problem.model, method.problem.prior_precision.detach().to(q.mean)
+        return cls(model, linear_layers(model, _STUDY), q.mean.detach(), q.prec_diag.detach().rsqrt(), prior)
 
     @classmethod
     def from_run(cls, run_dir: Path) -> tuple[MeanFieldNetwork, Dataset, Likelihood]:
         """From a finished run folder: rebuild data, model and likelihood from ``config.yaml`` and read
-        the posterior from ``posterior.pt`` (written with ``trainer.save_posterior=true``).
-
-        Raises:
-            FileNotFoundError: without ``config.yaml`` or ``posterior.pt``.
-            ValueError: if the saved posterior is not diagonal.
+        the posterior from ``posterior.pt`` (written with ``trainer.save_posterior=true``), which must be diagonal.
         """
         from bdl_bench.data import build_dataset
         from bdl_bench.gaussians.io import load_gaussian
@@ -101,25 +85,11 @@ class MeanFieldNetwork:
         q = load_gaussian(run_dir / "posterior.pt")
         if not hasattr(q, "prec_diag"):
             raise ValueError(f"{run_dir}: the posterior is a {type(q).__name__}, not a diagonal Gaussian")
-        dataset = build_dataset(cfg["data"])
-        dtype = q.mean.dtype
-        dataset = Dataset(
-            **{
-                f.name: (
-                    v.to(dtype) if isinstance(v := getattr(dataset, f.name), Tensor) and v.is_floating_point() else v
-                )
-                for f in dataclasses.fields(dataset)
-            }
-        )
-        model = build_model(cfg["model"], in_features=dataset.n_features, out_features=dataset.n_outputs).to(dtype)
+        dataset = build_dataset(cfg["data"]).with_dtype(q.mean.dtype)
+        model = build_model(cfg["model"], in_features=dataset.n_features, out_features=dataset.n_outputs)
+        model = model.to(q.mean.dtype)
         prior = prior_precision_vector(model, float(cfg["prior_precision"]), cfg.get("bias_prior_precision"))
-        net = cls(
-            model=model,
-            layers=linear_layers(model, "low-rank std study"),
-            mean=q.mean,
-            std=q.prec_diag.rsqrt(),
-            prior_precision=prior,
-        )
+        net = cls(model, linear_layers(model, _STUDY), q.mean, q.prec_diag.rsqrt(), prior)
         return net, dataset, build_likelihood(dataset, cfg.get("noise_precision"))
 
     def split(self, flat: Tensor) -> list[Tensor]:
@@ -144,11 +114,8 @@ def explained_variance(matrix: Tensor) -> Tensor:
 
 
 def low_rank_nonnegative(matrix: Tensor, rank: int) -> Tensor:
-    """The rank-``rank`` truncated SVD of a positive ``matrix``, clamped from below at its smallest entry.
-
-    Raises:
-        ValueError: unless ``1 <= rank``; a rank at or above ``min(m, n)`` returns ``matrix`` itself.
-    """
+    """The rank-``rank`` truncated SVD of a positive ``matrix``, clamped from below at its smallest entry (a rank at
+    or above ``min(m, n)`` returns ``matrix`` itself)."""
     if int(rank) != rank or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
     if rank >= min(matrix.shape):
@@ -168,28 +135,17 @@ def with_low_rank_std(net: MeanFieldNetwork, rank: int) -> MeanFieldNetwork:
 
 
 def spectra(net: MeanFieldNetwork) -> pd.DataFrame:
-    """Explained variance per singular value of each layer's std and mean matrices (Fig. 3 / Fig. 5).
-
-    Returns:
-        Rows ``layer`` (1-based), ``shape`` (``"out x in"``), ``parameter`` (``std`` or ``mean``),
-        ``k`` (1-based singular value index), ``fraction``, ``cumulative``.
-    """
+    """Explained variance per singular value of each layer's std and mean matrices (Fig. 3 / Fig. 5): rows
+    ``layer`` (1-based), ``shape`` (``"out x in"``), ``parameter`` (``std`` or ``mean``), ``k`` (1-based singular
+    value index), ``fraction``, ``cumulative``."""
     rows = []
     for layer, std, mean in zip(net.layers, net.weight_stds(), net.weight_means()):
+        shape = f"{layer.out_features} x {layer.in_features}"
         for parameter, matrix in (("std", std), ("mean", mean)):
             fractions = explained_variance(matrix)
             cumulative = torch.cumsum(fractions, 0)
             for k, (f, c) in enumerate(zip(fractions.tolist(), cumulative.tolist()), start=1):
-                rows.append(
-                    {
-                        "layer": layer.index,
-                        "shape": f"{layer.out_features} x {layer.in_features}",
-                        "parameter": parameter,
-                        "k": k,
-                        "fraction": f,
-                        "cumulative": c,
-                    }
-                )
+                rows.append(dict(layer=layer.index, shape=shape, parameter=parameter, k=k, fraction=f, cumulative=c))
     return pd.DataFrame(rows)
 
 
@@ -263,14 +219,11 @@ def low_rank_study(
     n_samples: int = 100,
     generator: torch.Generator,
 ) -> pd.DataFrame:
-    """Table 2 / Table 3 of the paper: the mean-field posterior and its rank-k approximations.
-
-    Returns:
-        One row per posterior: ``approximation`` (``mean_field``, ``rank_1``, ...), ``rank`` (0 for none),
-        ``n_std_params`` (numbers that define the weight stds: ``mn`` or ``k(m + n)`` per layer), and the
-        keys of :func:`weight_sample_metrics`. Every row uses the same noise draws (the generator's
-        state is restored before each), so differences between rows are not sampling noise.
-    """
+    """Table 2 / Table 3 of the paper: one row per posterior, the mean-field one and its rank-k approximations:
+    ``approximation`` (``mean_field``, ``rank_1``, ...), ``rank`` (0 for none), ``n_std_params`` (numbers that
+    define the weight stds: ``mn`` or ``k(m + n)`` per layer), and the keys of :func:`weight_sample_metrics`. Every
+    row uses the same noise draws (the generator's state is restored before each), so differences between rows
+    are not sampling noise."""
     state = generator.get_state()
     rows = []
     for rank in (0, *ranks):
@@ -283,14 +236,8 @@ def low_rank_study(
             else min(rank, layer.in_features, layer.out_features) * (layer.in_features + layer.out_features)
             for layer in net.layers
         )
-        rows.append(
-            {
-                "approximation": "mean_field" if rank == 0 else f"rank_{rank}",
-                "rank": rank,
-                "n_std_params": n_std,
-                **metrics,
-            }
-        )
+        name = "mean_field" if rank == 0 else f"rank_{rank}"
+        rows.append({"approximation": name, "rank": rank, "n_std_params": n_std, **metrics})
     return pd.DataFrame(rows)
 
 
