@@ -56,17 +56,12 @@ def parse_manifest(text: str) -> dict[str, str]:
 
 
 @cache
-def _manifest(path: str) -> dict[str, str]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataFileError(f"checksum manifest {path} is missing; {FIX_HINT}") from None
-    return parse_manifest(text)
-
-
 def load_manifest() -> dict[str, str]:
     """The parsed repository manifest (read once per process)."""
-    return _manifest(str(manifest_path()))
+    try:
+        return parse_manifest(manifest_path().read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataFileError(f"checksum manifest {manifest_path()} is missing; {FIX_HINT}") from None
 
 
 @cache

@@ -174,10 +174,6 @@ class _Retryable(Exception):
     """A transfer failure worth another attempt (5xx, a truncated body)."""
 
 
-def _is_url(location: str) -> bool:
-    return urlsplit(location).scheme in ("http", "https")
-
-
 def download_url(
     url: str,
     part: Path,
@@ -194,14 +190,9 @@ def download_url(
     back-off, each time resuming. A 4xx answer or spent retries raise :class:`DownloadError`;
     ``part`` keeps what arrived.
     """
-    with contextlib.ExitStack() as stack:
-        session = session or stack.enter_context(requests.Session())
-        _download(url, part, settings, session, expected_size)
-
-
-def _download(
-    url: str, part: Path, settings: DownloadSettings, session: requests.Session, expected_size: int | None
-) -> None:
+    if session is None:
+        with requests.Session() as session:
+            return download_url(url, part, settings=settings, session=session, expected_size=expected_size)
     part.parent.mkdir(parents=True, exist_ok=True)
     attempt = 0
     while True:
@@ -292,7 +283,7 @@ def sources(remote: RemoteFile, mirror: str | Path | None = None) -> list[str | 
     found: list[str | Path] = []
     if mirror is not None and str(mirror) != "":
         text = str(mirror)
-        if _is_url(text):
+        if urlsplit(text).scheme in ("http", "https"):
             base = text.rstrip("/")
             found += [f"{base}/{remote.key}", f"{base}/{remote.filename}"]
         else:

@@ -4,13 +4,9 @@
 ``DATASET_FILES`` maps a dataset name (as typed after ``data=``) to the keys its loader reads.
 Loaders look entries up here at call time, so tests can swap an entry for a generated file.
 
-Checksum provenance:
-
-- MNIST, notMNIST sample: SHA-256 computed on the copies in ``../shared/data/{mnist,notmnist}`` (their
-  MD5s equal torchvision's for MNIST); both are checked.
-- CIFAR-10/100 binary, SVHN, IMDB: only an MD5 is published (the CIFAR page, torchvision, torchtext); a
-  SHA-256 seen in a single third-party loader is quoted in ``source`` but not enforced. The SHA-256 of
-  the first accepted copy is stored beside it in the cache (``<name>.sha256``) and enforced after that.
+MNIST and notMNIST have SHA-256s computed on the copies in ``../shared/data/{mnist,notmnist}``. For CIFAR,
+SVHN and IMDB only an MD5 is published; a SHA-256 seen in a single third-party loader is quoted in
+``source`` but not enforced.
 """
 
 from __future__ import annotations

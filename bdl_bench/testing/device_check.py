@@ -1,12 +1,9 @@
 """A CPU-side device check: run code as if it were on an accelerator, on a machine without one.
 
-Inside :func:`fake_device`, the device ``meta`` stands for a GPU. Tensors "on" it are
-:class:`DeviceTensor` — a wrapper subclass whose ``.device`` is ``meta`` but which holds real CPU data, so
-the code computes its usual numbers — and every operation that mixes them with ordinary CPU tensors raises
-:class:`DeviceMixError`, as PyTorch does for CUDA and CPU tensors. A tensor made without ``device=``
-(``torch.zeros(n)`` beside device tensors, a ``torch.arange`` index used as a ``torch.where`` condition)
-is found on a CPU-only machine, in the ordinary test suite.
-
+Inside :func:`fake_device`, the device ``meta`` stands for a GPU. Tensors "on" it are :class:`DeviceTensor`
+— a wrapper subclass whose ``.device`` is ``meta`` but which holds real CPU data, so the code computes its
+usual numbers — and every operation that mixes them with ordinary CPU tensors raises :class:`DeviceMixError`,
+as PyTorch does for CUDA and CPU tensors (so a tensor made without ``device=`` is found in the CPU test suite).
 The rules follow PyTorch's for CUDA:
 
 - a 0-dim CPU tensor may be an *input* of an operation on device tensors (TensorIterator's CPU-scalar
@@ -20,15 +17,12 @@ The rules follow PyTorch's for CUDA:
 :attr:`DeviceCheck.syncs` counts the operations that make the host wait for a GPU (``.item()``,
 ``float(t)``, ``bool(t)``, copies to the CPU): tests use it to show that a training step has none.
 
-What it cannot catch: anything decided by ``device.type == "cuda"`` (the ``meta`` stand-in takes the
-non-CUDA branch: ``torch.cuda.*`` calls, CUDA RNG state); kernels that exist on the CPU only or behave
-differently on CUDA (dtype support, non-determinism, TF32, out-of-memory, speed); mixes inside operations
-that PyTorch allows for 0-dim CPU tensors here but a particular CUDA kernel rejects; CPU tensors reaching a
-device op through a path that bypasses the dispatcher (a custom C++ extension). And some code cannot run
-under it at all: ``torch.func`` transforms (``vmap``/``jvp``) over device tensors (Laplace's linearised
-predictive) fail inside the wrapper. ``torch.save`` writes a device tensor's data as a CPU tensor (what
-loading with ``map_location="cpu"`` gives). Autograd, optimisers (non-fused), ``nn.Module.to`` and indexing
-work as on a GPU.
+What it cannot catch: anything decided by ``device.type == "cuda"`` (``torch.cuda.*`` calls, CUDA RNG
+state); kernels that exist on the CPU only or behave differently on CUDA (dtype support, non-determinism,
+TF32, out-of-memory, speed); mixes that a particular CUDA kernel rejects for 0-dim CPU tensors; CPU tensors
+reaching a device op past the dispatcher (a custom C++ extension). ``torch.func`` transforms (``vmap``/``jvp``)
+over device tensors (Laplace's linearised predictive) fail inside the wrapper. ``torch.save`` writes a device
+tensor's data as a CPU tensor. Autograd, optimisers (non-fused), ``nn.Module.to`` and indexing work as on a GPU.
 """
 
 from __future__ import annotations
@@ -43,8 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-DEVICE = torch.device("meta")
-"""The stand-in accelerator."""
+DEVICE = torch.device("meta")  # the stand-in accelerator
 
 _CPU = torch.device("cpu")
 _MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default, torch.ops.aten.copy.default}
