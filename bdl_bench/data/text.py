@@ -92,8 +92,6 @@ def load_imdb(
 ) -> Dataset:
     """IMDB sentiment as token-id sequences ``(N, max_len)`` (long) with binary labels (float), as the module
     docstring says; ``root``, ``mirror`` as :func:`bdl_bench.data.cifar.load_cifar10`."""
-    if max_len < 1:
-        raise ConfigError(f"max_len must be positive, got {max_len}")
     splits = read_imdb_archive(get_file("imdb/aclImdb_v1.tar.gz", root=root, mirror=mirror))
     train_tokens = [tokenise(t) for t in splits["train"].texts]
     order = np.random.default_rng(seed).permutation(len(train_tokens))

@@ -8,7 +8,6 @@ import torch
 from bdl_bench.data.base import Dataset, register_dataset
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_seed, check_split
 from bdl_bench.data.standardise import regression_dataset
-from bdl_bench.errors import ConfigError
 
 
 def make_cubic(
@@ -29,8 +28,6 @@ def make_cubic(
     Returns:
         ``(x_train, y_train, x_test, y_test)``, float64; ``x_*`` have shape ``(N, 1)``, ``y_*`` ``(N,)``.
     """
-    if n_train < 2 or n_test < 1:
-        raise ConfigError(f"toy/cubic: need n_train >= 2 and n_test >= 1, got n_train={n_train}, n_test={n_test}")
     generator = torch.Generator().manual_seed(check_seed(seed, "seed", "toy/cubic"))
     x_train = (torch.rand(n_train, generator=generator, dtype=torch.float64) * 2 - 1) * train_bound
     y_train = x_train**3 + noise_std * torch.randn(n_train, generator=generator, dtype=torch.float64)

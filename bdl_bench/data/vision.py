@@ -51,10 +51,6 @@ class ImageAugmentation:
     horizontal_flip: bool
     image_shape: tuple[int, int, int]
 
-    def __post_init__(self) -> None:
-        if self.crop_padding < 0:
-            raise ConfigError(f"crop_padding must be >= 0, got {self.crop_padding}")
-
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
         flat = x.dim() == 2
         if flat:
