@@ -179,7 +179,6 @@ def download_url(
     part: Path,
     *,
     settings: DownloadSettings,
-    session: requests.Session | None = None,
     expected_size: int | None = None,
 ) -> None:
     """Stream ``url`` into ``part``, resuming from ``part``'s current length.
@@ -190,9 +189,6 @@ def download_url(
     back-off, each time resuming. A 4xx answer or spent retries raise :class:`DownloadError`;
     ``part`` keeps what arrived.
     """
-    if session is None:
-        with requests.Session() as session:
-            return download_url(url, part, settings=settings, session=session, expected_size=expected_size)
     part.parent.mkdir(parents=True, exist_ok=True)
     attempt = 0
     while True:
@@ -201,7 +197,7 @@ def download_url(
         if offset:
             headers["Range"] = f"bytes={offset}-"
         try:
-            with session.get(url, headers=headers, stream=True, timeout=settings.timeout) as response:
+            with requests.get(url, headers=headers, stream=True, timeout=settings.timeout) as response:
                 status = response.status_code
                 if status == 416 and offset:
                     return
@@ -314,7 +310,6 @@ def fetch(
     root: str | Path | None = None,
     mirror: str | Path | None = None,
     settings: DownloadSettings | None = None,
-    session: requests.Session | None = None,
 ) -> Path:
     """The verified cached copy of ``remote`` in ``root`` (default :func:`cache_root`), fetched first when missing
     or corrupt, from ``mirror`` (see module docstring) or the canonical URLs. If no source gives a matching file,
@@ -336,7 +331,7 @@ def fetch(
         part = target.with_name(target.name + ".part")
         errors: list[str] = []
         for source in sources(remote, mirror):
-            problem = _get_one(source, part, remote, settings, session)
+            problem = _get_one(source, part, remote, settings)
             if problem is None:
                 if remote.sha256 is None:  # first use of an MD5-only file: remember its SHA-256
                     _sidecar(part).write_text(f"{file_digests(part).sha256}  {remote.filename}\n", encoding="utf-8")
@@ -348,13 +343,7 @@ def fetch(
         raise DownloadError(missing_message(remote, target, mirror, errors))
 
 
-def _get_one(
-    source: str | Path,
-    part: Path,
-    remote: RemoteFile,
-    settings: DownloadSettings,
-    session: requests.Session | None,
-) -> str | None:
+def _get_one(source: str | Path, part: Path, remote: RemoteFile, settings: DownloadSettings) -> str | None:
     """Bring ``source`` into ``part`` and check it; ``None`` on success, else why it failed.
 
     A resumed download that fails its checksum is retried once from scratch (the earlier bytes may
@@ -366,7 +355,7 @@ def _get_one(
             if isinstance(source, Path):
                 shutil.copyfile(source, part)
             else:
-                download_url(source, part, settings=settings, session=session, expected_size=remote.size)
+                download_url(source, part, settings=settings, expected_size=remote.size)
         except (DownloadError, OSError, requests.RequestException) as err:
             if isinstance(source, Path):
                 part.unlink(missing_ok=True)

@@ -146,11 +146,13 @@ def _table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) 
     return pd.DataFrame(rows)
 
 
-def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid, n_sigma: int = N_SIGMA) -> Path:
+def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid) -> Path:
     """Fig. 4's layout: one panel per method (HMC first), the training points, the true x³, the deterministic
     network (MAP, red, in every panel when it is among ``predictions``), the method's mean (blue) and its ±1σ …
-    ±``n_sigma``σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace
-    variants on a squared error, with no noise model); HMC's ±``n_sigma``σ as dotted lines in the other panels, each of which also prints its :func:`spread_ratios` to HMC."""
+    ±3σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace variants on a
+    squared error, with no noise model); HMC's ±3σ as dotted lines in the other panels, each of which also
+    prints its :func:`spread_ratios` to HMC."""
+    n_sigma = N_SIGMA
     deterministic = predictions.get("map")
     panels = {k: v for k, v in predictions.items() if k != "map" or len(predictions) == 1}
     n = len(panels)
