@@ -22,12 +22,9 @@ from bdl_bench.errors import DataFileError  # noqa: F401  (re-exported: data mod
 class Task(str, Enum):
     """What the targets are; picks the likelihood."""
 
-    REGRESSION = "regression"
-    """Real targets (standardised with training statistics), Gaussian likelihood."""
-    BINARY = "binary"
-    """Targets in {0, 1} (float), Bernoulli likelihood on one logit."""
-    MULTICLASS = "multiclass"
-    """Integer class labels (long), categorical likelihood on ``n_classes`` logits."""
+    REGRESSION = "regression"  # real targets (standardised with training statistics), Gaussian likelihood
+    BINARY = "binary"  # targets in {0, 1} (float), Bernoulli likelihood on one logit
+    MULTICLASS = "multiclass"  # integer class labels (long), categorical likelihood on n_classes logits
 
 
 @dataclass(frozen=True)
@@ -41,9 +38,8 @@ class Dataset:
     validation part was asked for.
 
     Vision sets hold images as ``(N, C, H, W)`` floats (or ``(N, C·H·W)`` when flattened), text sets
-    token ids as ``(N, T)`` longs. Optional: an out-of-distribution set (``x_ood``, ``y_ood``,
-    ``ood_name``) preprocessed like the test inputs, and ``augmentation(x, generator) -> x``, a
-    random transform the training loop may apply to each training minibatch (CIFAR crop and flip).
+    token ids as ``(N, T)`` longs. ``augmentation(x, generator) -> x`` is a random transform the training
+    loop may apply to each training minibatch (CIFAR crop and flip).
     """
 
     name: str

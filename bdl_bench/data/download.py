@@ -266,12 +266,9 @@ def _locked(target: Path) -> Iterator[None]:
     if fcntl is None or handle is None:  # pragma: no cover
         yield
         return
-    with handle:
+    with handle:  # closing the file releases the lock
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        yield
 
 
 def sources(remote: RemoteFile, mirror: str | Path | None = None) -> list[str | Path]:

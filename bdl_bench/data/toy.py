@@ -19,14 +19,11 @@ def make_cubic(
     test_bound: float = 6.0,
     seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Draw the cubic data in original units.
+    """``(x_train, y_train, x_test, y_test)`` in original units, float64, ``x_*`` ``(N, 1)`` and ``y_*`` ``(N,)``.
 
     Training inputs are ``Uniform[-train_bound, train_bound]``; test inputs are an even grid over
     ``[-test_bound, test_bound]``; every target is ``x**3 + noise_std * N(0, 1)``. All draws (train x, train
     noise, test noise, in that order) come from ``torch.Generator().manual_seed(seed)``.
-
-    Returns:
-        ``(x_train, y_train, x_test, y_test)``, float64; ``x_*`` have shape ``(N, 1)``, ``y_*`` ``(N,)``.
     """
     generator = torch.Generator().manual_seed(check_seed(seed, "seed", "toy/cubic"))
     x_train = (torch.rand(n_train, generator=generator, dtype=torch.float64) * 2 - 1) * train_bound

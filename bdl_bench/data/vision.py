@@ -78,10 +78,7 @@ def split_last(arrays: ImageArrays, n_val: int, name: str) -> tuple[ImageArrays,
     if not 0 <= n_val < n:
         raise ConfigError(f"{name}: n_val must be in [0, {n}), got {n_val}")
     cut = n - n_val
-    return (
-        ImageArrays(arrays.images[:cut], arrays.labels[:cut]),
-        ImageArrays(arrays.images[cut:], arrays.labels[cut:]),
-    )
+    return ImageArrays(arrays.images[:cut], arrays.labels[:cut]), ImageArrays(arrays.images[cut:], arrays.labels[cut:])
 
 
 @dataclass(frozen=True)

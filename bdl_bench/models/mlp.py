@@ -31,11 +31,8 @@ def mlp(
     activation: str,
     dropout: float = 0.0,
 ) -> nn.Sequential:
-    """``in → hidden[0] → … → out`` with ``activation`` between layers.
-
-    ``dropout > 0`` inserts ``nn.Dropout`` before every linear layer but the first (MC dropout
-    methods set the rate; others leave it at 0).
-    """
+    """``in → hidden[0] → … → out`` with ``activation`` between layers; ``dropout > 0`` inserts ``nn.Dropout``
+    before every linear layer but the first (MC dropout methods set the rate; others leave it at 0)."""
     if activation not in ACTIVATIONS:
         raise ConfigError(f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}")
     if any(int(h) < 1 for h in hidden):

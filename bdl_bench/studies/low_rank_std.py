@@ -20,10 +20,8 @@ below at the smallest entry of :math:`A` (the paper keeps the approximation non-
 saying how; the rank-1 truncation of a positive matrix is already positive). Biases keep their
 standard deviations.
 
-A study starts from a fitted method (:meth:`MeanFieldNetwork.from_method`) or from a finished run
-folder (:meth:`MeanFieldNetwork.from_run`: ``config.yaml`` plus the ``posterior.pt`` the runner saves),
-so any ``bdl-bench run method=gmfvi ...`` can be analysed afterwards (``bdl-bench reproduce ktied_table2`` does,
-through :mod:`bdl_bench.report.ktied`).
+A study starts from a fitted method or from a finished run folder (``bdl-bench reproduce ktied_table2``
+does the latter, through :mod:`bdl_bench.report.ktied`).
 """
 
 from __future__ import annotations
