@@ -1,31 +1,11 @@
-"""``bdl-bench reproduce`` of a benchmark: an experiment whose config holds a ``benchmark:`` block times training
-steps (``scripts/bench_step.py``, run in this process) instead of training runs.
+"""``bdl-bench reproduce`` of a benchmark: an experiment whose config holds a ``benchmark:`` block (its keys:
+:class:`Benchmark`, ``docs/benchmarks.md``) times training steps with ``scripts/bench_step.py``, in this process.
 
-The block names what to time and how::
-
-    benchmark:
-      table: ktied_table4       # which table to make of the records (:data:`TABLES`)
-      methods: [gmfvi, ktied:2] # bench_step's specs: gmfvi, ktied:<k>, elrg:<K>, elrg_d:<K>, slang:<L>
-      hidden: [[128]]           # one 784-<hidden>-10 ReLU MLP per entry
-      batch: 32
-      mc_samples: 1
-      steps: 200                # timed rounds: one method step, then bench_step.SGD_PER_ROUND SGD steps
-      warmup: 5
-      threads: 1                # torch and BLAS threads while timing
-      device: cpu               # cpu | cuda | auto
-      clock: wall               # wall | thread (this thread's CPU time; CPU only)
-      memory: true              # peak memory (torch.profiler's memory timeline on CPU; slow)
-      quick: {hidden: [[16]], steps: 3}   # what --quick replaces
-
-Every step is timed against a plain SGD step of the same model, alternating, so the ratios are what the tables
-compare (a step time alone says more about the machine than about the method). The tables:
-
-- ``ktied_table4`` (k-tied Normal, Table 4): the step time of a point estimate (our SGD step), GMFVI and k-tied
-  GMFVI as a ratio to the point estimate and the k-tied step as a ratio to GMFVI's, beside the paper's ratios
-  (``paper_numbers/ktied_table4_step_time.csv``, standard errors by the delta method).
-- ``elrg_table1`` (ELRG-VI, Table 1): per width and K, ELRG's step time and peak memory as a ratio to mean field
-  (GMFVI with the local reparameterisation) beside the ratio the paper's stated costs predict
-  (:func:`elrg_predicted_time_ratio`, :func:`elrg_predicted_memory_ratio`).
+Every step is timed in alternation with a plain SGD step of the same model, so the ratios are what the tables
+compare (a step time alone says more about the machine than about the method): ``ktied_table4`` (k-tied Normal,
+Table 4: step time over the point estimate's and GMFVI's, beside the paper's ratios) and ``elrg_table1``
+(ELRG-VI, Table 1: step time and peak memory over mean field's, beside the ratios the paper's stated costs
+predict).
 """
 
 from __future__ import annotations
@@ -68,7 +48,7 @@ def bench_step() -> ModuleType:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """An experiment's ``benchmark:`` block (the module docstring lists the keys)."""
+    """An experiment's ``benchmark:`` block (``docs/benchmarks.md`` lists the keys)."""
 
     table: str
     methods: list[str]

@@ -1,20 +1,10 @@
 """One writer per folder: a lock file that names its holder and is broken once the holder is gone.
 
-A run folder, a stacked job's folder (its checkpoint, its search journal below ``.search/``) and each of its
-split folders is written by one process at a time. The process holding a folder keeps ``.lock`` in it: a
-small JSON file naming the holder (host, pid, the pid's start time, when it took the lock, its command), made
-with ``O_CREAT | O_EXCL`` (atomic on local file systems and on NFS v3 and later). While the lock is held a
-thread touches the file every :data:`HEARTBEAT_S` seconds; its modification time is the holder's last
-heartbeat.
-
-A lock is *stale*, and the next process takes it over, when its holder is gone:
-
-- on the same host: no process has the holder's pid, or the process that has it started at another time
-  (the pid was reused);
-- on another host (a shared file system): no heartbeat for :data:`STALE_AFTER_S` seconds.
-
-Breaking a stale lock happens under a second lock file (``.lock.break``), so that two processes that both
-find it stale do not both take it. ``force=true`` re-runs a finished run but never breaks a live lock.
+The process holding a run folder (or a stacked job's folder) keeps ``.lock`` in it, a JSON file naming the holder
+made with ``O_CREAT | O_EXCL`` (atomic on local file systems and NFS v3 and later), and touches it every
+:data:`HEARTBEAT_S` seconds. A lock is stale when its holder is gone: on the same host, no process has its pid or
+the pid was reused; on another host, no heartbeat for :data:`STALE_AFTER_S` seconds. A stale lock is broken under
+a second lock file (``.lock.break``), so that two processes do not both take it. ``docs/faults.md``.
 """
 
 from __future__ import annotations

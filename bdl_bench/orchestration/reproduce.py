@@ -1,30 +1,14 @@
 """``bdl-bench reproduce <experiment>``: run (or resume) a paper experiment's sweep and compare with the paper.
 
-1. The experiment's sweep (``hydra.sweeper.params`` of ``conf/experiment/<experiment>.yaml``, with any
-   ``key=values`` given on the command line in place of the experiment's) is expanded into jobs; a
-   dataset's splits beyond its ``protocol.n_splits`` are dropped.
-2. Where the paper tuned hyperparameters (``conf/tune/<experiment>.yaml`` exists, and no ``--no-tune``):
-   every job runs with ``tune=<experiment>``, whose ``search`` node makes it search its splits' values
-   itself, the trials of all its splits stacked (:mod:`bdl_bench.orchestration.search`), before its test runs. A
-   finished search is not run again (its journal is replayed), a killed one resumes.
-3. The test runs run as Hydra sweeps (one per group of datasets with the same sweep), with the joblib launcher on ``--jobs`` cores
-   unless a ``hydra/launcher=…`` is given (``submitit_slurm`` for a cluster); finished runs are skipped,
-   killed ones resume. An experiment that sweeps ``data.split=all`` (``slang_table2``) runs the splits
-   of a dataset as one stacked job per method (:mod:`bdl_bench.orchestration.stacked`; a searched job's test runs
-   stack too, each split with its own values).
-4. The table (``bdl_bench.report.tables.build_table``) gets a column per paper metric saying whether ours
-   agrees with the paper: within two standard errors, or within the experiment's ``tolerance``. It is
-   printed and written as ``reproduce.md`` and ``reproduce.csv`` in the experiment's results folder, with
-   the experiment's ``figures`` (:mod:`bdl_bench.report.figures`) drawn beside it. A figure marked
-   ``table: true`` (DEF Fig. 5, for which the paper prints no numbers) supplies the table instead: its
-   numbers and how agreement is judged come first in ``reproduce.md`` and are ``reproduce.csv``.
-
-An experiment whose config holds a ``benchmark:`` block (``ktied_table4``, ``elrg_table1``) times training steps
-instead of sweeping runs: :mod:`bdl_bench.orchestration.benchmark`.
-
-The table is refused when the results folder holds runs of another config version (a run folder this
-sweep would reuse whose config hash differs, or a finished run outside this sweep that its config no
-longer reproduces): mixing them would compare two protocols at once.
+The experiment's sweep (``hydra.sweeper.params``, command-line ``key=values`` in place of the experiment's) is
+expanded into jobs, dropping splits beyond a dataset's ``protocol.n_splits``. Where ``conf/tune/<experiment>.yaml``
+exists every job searches its splits' values first (:mod:`bdl_bench.orchestration.search`). The jobs run as Hydra
+sweeps, one per group of datasets with the same sweep (joblib on ``--jobs`` cores unless a launcher is given);
+``data.split=all`` stacks a dataset's splits. The table gets a column per paper metric saying whether ours agrees
+(within two standard errors, or the experiment's ``tolerance``) and is written as ``reproduce.md`` and
+``reproduce.csv`` with the experiment's ``figures``. An experiment with a ``benchmark:`` block times training
+steps instead (:mod:`bdl_bench.orchestration.benchmark`). No table is made from a folder holding runs of another
+config version: it would compare two protocols at once. Usage: ``docs/reproducing.md``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """One run: config → data, model, likelihood, method → fit → evaluate → results folder.
 
-``run(cfg, run_dir)`` is a plain function (the CLI's Hydra app calls it through
-:func:`bdl_bench.orchestration.sweep.run_job`; tests call it with a composed config). It is the one place that seeds
-torch's global RNG (for ``nn.init``); every other source of randomness is a ``torch.Generator`` made
-here and passed down.
-
-Every ``trainer.checkpoint_every`` epochs the run saves a checkpoint (``checkpoint.pt``, see
-:mod:`bdl_bench.checkpoint`); a run started in a folder holding one continues from it and ends with the
-same metrics as an unbroken run (bit for bit on the CPU with one thread). The checkpoint is removed
-once ``metrics.json`` is written; a method with a point estimate or a posterior mean
-(``Method.point_estimate``) leaves its final flat parameters in ``params.pt`` (what ``method.map_dir``
-of ``method=laplace`` reads).
-
-:func:`fit_job` is the one training loop: a single run is a job of one member, and a stacked job
-(:mod:`bdl_bench.orchestration.stacked`: several splits, or the trials of a search) goes through the same loop with R
-members.
+``run(cfg, run_dir)`` is the one place that seeds torch's global RNG (for ``nn.init``); every other source of
+randomness is a ``torch.Generator`` made here and passed down. Every ``trainer.checkpoint_every`` epochs the run
+saves ``checkpoint.pt``; a run started in a folder holding one continues from it and ends with the metrics of an
+unbroken run (bit for bit on the CPU with one thread). :func:`fit_job` is the one training loop: a single run is
+a job of one member, a stacked job (:mod:`bdl_bench.orchestration.stacked`) one of R members.
 """
 
 from __future__ import annotations

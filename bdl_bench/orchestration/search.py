@@ -1,37 +1,17 @@
 """Hyperparameter search as stacked replicas: the trials of every split of a stacked job train as one stack.
 
-A stacked job (``data.split=all`` or a list) whose config has a ``search`` node (``tune=uci``,
-``tune=slang_table2``) first searches, per split, the keys of ``search.params`` on a validation part of
-the split's training rows (``search.val_fraction``), then trains its test runs on the whole training
-part with each split's best values (:func:`tuned_members`, used by :func:`bdl_bench.orchestration.sweep.run_stacked_job`).
+A stacked job whose config has a ``search`` node (``tune=uci``, ``tune=slang_table2``) first searches, per split,
+the keys of ``search.params`` on a validation part of the split's training rows (``search.val_fraction``), then
+trains its test runs on the whole training part with each split's best values (:func:`tuned_members`).
 
-**Bayesian optimisation** (SLANG Table 2, Mishkin et al. 2018, App. F.3: per split 5 random and 25 guided
-evaluations of log noise precision and log prior precision, objective the validation log-likelihood):
-one Optuna study per split (ask/tell, multivariate TPE on a log scale between the bounds of
-``search.params``: one joint density of the searched keys, as the authors' Gaussian process with expected
-improvement models them jointly). The evaluations run in rounds: first ``n_random`` random trials per
-split, then ``round_size`` guided trials per split per round (TPE with the constant liar, so the trials of
-a round differ) until ``n_random + n_guided``. All trials of a round, over all splits,
-train as one stack (:func:`bdl_bench.orchestration.stacked.run_stack` with per-member precisions). Each round's sampler
-is seeded from ``search.seed``, the split and the number of trials before the round, so a search is
-deterministic, and a resumed one continues as the uninterrupted one would.
-
-**Grid search** (``search.grids``, per method, e.g. the dropout grid of Gal's later ``experiment.py``): every
-combination of the values listed in the dataset's grid files (``data/uci/<set>/dropout_rates.txt``,
-``tau_values.txt``) is one trial, all in one stack.
-
-**Per-method protocols** (``search.method_settings.<method>``, a nested mapping whose leaves are set in that
-method's search and test configs; ``search.params.<key>: null`` takes a key out of its search) and
-``search.trial_settings`` (leaves set in the trials' configs only, e.g. Gal's shorter BO trainings).
-
-Storage: ``<job folder>/.search/journal.jsonl``, one line per asked round and per told trial (plain JSON,
-readable without Optuna and across its versions), replayed into in-memory Optuna studies when the job starts
-again: a killed search resumes; the trials asked but not told are asked again with the same values and
-trained again, with the same stack, so its checkpoint resumes too. Every trial's run folder is
-``.search/split=<k>/trial=<n>`` (hidden from ``bdl-bench table``). A trial whose training diverges is
-recorded as failed (``state FAIL`` and its error, never a made-up score) and the round goes on without it.
-Every trial is listed in ``.search/trials.csv`` and, per split, in ``search.csv`` of the split's test
-run folder (the chosen trial marked ``best``); the test run's ``config.yaml`` holds the chosen values.
+Bayesian optimisation as in SLANG Table 2 (Mishkin et al. 2018, App. F.3: per split ``n_random`` random and
+``n_guided`` guided evaluations, objective the validation log-likelihood): one Optuna study per split,
+multivariate TPE on a log scale (one joint density, as the authors' Gaussian process models the keys jointly)
+with the constant liar, so the ``round_size`` trials of a round differ. All trials of a round, over all splits,
+train as one stack. Each round's sampler is seeded from ``search.seed``, the split and the trials before it, so a
+search is deterministic and one resumed from ``.search/journal.jsonl`` continues as the uninterrupted one would.
+``search.grids`` replaces the search by a grid of values from the dataset's files. Keys, files and the
+algorithm in detail: ``docs/search.md``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """SIGTERM handled like Ctrl-C, at an epoch's end: what a cluster sends at a time limit or on preemption.
 
-Within :func:`stop_at_epoch_end` (the fit of a run or a stack, :mod:`bdl_bench.orchestration.runner`) a SIGTERM that arrives
-while epochs run only asks the loop to stop: at the end of the epoch under way the run writes a checkpoint
-(whatever ``trainer.checkpoint_every`` says), records itself as interrupted in ``run.json``, prints one line
-and exits with status 143 (128 + SIGTERM), so that the same command, or the requeued job, resumes exactly
-there. A SIGTERM during a fit's own work after its last epoch (a Laplace fit's curvature) stops it when that
-work ends; one before the first epoch or while the fitted run is evaluated stops it at once, as Ctrl-C
-does. Those resume from the last checkpoint.
-
-Schedulers give a grace period between SIGTERM and SIGKILL (Slurm's ``KillWait``, 30 s by default): an
-epoch longer than that is killed before its end, and the run resumes from the checkpoint before.
-Submitit's own signal (USR2 before a time limit: checkpoint the Hydra job and requeue it) is left to
-submitit; its requeued job resumes from the last checkpoint.
+A SIGTERM while epochs run asks the loop to stop at the end of the epoch under way, with a checkpoint there and
+exit status 143, so that the same command (or the requeued job) resumes there; at any other moment it stops the
+run at once, as Ctrl-C does. Submitit's own USR2 is left to submitit. ``docs/faults.md``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
-"""Stacked splits: one job fits a method on several splits of a dataset at once.
+"""Stacked splits: one job fits a method on several splits of a dataset at once (``docs/sweeps.md``).
 
-``bdl-bench run method=slang data=uci/boston 'data.split=[0,1,2]'`` (a list instead of one split;
-``data.split=all`` for every split of the dataset's protocol) trains the R = 3 copies of the method side by side, with every tensor carrying a leading copy
-dimension (``Method.setup_replicas``; a :class:`~bdl_bench.methods.base.StackedMethod` writes its step once
-for R copies). The networks of SLANG's UCI study are so small (D ≈ 750) that a
-single run's time is Python overhead per step; a stacked step costs about as much as one single step,
-so R splits cost about as much as one (``experiment=slang_table2`` stacks the 20 splits of a dataset).
+``data.split=[0,1,2]`` (or ``all``, every split of the dataset's protocol) trains R = 3 copies of the method side
+by side, every tensor carrying a leading copy dimension (``Method.setup_replicas``). SLANG's UCI networks are so
+small that a single run's time is Python overhead per step, so R splits cost about as much as one.
 
-Each split still gets the run folder a single run of it would get (the job's folder name with
-``data.split=<k>``), holding what a single run writes (``config.yaml`` with ``data.split: k``,
-``history.csv``, ``metrics.json``, …) and the same config hash: tables, skipping finished runs and
-``bdl-bench reproduce`` treat stacked and single runs alike, and finished splits are left out of a
-re-run. Copy k draws the noise a single run with the same seed draws (one draw shared by the copies),
-so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; each copy is
-evaluated as an ordinary method (``Method.replica``) with its own evaluation generator. All of them start
-from one seed, so a method that can (MC dropout's ``predict_replicas``) makes the final test and validation
-predictions of all copies at once, drawing each random number once for all
-(:class:`~bdl_bench.orchestration.evaluation.SharedPredictions`): the same outputs, bit for bit (a tuned MC-dropout search
-predicts 1000 samples of every trial).
-``train_time_s`` of a split is the stack's training time divided by R; ``stack_size`` says R.
+Each split gets the run folder, files and config hash a single run of it would get, so tables, skipping and
+``reproduce`` treat stacked and single runs alike. Copy k draws the noise a single run with the same seed draws,
+so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; a stack of one is that
+split's single run bit for bit. ``train_time_s`` is the stack's time divided by R; ``stack_size`` says R.
 
-This module says which members a job stacks and checks that they may share one fit; the fit itself is the
-runner's one training loop (:func:`bdl_bench.orchestration.runner.fit_job`), the loop of every single run too. A stack
-of one split (``data.split=[k]``, a re-run left with one unfinished split, a search round of one trial) is
-fitted as that split's single run, bit for bit, by any method.
-
-The stack checkpoints into the job's own folder (``checkpoint.pt``: the stacked state, the generators
-and every split's history) every ``trainer.checkpoint_every`` epochs; re-running the job resumes it
-(a checkpoint of another set of splits, left by a stack killed while writing its results, is
-discarded with a warning: the splits it still lacks start afresh).
-
-Requirements (else a ``ValueError`` says what differs): the splits have the same numbers of training
-examples and inputs (Gal's UCI splits do), no training augmentation, and a method with
-``supports_replicas``: the methods derived from :class:`~bdl_bench.methods.base.StackedMethod` (``bbb``, ``dropout``, ``ivon``,
-``vogn``; dropout and vogn on networks of ``nn.Linear`` layers) and ``slang`` (networks of ``nn.Linear`` layers). For other methods ``setup_replicas`` of several copies raises
-:class:`~bdl_bench.methods.base.CannotStack` and the job runs the splits one after another instead
-(:func:`bdl_bench.orchestration.sweep.run_job`), each exactly as its single run.
+This module says which members a job stacks and checks that they may share one fit; the fit is the runner's one
+training loop (:func:`bdl_bench.orchestration.runner.fit_job`). The splits need equal training sets and no
+augmentation; a method that cannot stack raises :class:`~bdl_bench.methods.base.CannotStack` and the job runs
+its splits one after another (:func:`bdl_bench.orchestration.sweep.run_job`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """``bdl-bench status <folder>``: what the runs below a sweep or results folder are doing now.
 
-Every run folder (one holding ``config.yaml`` or ``run.json``, outside hidden folders such as a search's
-``.search/``) is put in one class, from its lock (:mod:`bdl_bench.orchestration.locking`), its ``run.json`` and its files:
-
-- **running**: a live process holds its lock (where, since when, its last heartbeat, epochs written);
-- **stale**: its holder is gone (a lock left by a killed process, or ``run.json`` still saying ``running``
-  with no lock); the same command resumes it from its last checkpoint;
-- **failed**: its latest attempt failed (the failure's one-line reason, from ``failure.json``);
-- **interrupted**: stopped by Ctrl-C or SIGTERM (the epoch of its checkpoint);
-- **finished**: it has ``metrics.json``;
-- **not started**: none of these (its folder was made, nothing more).
-
-Reads files only; it never takes or breaks a lock.
+Each run folder (outside hidden folders such as ``.search/``) is finished, failed, running, stale, interrupted or
+not started, from its lock, its ``run.json`` and its files (``docs/faults.md``). Reads files only.
 """
 
 from __future__ import annotations
@@ -87,7 +77,7 @@ def _when(t: float | None) -> str:
 
 
 def classify(run_dir: Path) -> tuple[str, str]:
-    """``(class, detail)`` of one run folder (module docstring)."""
+    """``(class, detail)`` of one run folder."""
     record = _record(run_dir)
     state, holder = lock_state(run_dir)
     if state == "held" and holder is not None:

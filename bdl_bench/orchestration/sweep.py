@@ -1,20 +1,12 @@
 """Sweep members and sweep summaries: skip finished runs, resume, record failures, report at the end.
 
-:func:`run_job` is what the Hydra app runs for every member of a sweep (and for a single run):
-
-- a folder whose ``metrics.json`` exists is **skipped** when its ``config.yaml`` has the config hash
-  of the job (:func:`bdl_bench.results.config_hash`); when the hash differs the job **refuses**
-  (:class:`ConfigVersionError`): the folder holds a run of another config version (an experiment or
-  method default changed since), which must not be mixed into a table. ``force=true`` re-runs either;
-- an unfinished run **resumes** from its checkpoint (:mod:`bdl_bench.orchestration.runner`);
-- a run that raises leaves ``failure.json``/``failure.txt`` (traceback, overrides, resolved config)
-  and re-raises, so Hydra marks the job failed while the other members go on. Under submitit
-  (``hydra/launcher=submitit_slurm`` or ``submitit_local``) the job process then also exits with
-  status 1: Hydra's submitit launcher returns a failed job's record as a normal result, which Slurm
-  would otherwise account as COMPLETED (facebookresearch/hydra#1928).
-
-Every attempt updates ``run.json`` (status, start and end times, code version, config hash), from which
-:func:`summarise` lists what a sweep started at a given time did.
+:func:`run_job` is what the Hydra app runs for every member of a sweep (and for a single run): a folder holding
+``metrics.json`` of the job's config hash is skipped, one of another config refuses (:class:`ConfigVersionError`:
+it must not be mixed into a table; ``force=true`` re-runs either), an unfinished run resumes from its checkpoint,
+and a run that raises leaves ``failure.json``/``failure.txt`` and re-raises, so Hydra marks the job failed while
+the other members go on. Under submitit the job process then exits with status 1, as Hydra's submitit launcher
+returns a failed job's record as a normal result that Slurm would account as COMPLETED (hydra#1928). Every
+attempt updates ``run.json``, from which :func:`summarise` lists what a sweep did.
 """
 
 from __future__ import annotations
