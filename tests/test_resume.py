@@ -18,7 +18,7 @@ import torch
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import UserError
-from bdl_bench.orchestration.resume import CheckpointDeviceError, checkpoint_history
+from bdl_bench.orchestration.resume import CheckpointDeviceError, checkpoint_histories
 from bdl_bench.orchestration.runner import run
 from bdl_bench.orchestration.sweep import run_job
 from bdl_bench.results import read_run_record, without_cost
@@ -138,4 +138,6 @@ def test_checkpoint_written_before_row_counts_still_resumes_its_rows(tmp_path: P
     torch.save(legacy, tmp_path / "checkpoint.pt")
     checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
     assert checkpoint is not None and checkpoint.history_rows is None
-    assert checkpoint_history(checkpoint, tmp_path / "history.csv") == [{"epoch": 1, "train/loss": 0.5}]
+    assert checkpoint_histories(checkpoint, [tmp_path / "history.csv"], single=True) == [
+        [{"epoch": 1, "train/loss": 0.5}]
+    ]

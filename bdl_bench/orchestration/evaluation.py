@@ -13,14 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from bdl_bench.data.base import Dataset
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import Method
 from bdl_bench.metrics import gaussian_predictive_metrics, ood_metrics, predictive_metrics, uncertainty_arrays
-from bdl_bench.reference import reference_posterior
 from bdl_bench.results import atomic_write_bytes
 
 
@@ -53,21 +51,13 @@ def evaluate(
 
 @torch.no_grad()
 def evaluate_ood(
-    method: Method,
-    likelihood: Likelihood,
-    dataset: Dataset,
-    n_samples: int,
-    run_dir: Path,
-    f_test: torch.Tensor | None = None,
-    f_ood: torch.Tensor | None = None,
+    likelihood: Likelihood, dataset: Dataset, run_dir: Path, f_test: torch.Tensor, f_ood: torch.Tensor
 ) -> dict[str, float]:
-    """Predictive entropy on the out-of-distribution set against the test set (DEF Table 1) and the
-    AUROC of telling them apart by entropy; saves ``uncertainty.npz`` for ``bdl-bench plot kind=ood``.
-    ``f_test`` and ``f_ood`` are output samples already drawn on those sets (else predicted here)."""
+    """Predictive entropy on the out-of-distribution set against the test set (DEF Table 1) from output samples
+    on both, and the AUROC of telling them apart by entropy; saves ``uncertainty.npz`` (``bdl-bench plot ood``)."""
     if not isinstance(likelihood, Bernoulli | Categorical):
         raise ValueError(f"OOD metrics need a classification likelihood, got {type(likelihood).__name__}")
-    probs_test = likelihood.probs(method.predict(dataset.x_test, n_samples) if f_test is None else f_test)
-    probs_ood = likelihood.probs(method.predict(dataset.x_ood, n_samples) if f_ood is None else f_ood)
+    probs_test, probs_ood = likelihood.probs(f_test), likelihood.probs(f_ood)
     arrays = uncertainty_arrays(probs_test, dataset.y_test, probs_ood)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -75,28 +65,24 @@ def evaluate_ood(
     return ood_metrics(probs_test, probs_ood)
 
 
-def save_predictive(run_dir: Path, likelihood: Likelihood, dataset: Dataset, f_test: torch.Tensor) -> Path:
+def save_predictive(run_dir: Path, likelihood: Likelihood, dataset: Dataset, f_test: torch.Tensor) -> None:
     """Write ``predictive.npz``: a regression run's predictive on the test inputs, in original units.
 
     ``f_mean`` and ``f_std`` are the mean and (population) standard deviation of the network output over the
     ``(S, N, 1)`` samples ``f_test`` (the epistemic part), ``noise_std`` the likelihood's noise standard
     deviation, and ``y_test`` the test targets; the toy figures (``bdl_bench.studies.def_toy``) draw from it.
-    Set ``trainer.save_predictive: true`` in an experiment to get it (off by default, so absent from the
-    other runs' configs).
     """
     if not isinstance(likelihood, Gaussian):
         raise ConfigError("trainer.save_predictive needs a regression run (Gaussian likelihood)")
     f = f_test.detach().reshape(f_test.shape[0], f_test.shape[1]).double().cpu()
     y_std = float(dataset.y_std)
-    path = run_dir / "predictive.npz"
     np.savez(
-        path,
+        run_dir / "predictive.npz",
         f_mean=(dataset.y_mean + y_std * f.mean(0)).numpy(),
         f_std=(y_std * f.std(0, unbiased=False)).numpy(),
         noise_std=np.float64(y_std / math.sqrt(float(likelihood.noise_precision))),
         y_test=(dataset.y_mean + y_std * dataset.y_test.double().cpu()).numpy(),
     )
-    return path
 
 
 @torch.no_grad()
@@ -110,15 +96,13 @@ def elbo_per_example(method: Method, likelihood: Likelihood, dataset: Dataset, n
     kl = method.kl_to_prior()
     if kl is None:
         return None
-    exact = _exact_expected_loglik(method, likelihood, dataset)
-    if exact is not None:
-        expected_loglik = exact
-    else:
+    expected_loglik = _exact_expected_loglik(method, likelihood, dataset)
+    if expected_loglik is None:
         expected_loglik = _chunked_expected_loglik(method, likelihood, dataset.x_train, dataset.y_train, n_samples)
     return (expected_loglik - float(kl)) / dataset.n_train
 
 
-ELBO_CHUNK_ELEMENTS = 2**26
+ELBO_CHUNK_ELEMENTS = 2**26  # samples x rows x widest layer per forward pass: 256 MB of float32 activations
 
 
 def _chunked_expected_loglik(method: Method, likelihood: Likelihood, x: torch.Tensor, y: torch.Tensor, n: int) -> float:
@@ -162,11 +146,7 @@ def _only_linear_layer(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 def _exact_expected_loglik(method: Method, likelihood: Likelihood, dataset: Dataset) -> float | None:
     """Quadrature value of ``Σ_i E_q[log p(y_i | x_i, θ)]`` for Bayesian logistic regression, else ``None``."""
-    try:
-        from bdl_bench.quadrature import expected_log_sigmoid
-    except ImportError:
-        return None
-    from bdl_bench.likelihoods import Bernoulli
+    from bdl_bench.quadrature import expected_log_sigmoid
 
     posterior = method.posterior()
     model = method.problem.model
@@ -203,23 +183,6 @@ def epoch_row(
         with swap_generator(method, eval_generator):
             row.update({f"test/{k}": v for k, v in evaluate(method, likelihood, dataset, n_eval_samples).items()})
     return row
-
-
-def sym_kl_to_reference(
-    method: Method,
-    reference_cfg: Any,
-    model: torch.nn.Module,
-    likelihood: Likelihood,
-    prior: torch.Tensor,
-    dataset: Dataset,
-    seed: int,
-    cache_dir: Path | None,
-) -> float:
-    """Symmetric KL between this method's posterior and the reference's on the same split
-    (:mod:`bdl_bench.reference`: fitted once per split, cached in ``cache_dir``)."""
-    config = OmegaConf.to_container(reference_cfg, resolve=True)
-    reference = reference_posterior(config, model, likelihood, prior, dataset, seed, cache_dir)  # type: ignore[arg-type]
-    return float(method.posterior().sym_kl(reference))
 
 
 class SharedPredictions:

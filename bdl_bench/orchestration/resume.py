@@ -13,10 +13,7 @@ import torch
 from bdl_bench.checkpoint import Checkpoint, load_checkpoint
 from bdl_bench.errors import ConfigError, UserError
 from bdl_bench.methods import Method
-from bdl_bench.results import (
-    CHECKPOINT_FILE,
-    read_history,
-)
+from bdl_bench.results import CHECKPOINT_FILE, read_history
 
 
 class CheckpointDeviceError(UserError, ValueError):
@@ -46,11 +43,10 @@ def job_checkpoint(path: Path, job_hash: str, single: bool, keys: Sequence[Hasha
 def checkpoint_histories(checkpoint: Checkpoint, paths: Sequence[Path], single: bool) -> list[list[dict[str, Any]]]:
     """Each member's history rows at the checkpoint: read back from ``paths`` (their ``history.csv``), or
     the rows stored in a checkpoint written before checkpoints kept only the row counts."""
-    if single:
-        return [checkpoint_history(checkpoint, paths[0])]
     if checkpoint.history_rows is None:
-        return list(checkpoint.history)
-    return [read_history(p, int(n)) for p, n in zip(paths, checkpoint.history_rows)]  # type: ignore[arg-type]
+        return [list(checkpoint.history)] if single else list(checkpoint.history)
+    counts = [checkpoint.history_rows] if single else checkpoint.history_rows
+    return [read_history(p, int(n)) for p, n in zip(paths, counts)]  # type: ignore[arg-type, union-attr]
 
 
 def make_checkpoint(
@@ -78,23 +74,11 @@ def make_checkpoint(
     )
 
 
-def checkpoint_history(checkpoint: Checkpoint, path: Path) -> list[dict[str, Any]]:
-    """The history rows of a single run's checkpoint: read back from ``path`` (``history.csv``), or the
-    rows stored in a checkpoint written before checkpoints kept only the row count."""
-    if checkpoint.history_rows is None:
-        return list(checkpoint.history)
-    return read_history(path, int(checkpoint.history_rows))  # type: ignore[arg-type]
-
-
 def restore_checkpoint(
     checkpoint: Checkpoint, method: Method, generators: Mapping[str, torch.Generator], device: torch.device
 ) -> None:
-    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's).
-
-    Raises:
-        CheckpointDeviceError: when the checkpoint was written on another device type (its generators'
-            states do not fit this device's; the run is not resumed but refused, naming the fix).
-    """
+    """Inverse of :func:`make_checkpoint` for a method already set up (history and time are the caller's);
+    a checkpoint of another device type is refused (its generators' states do not fit this device's)."""
     if checkpoint.device is not None and checkpoint.device != device.type:
         raise CheckpointDeviceError(
             f"the run's {CHECKPOINT_FILE} was written on {checkpoint.device} and this run is on {device.type}: "

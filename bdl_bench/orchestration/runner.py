@@ -45,11 +45,11 @@ from bdl_bench.orchestration.evaluation import (
     evaluate_ood,
     save_predictive,
     swap_generator,
-    sym_kl_to_reference,
 )
 from bdl_bench.orchestration.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
 from bdl_bench.orchestration.sigterm import stop_at_epoch_end
 from bdl_bench.orchestration.threads import set_threads
+from bdl_bench.reference import reference_posterior
 from bdl_bench.results import (
     CHECKPOINT_FILE,
     HISTORY_FILE,
@@ -95,10 +95,8 @@ class EpochProgress:
 
 @contextmanager
 def stop_on_interrupt(progress: EpochProgress) -> Iterator[None]:
-    """Turn Ctrl-C inside the block into :class:`~bdl_bench.errors.Interrupted` saying where the fit stood
-    (checkpoints, ``history.csv`` rows and ``metrics.json`` are written whole, so an interrupt leaves the
-    previous file or the new one), and SIGTERM into :class:`~bdl_bench.errors.Terminated` (at the end of
-    the epoch under way: :func:`stop_if_terminated`)."""
+    """Turn Ctrl-C inside the block into :class:`~bdl_bench.errors.Interrupted` saying where the fit stood,
+    and SIGTERM into :class:`~bdl_bench.errors.Terminated` (at the end of the epoch under way)."""
     try:
         with stop_at_epoch_end(progress):
             yield
@@ -123,19 +121,10 @@ def stop_if_terminated(progress: EpochProgress, epoch: int, save: Callable[[int]
         raise Terminated()
 
 
-def announce_resume(run_dir: Path, epoch: int) -> None:
-    """The line a resumed run prints (on stderr, with the run folder)."""
-    print(f"{run_dir}: resuming from epoch {epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
-
-
 @dataclass(frozen=True)
 class RunResult:
     run_dir: Path
     metrics: dict[str, float]
-
-
-"""Rows of the training set per forward pass of the ELBO: at most this many (samples × rows × widest layer)
-activations (256 MB in float32), instead of the whole set at once (≈ 1.6 GB per activation on MNIST)."""
 
 
 def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
@@ -178,18 +167,9 @@ EpochHook = Callable[[int], None]
 
 
 def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> RunResult:
-    """Fit and evaluate the method described by ``cfg``; write the results into ``run_dir``.
-
-    Args:
-        cfg: the composed root config.
-        run_dir: the run folder; a ``checkpoint.pt`` there (of the same config) is resumed from.
-        epoch_hook: called with the epoch number after each epoch's history row and checkpoint are
-            written (tests use it to simulate a crash).
-
-    Raises:
-        ConfigError: when a config value is out of its range (:mod:`bdl_bench.config_checks`; before any
-            work), or ``run_dir`` holds a checkpoint of a different config.
-    """
+    """Fit and evaluate the method described by ``cfg``; write the results into ``run_dir``, resuming from a
+    checkpoint there. ``epoch_hook`` is called with the epoch number after each epoch's history row and
+    checkpoint are written (tests use it to simulate a crash)."""
     check_config(cfg)
     run_dir = Path(run_dir)
     return fit_job(cfg, {0: cfg}, {0: run_dir}, run_dir, epoch_hook=epoch_hook, single=True)[0]
@@ -206,24 +186,14 @@ def fit_job(
 ) -> dict[Hashable, RunResult]:
     """The one training loop: fit ``cfg``'s method on R members at once and write each member's run folder.
 
-    A member is a config that differs from ``cfg`` only where copies of a method may differ (the split, the
-    likelihood's and prior's precisions, the method's ``replica_options``: :mod:`bdl_bench.orchestration.stacked` checks
-    that). One member is fitted through the method's single-run API (``setup``, ``use_validation``, ``fit``,
-    its ``fitted_likelihood`` and ``extra_metrics``), so a stack of one equals that member's single run bit
-    for bit; several through the stacked one (``setup_replicas``, ``fit_replicas``, ``replica(r)``:
-    :class:`~bdl_bench.methods.base.CannotStack` for a method that cannot), on splits of equal size and
-    without training augmentation.
-
-    Every ``trainer.checkpoint_every`` epochs the job checkpoints into ``job_dir``. With ``single`` (a
-    single run: one member whose folder is ``job_dir``) the checkpoint is that of the member's config (one of
-    another config is refused with :class:`~bdl_bench.errors.ConfigError`) and holds a single run's
-    generators and history count; otherwise it is the stack's, one of another set of members is discarded
-    with a warning, and each member's metrics say ``stack_size``. ``train_time_s`` and ``cpu_time_s`` are
-    the job's divided by R.
-
-    Raises:
-        ValueError: when several members' splits differ in size or width, or the data are augmented.
-        CannotStack: when the method cannot fit several members at once.
+    A member differs from ``cfg`` only where copies of a method may (the split, the precisions, the method's
+    ``replica_options``). One member is fitted through the method's single-run API (``setup``, ``fit``), so a
+    stack of one equals that member's single run bit for bit; several through the stacked one
+    (``setup_replicas``, ``fit_replicas``, ``replica(r)``; :class:`~bdl_bench.methods.base.CannotStack` for a
+    method that cannot). The job checkpoints into ``job_dir``; with ``single`` (one member whose folder is
+    ``job_dir``) the checkpoint is a single run's and one of another config is refused, otherwise one of another
+    set of members is discarded with a warning and each member's metrics say ``stack_size``. ``train_time_s``
+    and ``cpu_time_s`` are the job's divided by R.
     """
     checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
     progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, Path(job_dir) / CHECKPOINT_FILE)
@@ -299,7 +269,6 @@ def _fit_job(
     method.step_progress = bool(trainer.progress)
 
     def copy_of(r: int) -> Method:
-        """Member ``r``'s fitted method, to evaluate (the method itself for one member)."""
         return method if one else method.replica(r)
 
     generators = {"method": method_generator, "data": data_generator}
@@ -313,7 +282,7 @@ def _fit_job(
         start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
         histories = checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
         progress.done = start_epoch
-        announce_resume(job_dir, start_epoch)
+        print(f"{job_dir}: resuming from epoch {start_epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
     writers = [HistoryWriter(dirs[k] / HISTORY_FILE, rows) for k, rows in zip(keys, histories)]
     n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
     checkpoint_every = progress.checkpoint_every
@@ -453,25 +422,16 @@ def finish_run(
     extra_metrics: Mapping[str, float] | None = None,
     predictions: Mapping[str, torch.Tensor] | None = None,
 ) -> RunResult:
-    """A fitted run's final metrics (test, validation, ELBO, OOD, ``sym_kl``), ``posterior.pt``,
-    ``params.pt`` and ``metrics.json`` (written last: its presence marks the run finished); removes
-    the run's checkpoint.
-
-    Cost: ``train_time_s`` (training wall time, resumed attempts included), ``cpu_time_s`` (CPU seconds of the
-    process while the attempt that finished it trained) and ``peak_rss_mib`` (the process's peak resident memory
-    so far: in a sweep worker that ran earlier jobs, the largest of them).
-
-    ``predictions``: the test and validation outputs ``(S, N, out)`` ``method.predict`` would give from
-    ``eval_generator``'s state, already made (a stacked job's shared predictions, :mod:`bdl_bench.orchestration.stacked`),
-    with the generator left where those calls would leave it.
-
-    Raises:
-        FloatingPointError: when a final metric is not finite (no ``metrics.json`` is written).
+    """A fitted run's final metrics (test, validation, ELBO, OOD, ``sym_kl``, cost), ``posterior.pt``,
+    ``params.pt`` and ``metrics.json`` (written last: its presence marks the run finished; not at all when a
+    metric is not finite); removes the run's checkpoint. ``cpu_time_s`` is of the attempt that finished the run,
+    ``peak_rss_mib`` the process's so far (in a sweep worker, the largest of its jobs). ``predictions``: the test
+    and validation outputs ``(S, N, out)`` ``method.predict`` would give from ``eval_generator``, already made
+    (:class:`~bdl_bench.orchestration.evaluation.SharedPredictions`), the generator left where those calls would
+    leave it.
     """
     trainer = cfg.trainer
     model = method.problem.model
-    seed = int(trainer.seed)
-    chash = config_hash_
     n_test = int(trainer.n_test_mc_samples)
     sets = {"test": dataset.x_test}
     if dataset.x_val.shape[0] > 0:
@@ -500,7 +460,7 @@ def finish_run(
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
         if "ood" in sets:
             f_ood = f["ood"] if "ood" in f else method.predict(dataset.x_ood, n_test)
-            metrics.update(evaluate_ood(method, likelihood, dataset, n_test, run_dir, f["test"], f_ood))
+            metrics.update(evaluate_ood(likelihood, dataset, run_dir, f["test"], f_ood))
     if OmegaConf.select(cfg, "trainer.save_predictive", default=False):
         save_predictive(run_dir, likelihood, dataset, f["test"])
     if elbo is not None:
@@ -514,13 +474,13 @@ def finish_run(
     metrics["peak_rss_mib"] = peak_rss_mib(model)
     metrics.update(extra_metrics or {})
     metrics["n_params"] = int(prior.numel())
-    reference_cfg = _cfg_get(cfg, "reference")
-    if reference_cfg is not None and method.posterior() is not None:
-        cache_dir = Path(str(cfg.results_root)) / ".cache" / "references" if _cfg_get(cfg, "results_root") else None
-        metrics["sym_kl"] = sym_kl_to_reference(
-            method, reference_cfg, model, likelihood, prior, dataset, seed, cache_dir
-        )
     posterior = method.posterior()
+    reference_cfg = _cfg_get(cfg, "reference")
+    if reference_cfg is not None and posterior is not None:  # fitted once per split, cached (bdl_bench.reference)
+        cache_dir = Path(str(cfg.results_root)) / ".cache" / "references" if _cfg_get(cfg, "results_root") else None
+        config = OmegaConf.to_container(reference_cfg, resolve=True)
+        reference = reference_posterior(config, model, likelihood, prior, dataset, int(trainer.seed), cache_dir)  # type: ignore[arg-type]
+        metrics["sym_kl"] = float(posterior.sym_kl(reference))
     if trainer.save_posterior and posterior is not None:
         save_gaussian(posterior, run_dir / "posterior.pt")
     bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
@@ -528,7 +488,7 @@ def finish_run(
         raise DivergenceError(f"method {cfg.method.name!r}: non-finite final metrics {bad}; no metrics.json written")
     point = method.point_estimate()
     if point is not None:
-        save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=chash)
+        save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=config_hash_)
     write_metrics(run_dir, metrics)
     (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     return RunResult(run_dir=run_dir, metrics=metrics)
