@@ -118,7 +118,7 @@ def test_an_unknown_method_is_a_config_error_before_any_timing() -> None:
 
 def test_run_refuses_a_benchmark_experiment() -> None:
     from bdl_bench.config_checks import check_config
-    from bdl_bench.orchestration.reproduce import _load
+    from bdl_bench.orchestration.hydra_app import load_config
 
     with pytest.raises(ConfigError, match="use `bdl-bench reproduce elrg_table1`"):
-        check_config(_load(["experiment=elrg_table1"], multirun=False))
+        check_config(load_config(["experiment=elrg_table1"], multirun=False))

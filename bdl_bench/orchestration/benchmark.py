@@ -28,7 +28,6 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.results import atomic_write_text
 
 BENCH_STEP = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
 IN_FEATURES, OUT_FEATURES = 784, 10  # bench_step's MLP: 784-<hidden>-10
@@ -64,11 +63,7 @@ class Benchmark:
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any], *, quick: bool) -> Benchmark:
-        """The block, with its ``quick`` entries in place of the others under ``--quick``.
-
-        Raises:
-            ConfigError: for an unknown key, table or clock, or a count below 1.
-        """
+        """The block, checked, with its ``quick`` entries in place of the others under ``--quick``."""
         settings = {k: v for k, v in node.items() if k != "quick"}
         if quick:
             settings.update(node.get("quick") or {})
@@ -117,11 +112,7 @@ def _specs(methods: Sequence[str]) -> tuple[list[str], list[int]]:
 
 def measure(bench: Benchmark, progress: Callable[[str], None] = print) -> pd.DataFrame:
     """Time every method on every model of ``bench`` against SGD (bench_step's records, one row each, with the
-    model's ``hidden`` widths as ``784-…-10`` and its first width as ``width``).
-
-    Raises:
-        ConfigError: for an unknown method spec or an unusable device.
-    """
+    model's ``hidden`` widths as ``784-…-10`` and its first width as ``width``)."""
     from bdl_bench.orchestration.devices import resolve_device
 
     module = bench_step()
@@ -353,7 +344,7 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
     ``# `` lines) into ``<results_root>/<experiment_name>``; returns that folder."""
     from omegaconf import OmegaConf
 
-    from bdl_bench.orchestration.reproduce import provenance
+    from bdl_bench.orchestration.reproduce import provenance, write_report
 
     started_wall, started_cpu = time.perf_counter(), time.process_time()
     node = OmegaConf.to_container(config.benchmark, resolve=True)
@@ -371,10 +362,7 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
         f"{bench.steps} timed rounds after {bench.warmup} warm-up, {bench.clock} clock, step time = median"
     )
     title = f"# {experiment}" + (" (--quick: not the benchmark's settings)" if quick else "")
-    md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
     text = f"{table.title}\n\n{markdown(frame)}\n\n{table.note}"
-    atomic_write_text(folder / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
-    csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
-    atomic_write_text(folder / "reproduce.csv", csv_header + frame.to_csv(index=False))
+    write_report(folder, title, header, text, frame)
     print(f"\n{title}\n\n{text}\n\n(Markdown: {folder / 'reproduce.md'}; CSV: {folder / 'reproduce.csv'})")
     return folder

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bdl_bench.errors import Terminated, UserError
 from bdl_bench.orchestration.hydra_app import (
@@ -50,11 +52,11 @@ errors: a mistake in the input (a config value, a data file, a diverging run, an
 
 def run_command(args: list[str]) -> None:
     """``bdl-bench run``; a sweep (-m) ends with a summary of its members and fails if any failed."""
-    from bdl_bench.orchestration.sweep import check_output_folder, multirun_folder, run_folder, summarise
+    from bdl_bench.orchestration.sweep import check_output_folder, output_folder, summarise
 
     check_group_overrides([a for a in args if not a.startswith("-")])
-    sweep_dir = multirun_folder(CONF_DIR, args)
-    output = sweep_dir or run_folder(CONF_DIR, args)
+    sweep_dir = output_folder(args, multirun=True)
+    output = sweep_dir or output_folder(args, multirun=False)
     if output is not None:
         check_output_folder(output)
         if sweep_dir is None:  # a held run folder: refused before Hydra writes its files into it
@@ -83,12 +85,6 @@ def refuse_if_held(folder: Path) -> None:
     state, holder = locking.lock_state(folder)
     if state == "held" and holder is not None:
         raise locking.FolderInUse(locking.in_use_message(folder, holder), holder)
-
-
-def status_command(args: list[str]) -> None:
-    from bdl_bench.orchestration.status import main as status_main
-
-    status_main(args)
 
 
 def table_command(args: list[str]) -> None:
@@ -137,12 +133,6 @@ def table_command(args: list[str]) -> None:
     print(f"\n(CSV: {csv_path})")
 
 
-def plot_command(args: list[str]) -> None:
-    from bdl_bench.report.plots import main as plot_main
-
-    plot_main(args)
-
-
 STATUS_PAGE = CONF_DIR.parent / "results" / "README.md"
 
 
@@ -171,12 +161,6 @@ def list_command(args: list[str]) -> None:
     if unknown:
         raise SystemExit(f"bdl-bench list: unknown group {unknown[0]!r}; available: {', '.join(LISTED_GROUPS)}")
     print(listing(CONF_DIR, tuple(args) or LISTED_GROUPS))
-
-
-def data_command(args: list[str]) -> None:
-    from bdl_bench.data.data_cli import main as data_main
-
-    data_main(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,18 +200,19 @@ def dispatch(argv: list[str]) -> None:
         print(version_text())
         return
     command, rest = argv[0], argv[1:]
-    commands = {
+    commands: dict[str, Any] = {
         "run": run_command,
         "table": table_command,
-        "plot": plot_command,
+        "plot": "bdl_bench.report.plots",  # a module whose main(args) is the command, imported on use
         "reproduce": reproduce_command,
-        "data": data_command,
-        "status": status_command,
+        "data": "bdl_bench.data.data_cli",
+        "status": "bdl_bench.orchestration.status",
         "list": list_command,
     }
     if command not in commands:
         raise SystemExit(f"bdl-bench: unknown command {command!r}; available: {', '.join(commands)}\n\n{USAGE}")
-    commands[command](rest)
+    target = commands[command]
+    (importlib.import_module(target).main if isinstance(target, str) else target)(rest)
 
 
 if __name__ == "__main__":

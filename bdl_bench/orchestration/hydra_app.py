@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,16 @@ def group_choices(group: str) -> list[str]:
     """Every option of a config group, as typed after ``group=`` (``uci/boston``)."""
     root = CONF_DIR / group
     return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+
+
+def load_config(overrides: Sequence[str], *, multirun: bool = True, config_name: str = "config") -> DictConfig:
+    """The config Hydra composes from ``conf/`` and command-line ``overrides``, its ``hydra`` node included."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        mode = RunMode.MULTIRUN if multirun else RunMode.RUN
+        return GlobalHydra.instance().config_loader().load_configuration(config_name, list(overrides), run_mode=mode)
 
 
 def check_group_overrides(overrides: list[str]) -> None:

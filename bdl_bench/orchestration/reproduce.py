@@ -31,7 +31,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, run_hydra
+from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_config, run_hydra
 from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
@@ -64,9 +64,7 @@ class Plan:
     keys: list[str]  # the swept keys, in order
     jobs: list[list[str]]  # per job: "key=value" for every swept key
     sweep_dir: Path
-    tuned: bool = (
-        False  # every job searches its splits' values first (tune=<experiment>, bdl_bench.orchestration.search)
-    )
+    tuned: bool = False  # every job searches its splits' values first (tune=<experiment>)
     stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
     @property
@@ -88,17 +86,6 @@ def override_dirname(
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     return get_overrides_dirname(parsed, exclude_keys=list(exclude_keys), item_sep=item_sep, kv_sep=kv_sep)
-
-
-def _load(overrides: Sequence[str], multirun: bool = True) -> DictConfig:
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-        mode = RunMode.MULTIRUN if multirun else RunMode.RUN
-        return loader.load_configuration("config", list(overrides), run_mode=mode)
 
 
 def _expand(key: str, value: str) -> list[str]:
@@ -129,11 +116,7 @@ def _n_splits(data_name: str) -> int | None:
 
 
 def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: bool) -> Plan:
-    """Compose the experiment with ``overrides`` and expand its sweep into jobs.
-
-    Raises:
-        SystemExit: for an unknown experiment, listing the available ones.
-    """
+    """Compose the experiment with ``overrides`` and expand its sweep into jobs."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     available = group_choices("experiment")
@@ -142,7 +125,7 @@ def make_plan(experiment: str, overrides: Sequence[str], *, quick: bool, tune: b
     launcher = [o for o in overrides if o.startswith(("hydra/", "hydra."))]
     task = [o for o in overrides if o not in launcher]
     quick_fixed = [f"experiment_name={experiment}_quick", f"trainer.n_epochs={QUICK_EPOCHS}"] if quick else []
-    config = _load([f"experiment={experiment}", *quick_fixed, *task, *launcher])
+    config = load_config([f"experiment={experiment}", *quick_fixed, *task, *launcher])
     params: dict[str, str] = {str(k): str(v) for k, v in (config.hydra.sweeper.get("params") or {}).items()}
     fixed = [f"experiment={experiment}", *quick_fixed]
     for parsed, text in zip(OverridesParser.create().parse_overrides(task), task):
@@ -244,7 +227,7 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
             found.append((run_dir, "no .hydra/overrides.yaml to check it against"))
             continue
         try:
-            cfg = _load(overrides, multirun=False)
+            cfg = load_config(overrides, multirun=False)
             cfg = apply_searched(cfg, run_dir)
             current = config_hash(_task_container(cfg))
         except Exception as error:  # noqa: BLE001 - any failure to recompose means it cannot be vouched for
@@ -258,11 +241,7 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
 
 
 def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series | float:
-    """The largest |ours − paper| a tolerance allows: a number as it is, ``"2%"`` relative to |paper|.
-
-    Raises:
-        ValueError: for a tolerance that is neither a number nor a percentage.
-    """
+    """The largest |ours − paper| a tolerance allows: a number as it is, ``"2%"`` relative to |paper|."""
     text = str(tolerance).strip()
     try:
         if text.endswith("%"):
@@ -343,10 +322,9 @@ def figure_table(drawn: Drawn) -> str:
 
 
 def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
-    """Where a table came from, for the header of ``reproduce.md``/``.csv`` (the CSV's as ``# `` lines,
-    read with ``pandas.read_csv(path, comment="#")``): the command, the code version (package version and
-    git commit), the date, and the wall time of this invocation (runs it reused from earlier ones are not
-    in it)."""
+    """Where a table came from, for the header of ``reproduce.md``/``.csv`` (the CSV's as ``# `` lines, read
+    with ``pandas.read_csv(path, comment="#")``): the command, the code version, the date, the wall time of this
+    invocation and the machine."""
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "command": shlex.join(["bdl-bench", "reproduce", *args]),
@@ -355,6 +333,15 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
         "wall time": f"{wall_s:.0f} s (this invocation; runs reused from an earlier one not included)",
         "machine": machine_description(),
     }
+
+
+def write_report(folder: Path, title: str, header: Mapping[str, str], text: str, frame: pd.DataFrame) -> None:
+    """``reproduce.md`` (``title``, the ``header`` lines, ``text``) and ``reproduce.csv`` (``header`` as ``# ``
+    lines, then ``frame``) in ``folder``."""
+    md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
+    atomic_write_text(folder / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
+    csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
+    atomic_write_text(folder / "reproduce.csv", csv_header + frame.to_csv(index=False))
 
 
 def machine_description() -> str:
@@ -368,9 +355,8 @@ def machine_description() -> str:
 
 
 def cost_table(folder: Path, paper: str | None) -> str:
-    """The cost of each row's runs (mean ± SE): training wall time, training CPU time and the process's peak
-    resident memory, as each run's ``metrics.json`` records them (a stacked job's time divided among its
-    splits); the columns older runs lack are left out."""
+    """The cost of each row's runs (mean ± SE): training wall and CPU time and peak resident memory, as each
+    run's ``metrics.json`` records them; the columns older runs lack are left out."""
     from bdl_bench.report.tables import build_table
     from bdl_bench.results import load_runs
 
@@ -387,8 +373,7 @@ def _default_jobs() -> int:
 
 
 def benchmark_experiment(experiment: str) -> bool:
-    """Whether ``conf/experiment/<experiment>.yaml`` has a ``benchmark:`` block: it times training steps
-    (:mod:`bdl_bench.orchestration.benchmark`) instead of sweeping runs."""
+    """Whether ``conf/experiment/<experiment>.yaml`` has a ``benchmark:`` block (it times training steps)."""
     path = CONF_DIR / "experiment" / f"{experiment}.yaml"
     return path.exists() and "benchmark" in (yaml.safe_load(path.read_text()) or {})
 
@@ -422,7 +407,7 @@ def main(args: list[str]) -> None:
         from bdl_bench.orchestration.benchmark import run_benchmark
 
         quick = [f"experiment_name={ns.experiment}_quick"] if ns.quick else []
-        config = _load([f"experiment={ns.experiment}", *quick, *ns.overrides], multirun=False)
+        config = load_config([f"experiment={ns.experiment}", *quick, *ns.overrides], multirun=False)
         run_benchmark(ns.experiment, config, args, quick=ns.quick)
         return
     started = time.perf_counter()
@@ -465,7 +450,6 @@ def main(args: list[str]) -> None:
     text = markdown(frame, tolerance)  # type: ignore[arg-type]
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
-    md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
     text += cost_table(plan.sweep_dir, str(paper) if paper else None)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
@@ -476,9 +460,7 @@ def main(args: list[str]) -> None:
     text += "".join(f"\n\n{figure_table(d)}" for d in figures if not d.is_table and d.table_markdown)
     text += "".join(f"\n\n![{d.name}]({d.png.name})" for d in figures if d.png is not None)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
-    atomic_write_text(plan.sweep_dir / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
-    csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
-    atomic_write_text(plan.sweep_dir / "reproduce.csv", csv_header + frame.to_csv(index=False))
+    write_report(plan.sweep_dir, title, header, text, frame)
     verdicts = [
         v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None and not pd.isna(v)
     ]

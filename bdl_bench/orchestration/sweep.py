@@ -29,9 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.orchestration import locking
+from bdl_bench.orchestration.hydra_app import load_config
 from bdl_bench.orchestration.runner import EpochHook, run
 from bdl_bench.orchestration.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.orchestration.stacked import member_config, run_stack, stacked_splits
+from bdl_bench.orchestration.status import run_folders
 from bdl_bench.orchestration.write_errors import WriteError, write_error
 from bdl_bench.results import (
     METRICS_FILE,
@@ -71,7 +73,9 @@ def _task_overrides() -> list[str]:
 
 
 def _exit_with_failure_status() -> None:
-    """Make this process end with exit status 1 after the launcher has stored its result."""
+    """Under submitit, make this process end with exit status 1 after the launcher has stored its result."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
 
     def _exit() -> None:
         print(EXIT_MESSAGE, file=sys.stderr)
@@ -84,15 +88,8 @@ def _exit_with_failure_status() -> None:
 
 
 def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> JobResult:
-    """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it.
-
-    A job whose ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`), or one after
-    another when the method cannot stack them.
-
-    Raises:
-        ConfigVersionError: when ``run_dir`` holds a finished run of a different config (without ``force``).
-        Exception: whatever the run raised (after writing the failure record).
-    """
+    """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it. A job whose
+    ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = _task_overrides()
@@ -104,7 +101,7 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
 
 @contextlib.contextmanager
 def _holding(folders: list[Path]) -> Iterator[None]:
-    """:func:`bdl_bench.orchestration.locking.holding`, a lock that cannot be written (a full disk) being a one-line error."""
+    """:func:`~bdl_bench.orchestration.locking.holding`; a lock that cannot be written is a one-line error."""
     try:
         with locking.holding(folders):
             yield
@@ -129,8 +126,7 @@ def _run_single_job(cfg: DictConfig, run_dir: Path, overrides: list[str], epoch_
         raise
     except Exception as error:
         failure = _record_failure(run_dir, error, config, overrides)
-        if os.environ.get("SUBMITIT_EXECUTOR"):
-            _exit_with_failure_status()
+        _exit_with_failure_status()
         if failure is not error:
             raise failure from None
         raise
@@ -151,12 +147,9 @@ def _record_interrupted(run_dirs: list[Path]) -> None:
 
 
 def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any], overrides: list[str]) -> Exception:
-    """The failure record (``failure.json``/``failure.txt``) and a ``failed`` status in ``run.json``.
-
-    Returns:
-        The error to raise: ``error``, or for a failed write (a full disk, a read-only or vanished folder)
-        its one-line :class:`~bdl_bench.orchestration.write_errors.WriteError`, which says so when the record could not be
-        written either."""
+    """The failure record (``failure.json``/``failure.txt``) and a ``failed`` status in ``run.json``; returns
+    the error to raise: ``error``, or for a failed write its one-line
+    :class:`~bdl_bench.orchestration.write_errors.WriteError`, which says so when the record failed too."""
     failure = write_error(error, run_dir) or error
     try:
         write_failure(run_dir, failure, config, overrides)
@@ -179,8 +172,7 @@ def _fail_splits(error: Exception, members: dict[int, Any], dirs: dict[int, Path
         _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
         for k, d in dirs.items()
     ]
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        _exit_with_failure_status()
+    _exit_with_failure_status()
     if failures[0] is not error:
         raise failures[0] from None
     raise error
@@ -188,11 +180,7 @@ def _fail_splits(error: Exception, members: dict[int, Any], dirs: dict[int, Path
 
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
     """Whether ``run_dir`` holds a finished run of this config (recorded as skipped); never with ``force``.
-    A ``metrics.json`` cut short (a full disk, a killed copy) is no finished run: the job runs again.
-
-    Raises:
-        ConfigVersionError: when it holds a finished run of another config.
-    """
+    A ``metrics.json`` cut short is no finished run; one of another config raises :class:`ConfigVersionError`."""
     if force or not (run_dir / METRICS_FILE).exists():
         return False
     try:
@@ -270,14 +258,9 @@ def _with_split(overrides: list[str], split: int) -> list[str]:
 def run_stacked_job(
     cfg: DictConfig, run_dir: Path, *, overrides: list[str], epoch_hook: EpochHook | None = None
 ) -> JobResult:
-    """:func:`run_job` for a stacked job (``data.split`` a list; :mod:`bdl_bench.orchestration.stacked`): splits whose
-    folder holds a finished run of the same config are skipped, the others are fitted together (or, when the
-    method cannot stack them, :class:`~bdl_bench.methods.base.CannotStack`, one after another as single
-    runs); each split's folder gets its own ``run.json`` and, if the stack fails, its failure record.
-
-    Returns:
-        The job's result: ``run_dir`` and the mean of each metric over the stacked splits.
-    """
+    """:func:`run_job` for a stacked job: splits whose folder holds a finished run of the same config are
+    skipped, the others fitted together (one after another when the method cannot stack); each split's folder
+    gets its own ``run.json`` and failure record. The result holds the mean of each metric over the splits."""
     force = bool(OmegaConf.select(cfg, "force", default=False))
     if has_search(cfg):
         cfg = with_method_settings(cfg)
@@ -360,8 +343,7 @@ def _run_one_by_one(
             continue
         update_run_record(d, status="finished", ended=time.time(), error=None)
     if first_error is not None:
-        if os.environ.get("SUBMITIT_EXECUTOR"):
-            _exit_with_failure_status()
+        _exit_with_failure_status()
         raise first_error
 
 
@@ -409,13 +391,10 @@ def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | 
     ``run_dirs``) by the status of their latest attempt; a folder that another live process holds
     (:mod:`bdl_bench.orchestration.locking`) is *running elsewhere*, whenever that process started."""
     if run_dirs is None:
-        root = Path(root)
-        records = sorted({p.parent for name in (RUN_RECORD_FILE, locking.LOCK_FILE) for p in root.rglob(name)})
         run_dirs = [
             d
-            for d in records
-            if not any(part.startswith(".") for part in d.relative_to(root).parts)
-            and (read_run_record(d).get("last_seen", 0) >= (since or 0) - 1 or locking.lock_state(d)[0] == "held")
+            for d in run_folders(root, (RUN_RECORD_FILE, locking.LOCK_FILE))
+            if read_run_record(d).get("last_seen", 0) >= (since or 0) - 1 or locking.lock_state(d)[0] == "held"
         ]
     summary = SweepSummary()
     for run_dir in run_dirs:
@@ -434,44 +413,25 @@ def summarise(root: Path, *, since: float | None = None, run_dirs: list[Path] | 
     return summary
 
 
-def multirun_folder(conf_dir: Path, args: list[str]) -> Path | None:
-    """The sweep folder of ``bdl-bench run`` with command-line ``args`` when they start a sweep (``-m``),
-    else ``None`` (a single run, ``--cfg``, ``--help``, …)."""
-    return _output_folder(conf_dir, args, multirun=True)
-
-
-def run_folder(conf_dir: Path, args: list[str]) -> Path | None:
-    """The run folder of a single ``bdl-bench run`` with command-line ``args`` (``None`` for a sweep,
-    ``--cfg``, ``--help``, … or a config that does not compose)."""
-    return _output_folder(conf_dir, args, multirun=False)
-
-
-def _output_folder(conf_dir: Path, args: list[str], *, multirun: bool) -> Path | None:
-    from hydra import initialize_config_dir
+def output_folder(args: list[str], *, multirun: bool) -> Path | None:
+    """The sweep folder (``multirun``: when ``args`` start a sweep, ``-m``) or run folder of ``bdl-bench run``
+    with command-line ``args``; ``None`` otherwise (``--cfg``, ``--help``, … or a config that does not compose)."""
     from hydra._internal.utils import get_args_parser
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
 
     ns = get_args_parser().parse_args(args)
     if bool(ns.multirun) != multirun or ns.cfg or ns.help or ns.hydra_help or ns.info or ns.shell_completion:
         return None
-    mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     try:
-        with initialize_config_dir(str(conf_dir), version_base="1.3"):
-            loader = GlobalHydra.instance().config_loader()
-            cfg = loader.load_configuration(ns.config_name or "config", list(ns.overrides), run_mode=mode)
-            return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)).absolute()
+        cfg = load_config(ns.overrides, multirun=multirun, config_name=ns.config_name or "config")
+        return Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir)).absolute()
     except Exception:  # noqa: BLE001 - a config that does not compose: Hydra itself reports why, next
         return None
 
 
 def check_output_folder(folder: Path) -> None:
-    """Make the output folder, or refuse it with one line when it cannot be made: one of its parents (or
-    itself) is a file, the nearest existing parent is not writable, or the system refuses it.
-
-    Raises:
-        OutputPathError: naming the path in the way and the fix.
-    """
+    """Make the output folder, or refuse it with one line (:class:`~bdl_bench.errors.OutputPathError`) when it
+    cannot be made: one of its parents (or itself) is a file, the nearest existing parent is not writable, or the
+    system refuses it."""
     for path in (folder, *folder.parents):
         if not path.exists():
             continue
