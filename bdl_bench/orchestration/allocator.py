@@ -1,16 +1,11 @@
 """Keep freed memory in the process instead of handing it back to the system (glibc's ``malloc``).
 
-PyTorch's CPU tensors come from ``malloc``. By default glibc serves a large request (from 128 KiB, a
-threshold that rises only as far as the largest block freed so far) with a fresh ``mmap`` and unmaps it when
-the tensor is freed, and it returns free memory at the top of the heap to the system beyond 128 KiB. A
-training step that makes megabyte-sized temporaries then pays a page fault for every 4 KiB of them at every
-step, a large share of a small network's step (e.g. the stacked UCI jobs of SLANG Table 2: 100 copies of a
-1x50 network, batch 100).
-
-:func:`keep_freed_memory` raises both thresholds (``mallopt``: blocks up to 32 MiB come from the heap, and up
-to 1 GiB of free heap is kept), so a step's temporaries reuse the pages of the last step's. A process's
-resident memory then stays near its peak until it exits. ``bdl-bench`` calls it at the start of every job;
-``BDL_BENCH_MALLOC=system`` keeps glibc's defaults. Elsewhere than glibc (macOS, musl) it does nothing.
+By default glibc serves a large request (from 128 KiB) with a fresh ``mmap``, unmapped when the tensor is freed,
+and returns free heap beyond 128 KiB to the system, so a training step that makes megabyte-sized temporaries pays
+a page fault for every 4 KiB of them at every step (a large share of a small network's stacked step).
+:func:`keep_freed_memory` raises both thresholds (blocks up to 32 MiB come from the heap; up to 1 GiB of free
+heap is kept), so a step's temporaries reuse the last step's pages and resident memory stays near its peak.
+``BDL_BENCH_MALLOC=system`` keeps glibc's defaults; elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

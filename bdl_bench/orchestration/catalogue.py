@@ -23,10 +23,10 @@ def describe(path: Path) -> str:
     """The first comment line of a config file (not ``# @package``), cut to one short line."""
     for line in path.read_text().splitlines():
         text = line.strip()
-        if not text.startswith("#") or text.startswith("# @package"):
-            if text and not text.startswith("#"):
-                break  # the first key: no description above it
+        if not text or text.startswith("# @package"):
             continue
+        if not text.startswith("#"):
+            break  # the first key: no description above it
         text = text.lstrip("#").strip()
         return text if len(text) <= DESCRIPTION_WIDTH else text[: DESCRIPTION_WIDTH - 1].rstrip() + "…"
     return ""
@@ -45,10 +45,10 @@ def listing(conf_dir: Path, groups: tuple[str, ...] = LISTED_GROUPS) -> str:
     return "\n\n".join(blocks)
 
 
-def package_versions(names: tuple[str, ...] = MAIN_PACKAGES) -> dict[str, str | None]:
-    """Installed versions of ``names`` (``None``: not installed), and Python's."""
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of :data:`MAIN_PACKAGES` (``None``: not installed), and Python's."""
     versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in names:
+    for name in MAIN_PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -25,16 +25,13 @@ from pathlib import Path
 from bdl_bench.errors import UserError
 
 LOCK_FILE = ".lock"
-HEARTBEAT_S = 30.0
-"""How often a holder touches its lock file."""
-STALE_AFTER_S = 600.0
-"""A lock of another host without a heartbeat for this long is stale (twenty missed heartbeats: a busy
-file server or a paused process is not mistaken for a dead one)."""
-BREAK_STALE_AFTER_S = 60.0
-"""A ``.lock.break`` file older than this was left by a process killed while breaking a lock."""
+HEARTBEAT_S = 30.0  # how often a holder touches its lock file
+STALE_AFTER_S = 600.0  # another host's lock without a heartbeat this long is stale: a busy file server is not death
+BREAK_STALE_AFTER_S = 60.0  # a .lock.break older than this was left by a process killed while breaking a lock
 
 _HELD: dict[Path, tuple[str, int]] = {}  # lock file -> (token, nesting depth), for the locks this process holds
 _HELD_BY = os.getpid()  # whose _HELD it is (a forked child holds none of its parent's locks)
+_heartbeat: threading.Thread | None = None
 
 
 def _held() -> dict[Path, tuple[str, int]]:
@@ -65,10 +62,10 @@ class Holder:
     command: str
     token: str
 
-    def stale(self, now: float | None = None) -> bool:
+    def stale(self) -> bool:
         """Whether the holder is gone (module docstring)."""
         if self.host != socket.gethostname():
-            return (now or time.time()) - self.heartbeat > STALE_AFTER_S
+            return time.time() - self.heartbeat > STALE_AFTER_S
         if (self.host, self.pid) == (socket.gethostname(), os.getpid()):
             return all(token != self.token for token, _ in _held().values())  # an earlier process with our pid
         start = _pid_start(self.pid)
@@ -76,13 +73,11 @@ class Holder:
             return not _pid_alive(self.pid)
         return self.pid_start is not None and start != self.pid_start
 
-    def describe(self, now: float | None = None) -> str:
+    def describe(self) -> str:
         """``host h, pid p, since <UTC time>, last heartbeat <n> s ago``."""
-        now = now or time.time()
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
-        return (
-            f"host {self.host}, pid {self.pid}, since {since}, last heartbeat {max(0, now - self.heartbeat):.0f} s ago"
-        )
+        beat = max(0, time.time() - self.heartbeat)
+        return f"host {self.host}, pid {self.pid}, since {since}, last heartbeat {beat:.0f} s ago"
 
 
 def _pid_start(pid: int) -> str | None:
@@ -191,11 +186,7 @@ def in_use_message(folder: Path, holder: Holder) -> str:
 
 
 def acquire(folder: Path) -> None:
-    """Take ``folder``'s lock (re-entrant within this process).
-
-    Raises:
-        FolderInUse: when a live process holds it.
-    """
+    """Take ``folder``'s lock (re-entrant within this process); :class:`FolderInUse` when a live process holds it."""
     folder = Path(folder)
     path = (folder / LOCK_FILE).absolute()
     if path in _held():
@@ -207,7 +198,7 @@ def acquire(folder: Path) -> None:
     for _ in range(20):
         if _create(path, token):
             _HELD[path] = (token, 1)
-            _Heartbeat.ensure_running()
+            _ensure_heartbeat()
             return
         holder = read_holder(folder)
         if holder is None:  # removed or being written between our create and read (or left unreadable)
@@ -251,24 +242,20 @@ def holding(folders: Sequence[Path]) -> Iterator[None]:
             release(folder)
 
 
-class _Heartbeat:
-    """The daemon thread that touches every lock this process holds, every :data:`HEARTBEAT_S` seconds."""
+def _ensure_heartbeat() -> None:
+    """Start (in this process) the daemon thread that touches every lock this process holds."""
+    global _heartbeat
+    if _heartbeat is None or not _heartbeat.is_alive():
+        _heartbeat = threading.Thread(target=_beat, name="bdl-bench lock heartbeat", daemon=True)
+        _heartbeat.start()
 
-    _thread: threading.Thread | None = None
 
-    @classmethod
-    def ensure_running(cls) -> None:
-        if cls._thread is None or not cls._thread.is_alive() or cls._thread.ident is None:
-            cls._thread = threading.Thread(target=cls._beat, name="bdl-bench lock heartbeat", daemon=True)
-            cls._thread.start()
-
-    @staticmethod
-    def _beat() -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
-            for path in list(_HELD):
-                with contextlib.suppress(OSError):
-                    os.utime(path)
+def _beat() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        for path in list(_HELD):
+            with contextlib.suppress(OSError):
+                os.utime(path)
 
 
 def lock_state(folder: Path) -> tuple[str, Holder | None]:

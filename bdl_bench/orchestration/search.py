@@ -80,11 +80,7 @@ def _int_at_least(search: DictConfig, key: str, low: int) -> int:
 
 
 def read_grid_file(path: Path, key: str) -> tuple[float, ...]:
-    """The values of a grid file (numbers separated by white space).
-
-    Raises:
-        DataFileError: when the file is missing or lists no value, naming it.
-    """
+    """The values of a grid file (numbers separated by white space)."""
     if not path.is_file():
         raise DataFileError(f"search grid for {key}: {path} does not exist; give an existing file in search.grids")
     try:
@@ -107,12 +103,7 @@ def _data_folder(cfg: DictConfig) -> Path:
 
 
 def read_spec(cfg: DictConfig) -> SearchSpec:
-    """The search of ``cfg`` (its ``search`` node), checked.
-
-    Raises:
-        ConfigError: on inverted or non-positive bounds, a budget below 1 or a bad fraction, naming the key.
-        DataFileError: on a missing or empty grid file.
-    """
+    """The search of ``cfg`` (its ``search`` node), checked."""
     search = cfg.search
     method = str(cfg.method.name)
     grid_files = (search.get("grids") or {}).get(method)
@@ -216,11 +207,9 @@ class Search:
         asked: dict[tuple[int, int], dict[str, Any]] = {}
         told: dict[tuple[int, int], dict[str, Any]] = {}
         for line in self.journal.read_text().splitlines():
-            if not line.strip():
-                continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
+            except json.JSONDecodeError:  # a blank line, or one cut by a kill
                 continue
             if record["event"] == "ask":  # one line per round: its trials are asked all or none
                 asked.update({(t["split"], t["trial"]): t for t in record["trials"]})
@@ -284,20 +273,9 @@ class Search:
             error = f"{self.spec.objective} = {value}"
         if error is not None:
             trial.set_user_attr("error", error)
-        if failed:
-            study.tell(trial, state=TrialState.FAIL)
-        else:
-            study.tell(trial, value)
-        self._log(
-            {
-                "event": "tell",
-                "split": split,
-                "trial": number,
-                "state": "FAIL" if failed else "COMPLETE",
-                "value": None if failed else value,
-                "error": error,
-            }
-        )
+        state, value = ("FAIL", None) if failed else ("COMPLETE", value)
+        study.tell(trial, value, state=TrialState[state])
+        self._log({"event": "tell", "split": split, "trial": number, "state": state, "value": value, "error": error})
 
     def _pending(self) -> dict[tuple[int, int], dict[str, Any]]:
         """Asked but not told trials (a killed round): told now if their run finished, else to train."""
@@ -320,11 +298,7 @@ class Search:
         return math.nan if value is None else float(value)  # a non-finite metric is written as null
 
     def run(self) -> dict[int, dict[str, Any]]:
-        """Every round until each split's budget is spent; the best values per split.
-
-        Raises:
-            RuntimeError: when every trial of a split failed (no best value).
-        """
+        """Every round until each split's budget is spent; the best values per split."""
         while True:
             members = self._pending()
             if not members:
@@ -452,8 +426,7 @@ def search_summary(folder: Path) -> pd.DataFrame:
             continue
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         trials = read_csv_exact(path)
-        best = trials[trials["best"].astype(bool)]
-        chosen = best.drop(columns=["split", "trial", "state", "best", "error"]).iloc[0].to_dict() if len(best) else {}
+        chosen = _chosen(trials) or {}
         rows.append(
             {
                 "dataset": str(config["data"]["name"]).rsplit("/", 1)[-1],
@@ -504,15 +477,17 @@ def apply_searched(cfg: DictConfig, run_dir: Path) -> DictConfig:
     path = Path(run_dir) / SPLIT_TRIALS_FILE
     if not has_search(cfg) or not path.exists():
         return cfg
-    trials = read_csv_exact(path)
-    best = trials[trials["best"].astype(bool)]
-    if best.empty:
+    chosen = _chosen(read_csv_exact(path))
+    if chosen is None:
         return cfg
     tuned = cfg.copy()
-    keys = [
-        c for c in trials.columns if c not in ("split", "trial", "state", "best", "error", str(cfg.search.objective))
-    ]
-    for key in keys:
-        value = best.iloc[0][key]
-        OmegaConf.update(tuned, key, value.item() if hasattr(value, "item") else value, merge=False)
+    for key, value in chosen.items():
+        if key != str(cfg.search.objective):
+            OmegaConf.update(tuned, key, value.item() if hasattr(value, "item") else value, merge=False)
     return tuned
+
+
+def _chosen(trials: pd.DataFrame) -> dict[str, Any] | None:
+    """The searched values and score of the trial marked ``best`` in a ``search.csv``, if any."""
+    best = trials[trials["best"].astype(bool)]
+    return best.drop(columns=["split", "trial", "state", "best", "error"]).iloc[0].to_dict() if len(best) else None

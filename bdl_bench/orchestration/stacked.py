@@ -31,11 +31,7 @@ from bdl_bench.orchestration.runner import EpochHook, RunResult, fit_job
 
 def stacked_splits(cfg: DictConfig) -> list[int] | None:
     """The splits of a stacked job, else ``None``: ``data.split`` given as a list, or as ``all`` (every
-    split of the dataset's ``protocol.n_splits``).
-
-    Raises:
-        ValueError: on an empty list, repeated splits, or ``all`` for a dataset without ``n_splits``.
-    """
+    split of the dataset's ``protocol.n_splits``)."""
     split = OmegaConf.select(cfg, "data.split")
     if split == "all":
         n_splits = OmegaConf.select(cfg, "data.protocol.n_splits")
@@ -66,24 +62,10 @@ def run_stack(
     member_configs: Mapping[Hashable, DictConfig] | None = None,
     epoch_hook: EpochHook | None = None,
 ) -> dict[Hashable, RunResult]:
-    """Fit ``cfg``'s method on the splits ``member_dirs`` names, stacked; write each split's run folder
-    (:func:`bdl_bench.orchestration.runner.fit_job`, the runner's one training loop).
-
-    Args:
-        cfg: the job's config (its ``data.split`` is ignored: the splits are ``member_dirs``' keys).
-        member_dirs: split → its run folder (any key → run folder with ``member_configs``).
-        stack_dir: the job's folder (the stack's checkpoint).
-        member_configs: the config of each member, where members are not just splits of ``cfg``: the
-            trials of a stacked search (:mod:`bdl_bench.orchestration.search`), or tuned test runs, whose noise
-            precision, prior precision and the method's ``replica_options`` may differ (all else must be
-            ``cfg``'s).
-        epoch_hook: called with the epoch number after each epoch's rows and checkpoint are written.
-
-    Raises:
-        ValueError: when the splits differ in size or width or the data are augmented, or the members in
-            a shared setting (model, trainer, seeds).
-        NotImplementedError: when the method cannot stack.
-    """
+    """Fit ``cfg``'s method on the splits ``member_dirs`` names (split → run folder), stacked, with the stack's
+    checkpoint in ``stack_dir``. ``member_configs`` holds each member's config where members are not just splits
+    of ``cfg`` (a search's trials, tuned test runs): their precisions and the method's ``replica_options`` may
+    differ, all else must be ``cfg``'s."""
     members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in member_dirs}
     for member in (cfg, *members.values()):
         check_config(member)

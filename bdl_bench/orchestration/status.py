@@ -35,10 +35,10 @@ class FolderStatus:
         return "\n".join(lines)
 
 
-def run_folders(root: Path) -> list[Path]:
-    """The run folders below ``root`` (or ``root`` itself), outside hidden folders."""
+def run_folders(root: Path, files: tuple[str, ...] = (CONFIG_FILE, RUN_RECORD_FILE)) -> list[Path]:
+    """The folders below ``root`` (or ``root`` itself) holding one of ``files``, outside hidden folders."""
     root = Path(root)
-    found = {p.parent for name in (CONFIG_FILE, RUN_RECORD_FILE) for p in root.rglob(name)}
+    found = {p.parent for name in files for p in root.rglob(name)}
     return sorted(d for d in found if not any(part.startswith(".") for part in d.relative_to(root).parts))
 
 
@@ -60,16 +60,12 @@ def _epochs(run_dir: Path) -> str:
 
 
 def _reason(run_dir: Path, record: dict) -> str:
-    failure = read_failure_safely(run_dir) or {}
+    try:
+        failure = read_failure(run_dir) or {}
+    except (OSError, ValueError):
+        failure = {}
     message = " ".join(str(failure.get("message") or record.get("error") or "").split())
     return f"{failure.get('error_type', 'error')}: {message}"[:300]
-
-
-def read_failure_safely(run_dir: Path) -> dict | None:
-    try:
-        return read_failure(run_dir)
-    except (OSError, ValueError):
-        return None
 
 
 def _when(t: float | None) -> str:
