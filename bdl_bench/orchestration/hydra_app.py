@@ -17,10 +17,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from bdl_bench.errors import Terminated, UserError
+from bdl_bench.orchestration.catalogue import LISTED_GROUPS
 from bdl_bench.orchestration.sigterm import TERMINATED_STATUS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ("data", "model", "method", "trainer", "experiment", "variant", "tune")
 
 DEBUG_ENV = "BDL_BENCH_DEBUG"
 INTERRUPT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process stopped by Ctrl-C
@@ -56,12 +56,24 @@ def load_config(overrides: Sequence[str], *, multirun: bool = True, config_name:
         return GlobalHydra.instance().config_loader().load_configuration(config_name, list(overrides), run_mode=mode)
 
 
+def override_dirname(
+    overrides: Sequence[str], exclude_keys: Sequence[str], item_sep: str = ",", kv_sep: str = "="
+) -> str:
+    """The folder name Hydra derives from ``overrides`` (``hydra.job.override_dirname``): the
+    overrides, less ``exclude_keys``, sorted and joined."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return get_overrides_dirname(parsed, exclude_keys=list(exclude_keys), item_sep=item_sep, kv_sep=kv_sep)
+
+
 def check_group_overrides(overrides: list[str]) -> None:
     """Fail early, listing the choices, when ``group=value`` names no YAML (Hydra lists them only for
     flat groups, so ``data=uci/no_such_set`` would otherwise give a bare 'not found')."""
     for override in overrides:
         key, sep, value = override.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS or "(" in value or value in ("null", ""):
+        if not sep or key not in LISTED_GROUPS or "(" in value or value in ("null", ""):
             continue
         choices = group_choices(key)
         for item in value.split(","):

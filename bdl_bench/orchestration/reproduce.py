@@ -31,7 +31,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_config, run_hydra
+from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_config, override_dirname, run_hydra
 from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
@@ -67,25 +67,9 @@ class Plan:
     tuned: bool = False  # every job searches its splits' values first (tune=<experiment>)
     stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
-    @property
-    def dirname_settings(self) -> tuple[list[str], str, str]:
-        settings = self.config.hydra.job.config.override_dirname
-        return list(settings.exclude_keys), str(settings.item_sep), str(settings.kv_sep)
-
     def job_folder(self, job: Sequence[str]) -> str:
-        return override_dirname([*self.fixed, *job], *self.dirname_settings)
-
-
-def override_dirname(
-    overrides: Sequence[str], exclude_keys: Sequence[str], item_sep: str = ",", kv_sep: str = "="
-) -> str:
-    """The folder name Hydra derives from ``overrides`` (``hydra.job.override_dirname``): the
-    overrides, less ``exclude_keys``, sorted and joined."""
-    from hydra._internal.config_loader_impl import get_overrides_dirname
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return get_overrides_dirname(parsed, exclude_keys=list(exclude_keys), item_sep=item_sep, kv_sep=kv_sep)
+        naming = self.config.hydra.job.config.override_dirname
+        return override_dirname([*self.fixed, *job], naming.exclude_keys, str(naming.item_sep), str(naming.kv_sep))
 
 
 def _expand(key: str, value: str) -> list[str]:
@@ -210,11 +194,6 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
         run_hydra(["-m", *plan.fixed, *sweep, *launcher, *(["force=true"] if force else [])])
 
 
-def _stored_overrides(run_dir: Path) -> list[str] | None:
-    path = run_dir / ".hydra" / "overrides.yaml"
-    return list(yaml.safe_load(path.read_text()) or []) if path.exists() else None
-
-
 def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
     """Finished runs below the results folder that this sweep did not run and its config does not
     reproduce (a different config version), with the reason."""
@@ -222,10 +201,11 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
     for run_dir in find_run_dirs(plan.sweep_dir):
         if run_dir in expected or not (run_dir / METRICS_FILE).exists():
             continue
-        overrides = _stored_overrides(run_dir)
-        if overrides is None:
+        stored = run_dir / ".hydra" / "overrides.yaml"
+        if not stored.exists():
             found.append((run_dir, "no .hydra/overrides.yaml to check it against"))
             continue
+        overrides = list(yaml.safe_load(stored.read_text()) or [])
         try:
             cfg = load_config(overrides, multirun=False)
             cfg = apply_searched(cfg, run_dir)
@@ -292,24 +272,18 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
         for m in metrics:
             cells.append(_fmt(row[m], row.get(f"{m}_se")))
             if f"agrees_{m}" in frame:
-                verdict = row[f"agrees_{m}"]
-                cells += [
-                    _fmt(row[f"paper_{m}"], row.get(f"paper_{m}_se")),
-                    "–" if verdict is None else ("yes" if verdict else "NO"),
-                ]
+                verdict, paper = row[f"agrees_{m}"], _fmt(row[f"paper_{m}"], row.get(f"paper_{m}_se"))
+                cells += [paper, "–" if verdict is None else ("yes" if verdict else "NO")]
         lines.append("| " + " | ".join(cells) + " |")
     if not any(c.startswith("agrees_") for c in frame.columns):
         return "\n".join(lines) + "\n\nThe paper prints no numbers for this artefact: no agreement column."
     rule = ROUNDING_RULE
     if tolerance:
-        rule += (
-            "; "
-            + ", ".join(
-                f"{m}: |ours − paper| ≤ {t}" + (" of |paper|" if str(t).strip().endswith("%") else "") + " + h"
-                for m, t in tolerance.items()
-            )
-            + " (the experiment's tolerance)"
+        stated = ", ".join(
+            f"{m}: |ours − paper| ≤ {t}" + (" of |paper|" if str(t).strip().endswith("%") else "") + " + h"
+            for m, t in tolerance.items()
         )
+        rule += f"; {stated} (the experiment's tolerance)"
     return "\n".join(lines) + f"\n\n{rule}"
 
 

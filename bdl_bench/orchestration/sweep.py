@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.orchestration import locking
-from bdl_bench.orchestration.hydra_app import load_config
+from bdl_bench.orchestration.hydra_app import load_config, override_dirname
 from bdl_bench.orchestration.runner import EpochHook, run
 from bdl_bench.orchestration.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.orchestration.stacked import member_config, run_stack, stacked_splits
@@ -224,27 +224,23 @@ def member_dirs(run_dir: Path, overrides: list[str], splits: list[int]) -> dict[
     job's overrides with ``data.split=<k>``, named as Hydra names it), or ``run_dir/split=<k>`` outside
     a Hydra job."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from bdl_bench.resolvers import run_name
 
     if not HydraConfig.initialized():
         return {k: run_dir / f"split={k}" for k in splits}
     naming = HydraConfig.get().job.config.override_dirname
-    parser = OverridesParser.create()
     job_name = run_name(HydraConfig.get().job.override_dirname)
     if not str(run_dir).endswith(job_name):
         raise ConfigError(
             f"cannot name the split folders of stacked job {run_dir}: its folder is not named by its overrides"
         )
     root = str(run_dir)[: len(str(run_dir)) - len(job_name)]
-    dirs = {}
-    for k in splits:
-        kept = sorted(
-            o for o in _with_split(overrides, k) if parser.parse_override(o).key_or_group not in naming.exclude_keys
-        )
-        dirs[k] = Path(root + run_name(naming.item_sep.join(kept).replace("=", naming.kv_sep)))
-    return dirs
+    names = {
+        k: override_dirname(_with_split(overrides, k), naming.exclude_keys, naming.item_sep, naming.kv_sep)
+        for k in splits
+    }
+    return {k: Path(root + run_name(name)) for k, name in names.items()}
 
 
 def _with_split(overrides: list[str], split: int) -> list[str]:
