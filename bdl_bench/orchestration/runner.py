@@ -127,10 +127,6 @@ class RunResult:
     metrics: dict[str, float]
 
 
-def _cfg_get(cfg: DictConfig, key: str, default: Any = None) -> Any:
-    return OmegaConf.select(cfg, key, default=default)
-
-
 @functools.lru_cache(maxsize=2)
 def _cached_dataset(data_json: str) -> Dataset:
     return build_dataset(json.loads(data_json))
@@ -145,10 +141,10 @@ def run_prior(model: torch.nn.Module, cfg: DictConfig, dataset: Dataset) -> torc
     the l2 weight decay l²(1 − p) / (2 N τ), times τ s_y² / 2 (``bdl_bench.methods.dropout``).
     """
     precision = float(cfg.prior_precision)
-    lengthscale = _cfg_get(cfg, "gal_lengthscale")
+    lengthscale = OmegaConf.select(cfg, "gal_lengthscale")
     if lengthscale is not None:
         precision = float(lengthscale) ** 2 * (1 - float(cfg.method.dropout_rate)) * float(dataset.y_std) ** 2 / 2
-    return prior_precision_vector(model, precision, _cfg_get(cfg, "bias_prior_precision"))
+    return prior_precision_vector(model, precision, OmegaConf.select(cfg, "bias_prior_precision"))
 
 
 def load_dataset(data_cfg: Mapping[str, Any]) -> Dataset:
@@ -195,7 +191,7 @@ def fit_job(
     set of members is discarded with a warning and each member's metrics say ``stack_size``. ``train_time_s``
     and ``cpu_time_s`` are the job's divided by R.
     """
-    checkpoint_every = int(_cfg_get(cfg, "trainer.checkpoint_every", 0) or 0)
+    checkpoint_every = int(OmegaConf.select(cfg, "trainer.checkpoint_every", default=0) or 0)
     progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, Path(job_dir) / CHECKPOINT_FILE)
     with stop_on_interrupt(progress):
         return _fit_job(cfg, members, member_dirs, Path(job_dir), epoch_hook, progress, single)
@@ -217,7 +213,7 @@ def _fit_job(
     if trainer.threads is not None:
         set_threads(int(trainer.threads))
     device = resolve_device(str(trainer.device))
-    use_deterministic(bool(_cfg_get(cfg, "trainer.deterministic", False)))
+    use_deterministic(bool(OmegaConf.select(cfg, "trainer.deterministic", default=False)))
     dtype, seed = resolve_dtype(str(trainer.dtype)), int(trainer.seed)
     configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
     hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
@@ -241,7 +237,7 @@ def _fit_job(
         in_features=first.n_features,
         out_features=first.n_outputs,
     ).to(device, dtype)
-    likelihoods = {k: build_likelihood(datasets[k], _cfg_get(members[k], "noise_precision")) for k in keys}
+    likelihoods = {k: build_likelihood(datasets[k], OmegaConf.select(members[k], "noise_precision")) for k in keys}
     priors = {k: run_prior(model, members[k], datasets[k]) for k in keys}
     options = [configs[k]["method"] for k in keys]  # type: ignore[index]
     method = build_method(options[0])  # type: ignore[arg-type]
@@ -374,7 +370,7 @@ def _fit_job(
             cpu_time=cpu_time,
             eval_generator=eval_generators[k],
             extra_metrics={**fitted.extra_metrics, **({} if single else {"stack_size": float(len(keys))})},
-            predictions=shared.of_copy(r, int(_cfg_get(members[k], "trainer.n_test_mc_samples"))),
+            predictions=shared.of_copy(r, int(OmegaConf.select(members[k], "trainer.n_test_mc_samples"))),
         )
     checkpoint_path.unlink(missing_ok=True)
     return results
@@ -475,9 +471,11 @@ def finish_run(
     metrics.update(extra_metrics or {})
     metrics["n_params"] = int(prior.numel())
     posterior = method.posterior()
-    reference_cfg = _cfg_get(cfg, "reference")
+    reference_cfg = OmegaConf.select(cfg, "reference")
     if reference_cfg is not None and posterior is not None:  # fitted once per split, cached (bdl_bench.reference)
-        cache_dir = Path(str(cfg.results_root)) / ".cache" / "references" if _cfg_get(cfg, "results_root") else None
+        cache_dir = (
+            Path(str(cfg.results_root)) / ".cache" / "references" if OmegaConf.select(cfg, "results_root") else None
+        )
         config = OmegaConf.to_container(reference_cfg, resolve=True)
         reference = reference_posterior(config, model, likelihood, prior, dataset, int(trainer.seed), cache_dir)  # type: ignore[arg-type]
         metrics["sym_kl"] = float(posterior.sym_kl(reference))

@@ -304,13 +304,13 @@ class Search:
             if not members:
                 for k in self.splits:
                     members.update({(k, t.number): dict(t.params) for t in self._ask(k)})
-                asks = [{"split": k, "trial": n, "params": values} for (k, n), values in members.items()]
-                if asks:
-                    self._log({"event": "ask", "trials": asks})
-            if not members:
-                break
+                if not members:
+                    break
+                self._log(
+                    {"event": "ask", "trials": [{"split": k, "trial": n, "params": v} for (k, n), v in members.items()]}
+                )
             self._train(members)
-            self.write_trials()
+            atomic_write_text(self.root / TRIALS_FILE, self.trials().to_csv(index=False))
         return self.best()
 
     def _train(self, members: dict[tuple[int, int], dict[str, Any]]) -> None:
@@ -371,9 +371,6 @@ class Search:
                 )
         return pd.DataFrame(rows)
 
-    def write_trials(self) -> None:
-        atomic_write_text(self.root / TRIALS_FILE, self.trials().to_csv(index=False))
-
     def best(self) -> dict[int, dict[str, Any]]:
         best = {}
         for k, study in self.studies.items():
@@ -389,15 +386,14 @@ class Search:
 def _best_number(study: Any) -> int | None:
     from optuna.trial import TrialState
 
-    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     return max(complete, key=lambda t: t.value).number if complete else None
 
 
 def tuned_members(cfg: DictConfig, job_dir: Path, splits: Sequence[int]) -> dict[int, DictConfig]:
     """Run (or resume) the search of the stacked job ``cfg`` and return each split's test-run config: its
     single run's config with the split's best values (on the whole training part)."""
-    search = Search(cfg, job_dir, splits)
-    best = search.run()
+    best = Search(cfg, job_dir, splits).run()
     return {k: _trial_config(cfg, k, best[k], float(cfg.data.val_fraction)) for k in splits}
 
 
