@@ -74,13 +74,9 @@ class Benchmark:
         missing = sorted({"table", "methods", "hidden"} - set(settings))
         if missing:
             raise ConfigError(f"benchmark: {', '.join(missing)} missing")
-        bench = cls(
-            **{
-                **settings,
-                "methods": [str(m) for m in settings["methods"]],
-                "hidden": [[int(h) for h in widths] for widths in settings["hidden"]],
-            }
-        )
+        settings["methods"] = [str(m) for m in settings["methods"]]
+        settings["hidden"] = [[int(h) for h in widths] for widths in settings["hidden"]]
+        bench = cls(**settings)
         if bench.table not in TABLES:
             raise ConfigError(f"benchmark.table={bench.table!r}; known: {', '.join(TABLES)}")
         if bench.clock not in ("wall", "thread"):

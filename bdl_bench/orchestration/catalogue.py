@@ -60,13 +60,9 @@ def git_describe(repo: Path) -> str | None:
     """``git describe --always --dirty`` of the checkout the package runs from; ``None`` outside one."""
     if shutil.which("git") is None or not (repo / ".git").exists():
         return None
+    command = ["git", "-C", str(repo), "describe", "--always", "--dirty", "--tags"]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), "describe", "--always", "--dirty", "--tags"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None

@@ -151,12 +151,8 @@ def load_dataset(data_cfg: Mapping[str, Any]) -> Dataset:
     """The dataset of a ``data`` config, loaded once per process (a sweep worker runs many splits of a
     few datasets); every call returns fresh copies of the tensors, so no run can alter another's data."""
     cached = _cached_dataset(json.dumps(dict(data_cfg), sort_keys=True, default=str))
-    return Dataset(
-        **{
-            f.name: v.clone() if isinstance(v := getattr(cached, f.name), torch.Tensor) else v
-            for f in dataclasses.fields(cached)
-        }
-    )
+    fields = {f.name: getattr(cached, f.name) for f in dataclasses.fields(cached)}
+    return Dataset(**{name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in fields.items()})
 
 
 EpochHook = Callable[[int], None]

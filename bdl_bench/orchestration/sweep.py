@@ -96,7 +96,30 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
     if stacked_splits(cfg) is not None or has_search(cfg):  # a search stacks its trials, even of one split
         return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
     with _holding([run_dir]):  # one writer per run folder (bdl_bench.orchestration.locking)
-        return _run_single_job(cfg, run_dir, overrides, epoch_hook)
+        force = bool(OmegaConf.select(cfg, "force", default=False))
+        config: dict[str, Any] = {}
+        try:
+            config = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+            chash = config_hash(config)
+            if _finished(run_dir, chash, force):
+                metrics = json.loads((run_dir / METRICS_FILE).read_text())
+                return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
+            _start_attempt(run_dir, chash, overrides, force)
+            result = run(cfg, run_dir, epoch_hook=epoch_hook)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, submitit's requeue (its exit)
+            _record_interrupted([run_dir])
+            raise
+        except Exception as error:
+            failure = _record_failure(run_dir, error, config, overrides)
+            _exit_with_failure_status()
+            if failure is not error:
+                raise failure from None
+            raise
+        try:
+            update_run_record(run_dir, status="finished", ended=time.time(), error=None)
+        except OSError as error:  # the run's files are whole; only its record says "running"
+            raise write_error(error, run_dir) or error from None
+        return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
 
 
 @contextlib.contextmanager
@@ -107,34 +130,6 @@ def _holding(folders: list[Path]) -> Iterator[None]:
             yield
     except OSError as error:
         raise write_error(error) or error from None
-
-
-def _run_single_job(cfg: DictConfig, run_dir: Path, overrides: list[str], epoch_hook: EpochHook | None) -> JobResult:
-    """:func:`run_job` for one split, its folder locked."""
-    force = bool(OmegaConf.select(cfg, "force", default=False))
-    config: dict[str, Any] = {}
-    try:
-        config = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-        chash = config_hash(config)
-        if _finished(run_dir, chash, force):
-            metrics = json.loads((run_dir / METRICS_FILE).read_text())
-            return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
-        _start_attempt(run_dir, chash, overrides, force)
-        result = run(cfg, run_dir, epoch_hook=epoch_hook)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, submitit's requeue (its exit)
-        _record_interrupted([run_dir])
-        raise
-    except Exception as error:
-        failure = _record_failure(run_dir, error, config, overrides)
-        _exit_with_failure_status()
-        if failure is not error:
-            raise failure from None
-        raise
-    try:
-        update_run_record(run_dir, status="finished", ended=time.time(), error=None)
-    except OSError as error:  # the run's files are whole; only its record says "running"
-        raise write_error(error, run_dir) or error from None
-    return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
 
 
 def _record_interrupted(run_dirs: list[Path]) -> None:
@@ -263,60 +258,47 @@ def run_stacked_job(
     splits = stacked_splits(cfg) or [int(cfg.data.split)]
     dirs = member_dirs(run_dir, overrides, splits)
     with _holding([run_dir, *dirs.values()]):  # the job's folder (checkpoint, search) and every split's
-        return _run_stacked_members(cfg, run_dir, dirs, overrides, force, epoch_hook)
-
-
-def _run_stacked_members(
-    cfg: DictConfig,
-    run_dir: Path,
-    dirs: dict[int, Path],
-    overrides: list[str],
-    force: bool,
-    epoch_hook: EpochHook | None,
-) -> JobResult:
-    """:func:`run_stacked_job` once its folders are locked."""
-    splits = list(dirs)
-    members = {k: member_config(cfg, k) for k in splits}
-    if has_search(cfg):  # each split's test run with its own best values (bdl_bench.orchestration.search)
-        try:
-            members = tuned_members(cfg, run_dir, splits)
-        except Exception as error:  # a bad search spec, a failed search: every split's folder says so
-            _fail_splits(error, members, dirs, overrides)
-        write_split_trials(run_dir, dirs)
-    hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
-    todo = {}
-    conflicts: list[ConfigVersionError] = []
-    for k, d in dirs.items():
-        try:
-            if not _finished(d, hashes[k], force):
-                todo[k] = d
-        except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
-            _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
-            conflicts.append(error)
-    if conflicts:
-        raise conflicts[0]
-    if todo:
-        for k, d in todo.items():
-            _start_attempt(d, hashes[k], _with_split(overrides, k), force)
-            if overrides:  # what a single run's Hydra folder records (reproduce re-composes runs from it)
-                atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
-        try:
-            run_stack(cfg, todo, run_dir, member_configs={k: members[k] for k in todo}, epoch_hook=epoch_hook)
-        except CannotStack as reason:
-            print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
-            _run_one_by_one(members, todo, overrides, epoch_hook)
-        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a requeue: every unfinished split says so
-            _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
-            raise
-        except Exception as error:
-            _fail_splits(error, members, todo, overrides)
-        else:
-            for d in todo.values():
-                update_run_record(d, status="finished", ended=time.time(), error=None)
-    per_split = [json.loads((d / METRICS_FILE).read_text()) for d in dirs.values()]
-    keys = set.intersection(*(set(m) for m in per_split))
-    means = {key: sum(float(m[key]) for m in per_split) / len(per_split) for key in keys}
-    return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
+        members = {k: member_config(cfg, k) for k in splits}
+        if has_search(cfg):  # each split's test run with its own best values (bdl_bench.orchestration.search)
+            try:
+                members = tuned_members(cfg, run_dir, splits)
+            except Exception as error:  # a bad search spec, a failed search: every split's folder says so
+                _fail_splits(error, members, dirs, overrides)
+            write_split_trials(run_dir, dirs)
+        hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
+        todo = {}
+        conflicts: list[ConfigVersionError] = []
+        for k, d in dirs.items():
+            try:
+                if not _finished(d, hashes[k], force):
+                    todo[k] = d
+            except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
+                _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+                conflicts.append(error)
+        if conflicts:
+            raise conflicts[0]
+        if todo:
+            for k, d in todo.items():
+                _start_attempt(d, hashes[k], _with_split(overrides, k), force)
+                if overrides:  # what a single run's Hydra folder records (reproduce re-composes runs from it)
+                    atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
+            try:
+                run_stack(cfg, todo, run_dir, member_configs={k: members[k] for k in todo}, epoch_hook=epoch_hook)
+            except CannotStack as reason:
+                print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
+                _run_one_by_one(members, todo, overrides, epoch_hook)
+            except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a requeue: every unfinished split says so
+                _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
+                raise
+            except Exception as error:
+                _fail_splits(error, members, todo, overrides)
+            else:
+                for d in todo.values():
+                    update_run_record(d, status="finished", ended=time.time(), error=None)
+        per_split = [json.loads((d / METRICS_FILE).read_text()) for d in dirs.values()]
+        keys = set.intersection(*(set(m) for m in per_split))
+        means = {key: sum(float(m[key]) for m in per_split) / len(per_split) for key in keys}
+        return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
 
 
 def _run_one_by_one(
@@ -327,14 +309,13 @@ def _run_one_by_one(
     is raised at the end)."""
     first_error: Exception | None = None
     for k, d in todo.items():
-        member = members[k]
         try:
-            run(member, d, epoch_hook=epoch_hook)
+            run(members[k], d, epoch_hook=epoch_hook)
         except (KeyboardInterrupt, SystemExit):
             _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
             raise
         except Exception as error:
-            failure = _record_failure(d, error, OmegaConf.to_container(member), _with_split(overrides, k))  # type: ignore[arg-type]
+            failure = _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
             first_error = first_error or failure
             continue
         update_run_record(d, status="finished", ended=time.time(), error=None)
