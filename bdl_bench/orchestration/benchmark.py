@@ -28,6 +28,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.report.tables import markdown as markdown_table
 
 BENCH_STEP = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
 IN_FEATURES, OUT_FEATURES = 784, 10  # bench_step's MLP: 784-<hidden>-10
@@ -314,11 +315,8 @@ def _cell(value: Any, se: Any = None) -> str:
 def markdown(frame: pd.DataFrame) -> str:
     """The table, a ``<column>_se`` shown as ``± se`` beside its column."""
     columns = [c for c in frame.columns if not (c.endswith("_se") and c.removesuffix("_se") in frame.columns)]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    for _, row in frame.iterrows():
-        cells = [_cell(row[c], row.get(f"{c}_se")) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [[_cell(row[c], row.get(f"{c}_se")) for c in columns] for _, row in frame.iterrows()]
+    return markdown_table(columns, rows)
 
 
 def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: bool) -> Path:

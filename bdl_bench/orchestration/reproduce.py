@@ -36,6 +36,7 @@ from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
+from bdl_bench.report.tables import markdown as markdown_table
 from bdl_bench.results import (
     COST_METRICS,
     METRICS_FILE,
@@ -266,7 +267,7 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
     headers = ["dataset", "method", "n"]
     for m in metrics:
         headers += [f"{m} (ours)", f"{m} (paper)", f"{m} agrees"] if f"agrees_{m}" in frame else [m]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    rows = []
     for _, row in frame.iterrows():
         cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
         for m in metrics:
@@ -274,9 +275,10 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
             if f"agrees_{m}" in frame:
                 verdict, paper = row[f"agrees_{m}"], _fmt(row[f"paper_{m}"], row.get(f"paper_{m}_se"))
                 cells += [paper, "–" if verdict is None else ("yes" if verdict else "NO")]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    table = markdown_table(headers, rows)
     if not any(c.startswith("agrees_") for c in frame.columns):
-        return "\n".join(lines) + "\n\nThe paper prints no numbers for this artefact: no agreement column."
+        return table + "\n\nThe paper prints no numbers for this artefact: no agreement column."
     rule = ROUNDING_RULE
     if tolerance:
         stated = ", ".join(
@@ -284,7 +286,7 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
             for m, t in tolerance.items()
         )
         rule += f"; {stated} (the experiment's tolerance)"
-    return "\n".join(lines) + f"\n\n{rule}"
+    return f"{table}\n\n{rule}"
 
 
 def figure_table(drawn: Drawn) -> str:
