@@ -17,9 +17,9 @@ import io
 import json
 import math
 import os
+import secrets
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Iterable, Mapping
@@ -72,30 +72,25 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     ``errno``) removes the temporary file and leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # named before it exists, so that a Ctrl-C at any moment after its creation still removes it; 0o666 less
+    # the umask, as ``open`` gives (mkstemp's 0600 would hide results from the user's group)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     try:
-        os.fchmod(fd, _new_file_mode())  # mkstemp's 0600 would hide results from the user's group
-        with os.fdopen(fd, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
-        _name_the_file(error, path)
+        tmp.unlink(missing_ok=True)
+        _name_the_file(error, path, tmp)
         raise
 
 
-def _new_file_mode() -> int:
-    """The mode ``open`` gives a new file: 0666 less the process's umask (read without changing it for good)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _name_the_file(error: BaseException, path: Path) -> None:
-    """Give a failed write's ``OSError`` the file's name (a failed ``write`` or ``fsync`` has none)."""
-    if isinstance(error, OSError) and not error.filename:
+def _name_the_file(error: BaseException, path: Path, tmp: Path | None = None) -> None:
+    """Give a failed write's ``OSError`` the file's name (a failed ``write`` or ``fsync`` has none; one on the
+    temporary file ``tmp`` names ``path``, the file the user knows)."""
+    if isinstance(error, OSError) and (not error.filename or error.filename == str(tmp)):
         error.filename = str(path)
 
 

@@ -237,14 +237,14 @@ def test_a_read_only_folder_is_one_line_and_the_failure_is_recorded_when_it_can_
     run_dir = tmp_path / "run"
     from bdl_bench import results
 
-    real = results.tempfile.mkstemp
+    real = os.open
 
-    def read_only_metrics(*args, **kwargs):
-        if str(kwargs.get("prefix", "")).startswith(".metrics.json"):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(run_dir / "metrics.json"))
-        return real(*args, **kwargs)
+    def read_only_metrics(path, *args, **kwargs):
+        if Path(path).name.startswith(".metrics.json"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(results.tempfile, "mkstemp", read_only_metrics)
+    monkeypatch.setattr(results.os, "open", read_only_metrics)
     with pytest.raises(
         WriteError,
         match=rf"^cannot write {re.escape(str(run_dir))}/metrics.json: the file system is read-only; the files",

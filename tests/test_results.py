@@ -120,3 +120,28 @@ def test_results_written_atomically_get_the_mode_of_an_ordinary_new_file(tmp_pat
     finally:
         os.umask(old)
     assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_ctrl_c_just_after_the_temporary_file_is_created_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C lands between bytecodes: one that arrives right after the temporary file exists (inside the call
+    that creates it) must still remove it, and leave the old file whole."""
+    from bdl_bench import results
+
+    (tmp_path / "history.csv").write_text("old")
+    real = os.open
+
+    def interrupted(path, *args, **kwargs):
+        fd = real(path, *args, **kwargs)
+        if Path(path).name.endswith(".tmp"):
+            os.close(fd)
+            raise KeyboardInterrupt
+        return fd
+
+    monkeypatch.setattr(results.os, "open", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        results.atomic_write_text(tmp_path / "history.csv", "new")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.csv"]
+    assert (tmp_path / "history.csv").read_text() == "old"
