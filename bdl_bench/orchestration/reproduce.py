@@ -37,6 +37,7 @@ from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE
 from bdl_bench.report.tables import markdown as markdown_table
+from bdl_bench.report.tables import mean_se
 from bdl_bench.results import (
     COST_METRICS,
     METRICS_FILE,
@@ -253,12 +254,6 @@ def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) 
     return frame
 
 
-def _fmt(mean: Any, se: Any) -> str:
-    if mean is None or pd.isna(mean):
-        return "–"
-    return f"{mean:.3f}" if se is None or pd.isna(se) else f"{mean:.3f} ± {se:.3f}"
-
-
 def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> str:
     """The table with, per paper metric, ours, the paper's and whether they agree."""
     metrics = [c.removeprefix("agrees_") for c in frame.columns if c.startswith("agrees_")]
@@ -271,9 +266,9 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
     for _, row in frame.iterrows():
         cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
         for m in metrics:
-            cells.append(_fmt(row[m], row.get(f"{m}_se")))
+            cells.append(mean_se(row[m], row.get(f"{m}_se")))
             if f"agrees_{m}" in frame:
-                verdict, paper = row[f"agrees_{m}"], _fmt(row[f"paper_{m}"], row.get(f"paper_{m}_se"))
+                verdict, paper = row[f"agrees_{m}"], mean_se(row[f"paper_{m}"], row.get(f"paper_{m}_se"))
                 cells += [paper, "–" if verdict is None else ("yes" if verdict else "NO")]
         rows.append(cells)
     table = markdown_table(headers, rows)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -101,11 +102,11 @@ def _plain(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def mean_se(mean: float | None, se: float | None, digits: int = 3) -> str:
-    """``1.234 ± 0.010``; the mean alone without a standard error, ``–`` without a mean."""
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+def mean_se(mean: Any, se: Any, digits: int = 3) -> str:
+    """``1.234 ± 0.010``; the mean alone without a standard error, ``–`` without a mean (None, NaN or pandas' NA)."""
+    if mean is None or pd.isna(mean):
         return "–"
-    if se is None or (isinstance(se, float) and math.isnan(se)):
+    if se is None or pd.isna(se):
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {se:.{digits}f}"
 
