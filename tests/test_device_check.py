@@ -1,10 +1,11 @@
-"""The CPU-side device check (bdl_bench.testing.device_check) and the device defects it finds: metrics,
+"""The CPU-side device check (tests/_device_check.py) and the device defects it finds: metrics,
 curvature and the runner's evaluation run with ``meta`` standing in for a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
@@ -22,7 +23,6 @@ from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.orchestration.resume import CheckpointDeviceError
 from bdl_bench.orchestration.runner import run
 from bdl_bench.results import read_run_record, without_cost
-from bdl_bench.testing.device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
 
 # --- the check itself ---------------------------------------------------------------------------------------
 

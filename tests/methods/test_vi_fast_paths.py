@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _device_check import DEVICE, fake_device
 from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
@@ -16,7 +17,6 @@ from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods import _diag_vi, gmfvi, import_all, ktied
 from bdl_bench.methods._diag_vi import kl_diag_to_prior
 from bdl_bench.methods.base import Problem
-from bdl_bench.testing.device_check import DEVICE, fake_device
 
 F64 = torch.float64
 N_STEPS = 5
@@ -161,7 +161,7 @@ def test_device_paths_of_ktied_and_elrg_match_their_host_paths(monkeypatch: pyte
 
 @pytest.mark.parametrize("kind", ["gmfvi", "ktied", "elrg", "elrg_d"])
 def test_forward_and_backward_make_no_host_syncs_on_a_device(kind: str) -> None:
-    """With ``meta`` standing in for a GPU (bdl_bench.testing.device_check), the step's terms, the
+    """With ``meta`` standing in for a GPU (tests/_device_check.py), the step's terms, the
     network's forward and the backward (the methods' own code: KL, layers, hand-written backwards) read
     nothing back to the host, and their gradients are those of the CPU run."""
     x, y = _data(torch.float32)
