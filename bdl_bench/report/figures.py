@@ -89,13 +89,9 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
             n_samples=int(spec.get("n_samples", 16)),
         )
         return Drawn(png, spec, table, markdown_table(table))
-    from bdl_bench.report.ood_plots import plot_uncertainty
-    from bdl_bench.results import find_run_dirs
+    from bdl_bench.report.ood_plots import plot_runs
 
-    run_dirs = [d for d in find_run_dirs(folder) if (d / "uncertainty.npz").exists()]
-    if not run_dirs:
-        raise ResultsError(f"no run below {folder} has uncertainty.npz (runs with an OOD set)")
-    return Drawn(plot_uncertainty(run_dirs, out, grouping=str(spec.get("grouping", "test"))), spec)
+    return Drawn(plot_runs(folder, out, grouping=str(spec.get("grouping", "test"))), spec)
 
 
 def _ktied(spec: Mapping[str, Any], folder: Path, out: Path) -> Drawn:

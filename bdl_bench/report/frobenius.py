@@ -8,20 +8,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import torch
+import yaml
+from matplotlib.figure import Figure
+from torch import Tensor
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from bdl_bench.checkpoint import load_params  # noqa: E402
-from bdl_bench.curvature.frobenius import ERRORS, layer_approximations  # noqa: E402
-from bdl_bench.errors import ResultsError  # noqa: E402
-from bdl_bench.report.tables import markdown  # noqa: E402
-from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, find_run_dirs  # noqa: E402
+from bdl_bench.checkpoint import load_params
+from bdl_bench.curvature.frobenius import ERRORS, layer_approximations
+from bdl_bench.errors import ResultsError
+from bdl_bench.report.plots import save_figure
+from bdl_bench.report.tables import markdown
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, find_run_dirs
 
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
@@ -94,7 +92,8 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
     """Fig. 5's layout: the diagonal, off-diagonal and overall error against K (DEF, one point per K) with
     Diag, KFAC and EFB as horizontal lines, and the histogram of the exact block's eigenvalues (counting those
     that are zero to rounding, at most 1e-10 of the largest, and those below 1% of it)."""
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    fig = Figure(figsize=(16, 3.6))
+    axes = fig.subplots(1, 4)
     def_rows = table[table["method"] == "DEF"]
     colors = {"Diag": "tab:green", "KFAC": "tab:orange", "EFB": "tab:purple"}
     names = ("(a) diagonal", "(b) off-diagonal", "(c) overall")
@@ -114,9 +113,7 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
     axes[3].set(xlabel="eigenvalue", ylabel="count")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_runs(
@@ -140,7 +137,6 @@ def plot_runs(
         f"{n_runs} {method} run{'s' if n_runs > 1 else ''}): normalised Frobenius error against the exact block "
         "(cf. Lee et al. 2020, Fig. 5)"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
     return plot(table, eigenvalues, out, title), table
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 import yaml
+from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.paper import PaperValue, read_paper_csv_text
+from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, mean_se
 from bdl_bench.results import METRICS_FILE, find_run_dirs
 
@@ -71,12 +73,12 @@ def _yes_no(value: bool | None) -> str:
 def std_spectra(folder: Path, out: Path, max_k: int = 10) -> tuple[Path, pd.DataFrame, str]:
     """Fig. 3 from the first finished GMFVI run with a posterior: the PNG, the spectra's first three fractions
     per layer and parameter, and that table as markdown."""
-    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, plot_spectra, spectra
+    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, spectra
 
     run = _runs(folder, posterior=True, methods=("gmfvi",))[0]
     net, _, _ = MeanFieldNetwork.from_run(run)
     frame = spectra(net)
-    png = plot_spectra(frame, out, max_k=max_k)
+    png = _plot_spectra(frame, out, max_k=max_k)
     table = frame[frame["k"] <= 3].pivot_table(index=["layer", "shape", "parameter"], columns="k", values="fraction")
     table.columns = [f"k{k}" for k in table.columns]
     table = table.reset_index()
@@ -89,6 +91,25 @@ def std_spectra(folder: Path, out: Path, max_k: int = 10) -> tuple[Path, pd.Data
         for r in table.itertuples()
     ]
     return png, table, markdown(headers, rows) + f"\n\nfraction of variance per singular value; run {run.name}"
+
+
+def _plot_spectra(frame: pd.DataFrame, out: Path, max_k: int = 10) -> Path:
+    """Bar charts of the explained variance per singular value (std vs mean), one panel per layer."""
+    layers = sorted(frame["layer"].unique())
+    fig = Figure(figsize=(3.2 * len(layers), 2.8))
+    axes = fig.subplots(1, len(layers), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        part = frame[(frame["layer"] == layer) & (frame["k"] <= max_k)]
+        for offset, parameter in ((-0.2, "mean"), (0.2, "std")):
+            rows = part[part["parameter"] == parameter]
+            ax.bar(rows["k"] + offset, rows["fraction"], width=0.4, label=f"posterior {parameter}s")
+        ax.set_title(f"dense {layer} ({part['shape'].iloc[0]})")
+        ax.set_xlabel("singular value k")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("fraction of variance explained")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, out)
 
 
 # ---------------------------------------------------------------------------------------------- Table 2, Fig. 6 left
@@ -248,12 +269,8 @@ def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
 
 
 def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataFrame) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     for i, column in enumerate(sorted(every["column"].unique(), key=list(LABELS).index)):
         colour = f"C{i}"
         mean = every[every["column"] == column].groupby("step")[["val_neg_elbo", snr_column]].mean()
@@ -271,7 +288,4 @@ def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataF
         ax.set(xlabel="training step", xscale="log", yscale="log")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -7,17 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from bdl_bench.errors import MissingFileError, ResultsError
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-
-from bdl_bench.metrics import ReliabilityDiagram, reliability_from_confidence  # noqa: E402
+from bdl_bench.metrics import ReliabilityDiagram, reliability_from_confidence
+from bdl_bench.report.plots import save_figure
+from bdl_bench.results import find_run_dirs
 
 UNCERTAINTY_FILE = "uncertainty.npz"
 
@@ -91,7 +89,8 @@ def plot_uncertainty(run_dirs: Sequence[Path], out: Path, grouping: str = "test"
     images together ("out-dist")."""
     if not run_dirs:
         raise ResultsError("plot_uncertainty needs at least one run folder")
-    fig, axes = plt.subplots(len(run_dirs), 2, figsize=(10, 3.8 * len(run_dirs)), squeeze=False)
+    fig = Figure(figsize=(10, 3.8 * len(run_dirs)))
+    axes = fig.subplots(len(run_dirs), 2, squeeze=False)
     for row, run_dir in enumerate(run_dirs):
         arrays = load_uncertainty(Path(run_dir))
         label = Path(run_dir).name
@@ -101,6 +100,12 @@ def plot_uncertainty(run_dirs: Sequence[Path], out: Path, grouping: str = "test"
         plot_reliability_diagram(diagram, axes[row, 0], title=label)
         plot_entropy_histograms(entropy_groups(arrays, grouping), axes[row, 1], title=label)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
+
+
+def plot_runs(folder: Path, out: Path, grouping: str = "test") -> Path:
+    """:func:`plot_uncertainty` of every run below ``folder`` that saved ``uncertainty.npz``."""
+    run_dirs = [d for d in find_run_dirs(folder) if (d / UNCERTAINTY_FILE).exists()]
+    if not run_dirs:
+        raise ResultsError(f"no run below {folder} has {UNCERTAINTY_FILE} (runs with an OOD set)")
+    return plot_uncertainty(run_dirs, out, grouping)

@@ -13,18 +13,24 @@ import argparse
 from pathlib import Path
 
 import matplotlib
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
+from bdl_bench.gaussians.io import load_gaussian
+from bdl_bench.report.paper import dataset_short_name, get_paper_table
+from bdl_bench.report.tables import setting_labels
+from bdl_bench.results import HISTORY_FILE, load_runs
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
 
-from bdl_bench.gaussians.io import load_gaussian  # noqa: E402
-from bdl_bench.report.paper import dataset_short_name, get_paper_table  # noqa: E402
-from bdl_bench.report.tables import setting_labels  # noqa: E402
-from bdl_bench.results import HISTORY_FILE, load_runs  # noqa: E402
+def save_figure(fig: Figure, out: Path) -> Path:
+    """``fig`` as a PNG at 120 dpi in ``out`` (its folder made); every figure of the package is a
+    :class:`~matplotlib.figure.Figure` of its own, so no pyplot state or backend is involved."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
 
 
 def _labelled_runs(folder: Path) -> pd.DataFrame:
@@ -46,13 +52,10 @@ _LOG_EPOCHS_FROM = 100  # runs this long get a logarithmic epoch axis (10,000-ep
 def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) -> Path:
     """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method
     (:func:`convergence_figure`), saved to ``out``."""
-    fig = convergence_figure(folder, methods)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(convergence_figure(folder, methods), out)
 
 
-def convergence_figure(folder: Path, methods: list[str] | None = None) -> plt.Figure:
+def convergence_figure(folder: Path, methods: list[str] | None = None) -> Figure:
     """The figure of :func:`plot_convergence`: one row per dataset, one line per method; the epoch axis is
     logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early)."""
     runs = _labelled_runs(folder)
@@ -62,9 +65,10 @@ def convergence_figure(folder: Path, methods: list[str] | None = None) -> plt.Fi
     if methods:
         runs = runs[runs["label"].isin(methods)]
     datasets = sorted(runs["dataset"].unique())
-    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = {label: palette[i % len(palette)] for i, label in enumerate(sorted(runs["label"].unique()))}
-    fig, axes = plt.subplots(len(datasets), 2, figsize=(10, 3.2 * len(datasets)), squeeze=False)
+    fig = Figure(figsize=(10, 3.2 * len(datasets)))
+    axes = fig.subplots(len(datasets), 2, squeeze=False)
     for row, dataset in enumerate(datasets):
         last_epoch = 0
         for label, group in runs[runs["dataset"] == dataset].groupby("label"):
@@ -109,7 +113,8 @@ def plot_covariance(
     if runs.empty:
         raise ResultsError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")
     n = len(runs)
-    fig, axes = plt.subplots(1, n + 1, figsize=(3.2 * (n + 1), 3.4), squeeze=False)
+    fig = Figure(figsize=(3.2 * (n + 1), 3.4))
+    axes = fig.subplots(1, n + 1, squeeze=False)
     gaussians = [load_gaussian(Path(d) / "posterior.pt").to_dense() for d in runs["run_dir"]]
     corrs = []
     for gaussian in gaussians:
@@ -128,9 +133,7 @@ def plot_covariance(
     n_dim = corrs[0].shape[0]
     shown = f"all {n_dim} parameters" if n_dim == gaussians[0].mean.numel() else f"first {n_dim} parameters"
     fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal, {shown})")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(args: list[str]) -> None:
@@ -154,13 +157,9 @@ def main(args: list[str]) -> None:
     if ns.kind == "convergence":
         plot_convergence(ns.folder, out, methods)
     elif ns.kind == "ood":
-        from bdl_bench.report.ood_plots import plot_uncertainty
-        from bdl_bench.results import find_run_dirs
+        from bdl_bench.report.ood_plots import plot_runs
 
-        run_dirs = [d for d in find_run_dirs(ns.folder) if (d / "uncertainty.npz").exists()]
-        if not run_dirs:
-            raise SystemExit(f"bdl-bench plot: no run below {ns.folder} has uncertainty.npz (runs with an OOD set)")
-        plot_uncertainty(run_dirs, out)
+        plot_runs(ns.folder, out)
     else:
         plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)
     print(f"wrote {out}")

@@ -1,51 +1,37 @@
 r"""DEF toy-regression figure (Lee et al. 2020, Fig. 4): predictive mean and up to ±3σ of every method.
 
-Two ways to the same figure (:func:`_plot`): :func:`plot_runs` draws it from finished run folders holding
-``predictive.npz`` (``trainer.save_predictive: true``, as ``conf/experiment/def_toy.yaml`` sets; ``bdl-bench
-reproduce def_toy`` does this); :func:`run_study` fits each ``variant=def_toy/<name>`` in-process with the
-config and seeds of ``bdl-bench run experiment=def_toy variant=def_toy/<name>`` (``torch.manual_seed(seed)``
-before the model is built, method generator ``seed + 1``, data order ``seed + 2``, evaluation ``seed + 3``)
-and also writes ``def_toy.csv``: per method, the test metrics and the mean absolute difference of the
-predictive standard deviation from HMC's, relative to HMC's, inside and outside the training range.
+Drawn from finished run folders holding ``predictive.npz`` (``trainer.save_predictive: true``, as
+``conf/experiment/def_toy.yaml`` sets): :func:`plot_runs`, which ``bdl-bench reproduce def_toy`` calls, or
+:func:`run_study`, which first runs each ``variant=def_toy/<name>`` through the runner and also writes
+``def_toy.csv``: per method, the test metrics and the mean absolute difference of the predictive standard
+deviation from HMC's, relative to HMC's, inside and outside the training range (``docs/reproducing.md``).
 
 Each method's predictive on the grid is the mean and standard deviation of the network output over
 ``trainer.n_test_mc_samples`` samples (epistemic), and with the noise variance added (predictive), in original
 units.
-
-Usage::
-
-    python -m bdl_bench.studies.def_toy --out results/def_toy_figure [--variants hmc,def,...] [override ...]
-    python -m bdl_bench.studies.def_toy --from-runs results/def_toy --out results/def_toy   # redraw from runs
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+import torch
+import yaml
+from matplotlib.figure import Figure
+from torch import Tensor
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from torch import Tensor  # noqa: E402
+from bdl_bench.data.toy import make_cubic
+from bdl_bench.errors import ResultsError
+from bdl_bench.report.plots import save_figure
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, find_run_dirs
 
-from bdl_bench.data import build_dataset  # noqa: E402
-from bdl_bench.data.toy import make_cubic  # noqa: E402
-from bdl_bench.likelihoods import Gaussian, build_likelihood  # noqa: E402
-from bdl_bench.methods import Method, Problem, build_method  # noqa: E402
-from bdl_bench.metrics import predictive_metrics  # noqa: E402
-from bdl_bench.models import build_model  # noqa: E402
-from bdl_bench.models.params import prior_precision_vector  # noqa: E402
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
 VARIANTS = ("hmc", "bbb", "map", "diag", "kfac", "efb", "block", "def", "def_rank1")
 N_SIGMA = 3  # Fig. 4 shades up to three standard deviations
 LABELS = {
@@ -67,64 +53,23 @@ class ToyPrediction:
     mean: Tensor
     epistemic_std: Tensor  # standard deviation of the network output over samples
     predictive_std: Tensor  # with the noise variance added
-    metrics: dict[str, float]  # the runner's test metrics on the toy/cubic test set
-
-
-def compose_variant(variant: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """The root config of ``experiment=def_toy variant=def_toy/<variant>`` plus ``overrides``."""
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=["experiment=def_toy", f"variant=def_toy/{variant}", *overrides])
-
-
-def fit_method(cfg: DictConfig) -> tuple[Method, object, Gaussian]:
-    """Build and fit what ``runner.run(cfg)`` would, on the CPU; returns (method, dataset, likelihood)."""
-    trainer = cfg.trainer
-    dtype = {"float32": torch.float32, "float64": torch.float64}[str(trainer.dtype)]
-    data = build_dataset(OmegaConf.to_container(cfg.data, resolve=True)).with_dtype(dtype)  # type: ignore[arg-type]
-    seed = int(trainer.seed)
-    torch.manual_seed(seed)
-    model = build_model(
-        OmegaConf.to_container(cfg.model, resolve=True), in_features=data.n_features, out_features=1
-    ).to(dtype)  # type: ignore[arg-type]
-    likelihood = build_likelihood(data, OmegaConf.select(cfg, "noise_precision"))
-    prior = prior_precision_vector(model, float(cfg.prior_precision), OmegaConf.select(cfg, "bias_prior_precision"))
-    method = build_method(OmegaConf.to_container(cfg.method, resolve=True))  # type: ignore[arg-type]
-    method.setup(Problem(model, likelihood, data.n_train, prior, torch.Generator().manual_seed(seed + 1)))
-    method.fit(
-        data.x_train,
-        data.y_train,
-        n_epochs=int(trainer.n_epochs),
-        batch_size=int(trainer.batch_size),
-        data_generator=torch.Generator().manual_seed(seed + 2),
-    )
-    method.problem = dataclasses.replace(method.problem, generator=torch.Generator().manual_seed(seed + 3))
-    assert isinstance(likelihood, Gaussian)
-    return method, data, likelihood
-
-
-def predict_grid(method: Method, data: object, likelihood: Gaussian, x_grid: Tensor, n_samples: int) -> ToyPrediction:
-    """The method's predictive on standardised grid inputs ``x_grid`` ``(G, 1)``, in original units."""
-    with torch.no_grad():
-        metrics = predictive_metrics(
-            likelihood, method.predict(data.x_test, n_samples), data.y_test, y_mean=data.y_mean, y_std=data.y_std
-        )
-        f = method.predict(x_grid.to(data.x_test), n_samples).squeeze(-1).double()  # (S, G)
-    mean = data.y_mean + data.y_std * f.mean(0)
-    epistemic = data.y_std * f.std(0, unbiased=False)
-    noise_var = data.y_std**2 / likelihood.noise_precision
-    return ToyPrediction(mean, epistemic, (epistemic.square() + noise_var).sqrt(), metrics)
+    metrics: dict[str, float]  # the run's test metrics on the toy/cubic test set
 
 
 def run_study(out: Path, variants: Sequence[str] = VARIANTS, overrides: Sequence[str] = ()) -> tuple[Path, Path]:
-    """Fit every variant, draw the figure and write the table; returns (png, csv) paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    predictions: dict[str, ToyPrediction] = {}
+    """Run every variant as ``bdl-bench run experiment=def_toy variant=def_toy/<name> [overrides]`` does, into
+    ``out/<name>``, then draw the figure and write the table from those runs; returns (png, csv) paths."""
+    from hydra import compose, initialize_config_dir
+
+    from bdl_bench.orchestration.hydra_app import CONF_DIR
+    from bdl_bench.orchestration.runner import run
+
     for variant in variants:
-        cfg = compose_variant(variant, overrides)
-        if not predictions:  # the figure's training points and grid: the first variant's data
-            data_cfg: dict = OmegaConf.to_container(cfg.data, resolve=True)  # type: ignore[assignment]
-        method, data, likelihood = fit_method(cfg)
-        predictions[variant] = predict_grid(method, data, likelihood, data.x_test, int(cfg.trainer.n_test_mc_samples))
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=["experiment=def_toy", f"variant=def_toy/{variant}", *overrides])
+        run(cfg, out / variant)
+    found, data_cfg = read_runs(out, variants)
+    predictions = {variant: found[variant] for variant in variants}
     x_train, y_train, x_grid = _raw_data(data_cfg)
     png = _plot(out / "def_toy.png", predictions, x_train, y_train, x_grid)
     csv = out / "def_toy.csv"
@@ -158,7 +103,8 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     n = len(panels)
     cols = min(4, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), sharex=True, sharey=True, squeeze=False)
+    fig = Figure(figsize=(3.6 * cols, 3.0 * rows))
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
     x = torch.as_tensor(x_grid)
     reference = predictions.get("hmc")
     for ax, (variant, p) in zip(axes.flat, panels.items()):
@@ -211,9 +157,7 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def spread_ratios(p: ToyPrediction, reference: ToyPrediction, x_grid: Tensor, bound: float = 4.0) -> dict[str, float]:
@@ -254,19 +198,10 @@ def _raw_data(data_cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
     return torch.as_tensor(x_tr[:, 0]), torch.as_tensor(y_tr), torch.as_tensor(x_te[:, 0])
 
 
-def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) -> Path:
-    """Fig. 4 from finished run folders below ``folder``: each run's ``predictive.npz`` (written with
-    ``trainer.save_predictive: true``, as ``conf/experiment/def_toy.yaml`` sets) and ``metrics.json``; the
-    training points are redrawn from the runs' ``data`` config (they must all share it). ``variants``: only these.
-    """
-    import json
-
-    import numpy as np
-    import yaml
-
-    from bdl_bench.errors import ResultsError
-    from bdl_bench.results import CONFIG_FILE, METRICS_FILE, find_run_dirs
-
+def read_runs(folder: Path, variants: Sequence[str] | None = None) -> tuple[dict[str, ToyPrediction], dict]:
+    """Each finished run's predictive below ``folder`` (its ``predictive.npz`` and ``metrics.json``), by variant in
+    the order of :data:`VARIANTS` (others after, sorted), and the ``data`` config they share. ``variants``: only
+    these."""
     found: dict[str, ToyPrediction] = {}
     data_cfg = None
     for run_dir in find_run_dirs(folder):
@@ -291,16 +226,21 @@ def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) ->
     if not found:
         raise ResultsError(f"no finished run below {folder} has predictive.npz (trainer.save_predictive: true)")
     order = [v for v in VARIANTS if v in found] + sorted(v for v in found if v not in VARIANTS)
-    x_train, y_train, x_grid = _raw_data(data_cfg or {})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return _plot(out, {v: found[v] for v in order}, x_train, y_train, x_grid)
+    return {v: found[v] for v in order}, data_cfg or {}
+
+
+def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) -> Path:
+    """Fig. 4 from the finished runs below ``folder`` (:func:`read_runs`); the training points are redrawn from
+    the runs' ``data`` config."""
+    predictions, data_cfg = read_runs(folder, variants)
+    return _plot(out, predictions, *_raw_data(data_cfg))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bdl_bench.studies.def_toy", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/def_toy_figure"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated def_toy variants")
-    parser.add_argument("--from-runs", type=Path, help="draw from the finished runs below this folder (fits nothing)")
+    parser.add_argument("--from-runs", type=Path, help="draw from the finished runs below this folder (runs nothing)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides applied to every variant (e.g. trainer.n_epochs=500)"
     )
@@ -308,7 +248,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if ns.from_runs is not None:
         print(f"figure → {plot_runs(ns.from_runs, ns.out / 'def_toy.png', ns.variants.split(','))}")
         return
-    torch.set_num_threads(1)
     png, csv = run_study(ns.out, ns.variants.split(","), ns.overrides)
     print(pd.read_csv(csv).to_string(index=False))
     print(f"figure → {png}\ntable → {csv}")

@@ -237,30 +237,3 @@ def low_rank_study(
         name = "mean_field" if rank == 0 else f"rank_{rank}"
         rows.append({"approximation": name, "rank": rank, "n_std_params": n_std, **metrics})
     return pd.DataFrame(rows)
-
-
-def plot_spectra(frame: pd.DataFrame, out: Path, max_k: int = 10) -> Path:
-    """Bar charts of the explained variance per singular value (std vs mean), one panel per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = sorted(frame["layer"].unique())
-    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 2.8), squeeze=False)
-    for ax, layer in zip(axes[0], layers):
-        part = frame[(frame["layer"] == layer) & (frame["k"] <= max_k)]
-        for offset, parameter in ((-0.2, "mean"), (0.2, "std")):
-            rows = part[part["parameter"] == parameter]
-            ax.bar(rows["k"] + offset, rows["fraction"], width=0.4, label=f"posterior {parameter}s")
-        ax.set_title(f"dense {layer} ({part['shape'].iloc[0]})")
-        ax.set_xlabel("singular value k")
-        ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("fraction of variance explained")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
