@@ -7,13 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from bdl_bench.errors import ResultsError
 from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE
 from bdl_bench.report.paper import read_paper_csv
-from bdl_bench.report.tables import markdown
-from bdl_bench.results import find_run_dirs
+from bdl_bench.report.tables import markdown, run_configs
 
 
 def layer_names(kinds: list[str]) -> list[str]:
@@ -31,12 +29,8 @@ def def_ranks_table(folder: Path, in_domain: str = "mnist") -> tuple[pd.DataFram
     paper = read_paper_csv("def_table2_ranks.csv")
     paper = paper[paper["in_domain"] == in_domain].set_index("layer")
     frames = []
-    for run in find_run_dirs(folder):
-        path = run / DEF_RANKS_FILE
-        if not path.exists():
-            continue
-        config = yaml.safe_load((run / "config.yaml").read_text())
-        ranks = pd.read_csv(path)
+    for run, config in run_configs(folder, DEF_RANKS_FILE):
+        ranks = pd.read_csv(run / DEF_RANKS_FILE)
         ranks.insert(0, "layer", layer_names(list(ranks["kind"])))
         ranks.insert(0, "rank_k", config["method"].get("rank"))
         ranks["percent"] = 100 * ranks["kept_rank"] / ranks["n_weights"]

@@ -18,8 +18,8 @@ from bdl_bench.checkpoint import load_params
 from bdl_bench.curvature.frobenius import ERRORS, layer_approximations
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
-from bdl_bench.report.tables import markdown
-from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, find_run_dirs
+from bdl_bench.report.tables import markdown, run_configs
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE
 
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
@@ -66,9 +66,8 @@ def errors_from_runs(
     (``method``, ``rank`` K, ``kept`` L, ``n_runs``, each error and its standard error ``<error>_se``, NaN for a
     single run); returns (table, the exact blocks' eigenvalues of all runs, the first run's config)."""
     tables, eigenvalues, configs = [], [], []
-    for run_dir in find_run_dirs(folder):
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-        if (config.get("method") or {}).get("name") != method or not (run_dir / METRICS_FILE).exists():
+    for run_dir, config in run_configs(folder, METRICS_FILE):
+        if (config.get("method") or {}).get("name") != method:
             continue
         table, eigs, config = run_errors(run_dir, layer=layer, curvature=curvature, n_samples=n_samples)
         tables.append(table.assign(run=run_dir.name))

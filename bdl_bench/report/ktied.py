@@ -11,38 +11,24 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.report.paper import PaperValue, read_paper_csv_text
+from bdl_bench.report.paper import PaperValue, ktied_column, read_paper_csv
 from bdl_bench.report.plots import save_figure
-from bdl_bench.report.tables import markdown, mean_se
-from bdl_bench.results import METRICS_FILE, find_run_dirs
+from bdl_bench.report.tables import markdown, mean_se, run_configs
+from bdl_bench.results import METRICS_FILE, flatten
 
 PAPER_TABLES = {"table2": "ktied_table2_low_rank.csv", "fig6_left": "ktied_table3_training.csv"}
 LABELS = {"mean_field": "mean-field", "1_tied": "1-tied", "2_tied": "2-tied", "3_tied": "3-tied"}
 
 
-def _config(run_dir: Path) -> dict:
-    return yaml.safe_load((run_dir / "config.yaml").read_text())
-
-
-def _column(config: dict) -> str:
-    """``mean_field`` (gmfvi) or ``<k>_tied`` (ktied)."""
-    method = config["method"]
-    return f"{int(method['k'])}_tied" if method["name"] == "ktied" else "mean_field"
-
-
-def _runs(folder: Path, *, posterior: bool = False, methods: Sequence[str] = ("gmfvi", "ktied")) -> list[Path]:
-    """Finished runs of ``methods`` below ``folder`` (with ``posterior.pt`` where asked), in folder order."""
-    found = [
-        d
-        for d in find_run_dirs(folder)
-        if (d / METRICS_FILE).exists()
-        and (not posterior or (d / "posterior.pt").exists())
-        and _config(d)["method"]["name"] in methods
-    ]
+def _runs(
+    folder: Path, *, posterior: bool = False, methods: Sequence[str] = ("gmfvi", "ktied")
+) -> list[tuple[Path, dict]]:
+    """(folder, config) of the finished runs of ``methods`` below ``folder`` (with ``posterior.pt`` where asked)."""
+    files = (METRICS_FILE, "posterior.pt") if posterior else (METRICS_FILE,)
+    found = [(d, config) for d, config in run_configs(folder, *files) if config["method"]["name"] in methods]
     if not found:
         what = "with posterior.pt " if posterior else ""
         raise ResultsError(f"no finished {'/'.join(methods)} run {what}below {folder}")
@@ -51,7 +37,7 @@ def _runs(folder: Path, *, posterior: bool = False, methods: Sequence[str] = ("g
 
 def _paper(csv: str, model_dataset: str = "mnist_mlp") -> dict[tuple[str, str], PaperValue]:
     """(column, metric) → the printed value with its SEM and rounding."""
-    frame = read_paper_csv_text(csv)
+    frame = read_paper_csv(csv, printed=True)
     out = {}
     for row in frame[frame["model_dataset"] == model_dataset].to_dict("records"):
         for metric in ("neg_elbo", "nll", "accuracy"):
@@ -59,14 +45,23 @@ def _paper(csv: str, model_dataset: str = "mnist_mlp") -> dict[tuple[str, str], 
     return out
 
 
-def _verdict(ours: float, se: float, paper: PaperValue | None) -> bool | None:
-    if paper is None or math.isnan(ours):
-        return None
-    return abs(ours - paper.value) <= paper.band(se)
+def _beside(row: dict, metric: str, paper: PaperValue | None) -> None:
+    """Put the paper's ``metric`` (value, SE) beside ours in ``row``, and whether they agree (None where either
+    is missing; a NaN standard error of ours counts as 0, :meth:`~bdl_bench.report.paper.PaperValue.band`)."""
+    row[f"paper_{metric}"] = None if paper is None else paper.value
+    row[f"paper_{metric}_se"] = None if paper is None else paper.se
+    missing = paper is None or math.isnan(row[metric])
+    row[f"agrees_{metric}"] = None if missing else abs(row[metric] - paper.value) <= paper.band(row[f"{metric}_se"])
 
 
-def _yes_no(value: bool | None) -> str:
-    return "–" if value is None else ("yes" if value else "NO")
+def _compared(r: dict, metric: str, digits: int, paper_digits: int) -> list[str]:
+    """Three cells of ``r``'s ``metric``: ours, the paper's (mean ± SE) and whether they agree."""
+    verdict = r[f"agrees_{metric}"]
+    return [
+        mean_se(r[metric], r[f"{metric}_se"], digits),
+        mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], paper_digits),
+        "–" if verdict is None else ("yes" if verdict else "NO"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- Fig. 3
@@ -75,7 +70,7 @@ def std_spectra(folder: Path, out: Path, max_k: int = 10) -> tuple[Path, pd.Data
     per layer and parameter, and that table as markdown."""
     from bdl_bench.studies.low_rank_std import MeanFieldNetwork, spectra
 
-    run = _runs(folder, posterior=True, methods=("gmfvi",))[0]
+    run, _ = _runs(folder, posterior=True, methods=("gmfvi",))[0]
     net, _, _ = MeanFieldNetwork.from_run(run)
     frame = spectra(net)
     png = _plot_spectra(frame, out, max_k=max_k)
@@ -134,14 +129,13 @@ def weight_samples(
     published = _paper(PAPER_TABLES[paper])
     rows = []
     methods = ("gmfvi",) if ranks else ("gmfvi", "ktied")
-    for run in _runs(folder, posterior=True, methods=methods):
-        config = _config(run)
+    for run, config in _runs(folder, posterior=True, methods=methods):
         net, dataset, likelihood = MeanFieldNetwork.from_run(run)
         n = int(samples or config["trainer"]["n_test_mc_samples"])
         study = low_rank_study(
             net, dataset, likelihood, ranks=list(ranks), n_samples=n, generator=torch.Generator().manual_seed(seed)
         )
-        trained = _column(config)
+        trained = ktied_column(flatten(config))
         k = None if trained == "mean_field" else int(config["method"]["k"])
         for r in study.to_dict("records"):
             column = trained if r["rank"] == 0 else f"{int(r['rank'])}_tied"
@@ -164,10 +158,7 @@ def weight_samples(
                 "ece": r["ensemble_ece"],
             }
             for metric in ("neg_elbo", "nll", "accuracy"):
-                value = published.get((column, metric))
-                row[f"paper_{metric}"] = None if value is None else value.value
-                row[f"paper_{metric}_se"] = None if value is None else value.se
-                row[f"agrees_{metric}"] = _verdict(row[metric], row[f"{metric}_se"], value)
+                _beside(row, metric, published.get((column, metric)))
             rows.append(row)
     frame = pd.DataFrame(rows)
     order = {name: i for i, name in enumerate(LABELS)}
@@ -189,11 +180,7 @@ def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
     for r in frame.to_dict("records"):
         cells = [str(r["method"]), str(r["seed"]), f"{r['n_variational_params'] / 1000:.0f}"]
         for metric, digits in (("neg_elbo", 3), ("nll", 3), ("accuracy", 1)):
-            cells += [
-                mean_se(r[metric], r[f"{metric}_se"], digits + 1),
-                mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
-                _yes_no(r[f"agrees_{metric}"]),
-            ]
+            cells += _compared(r, metric, digits + 1, digits)
         cells += [mean_se(r["train_neg_elbo"], None), mean_se(r["ensemble_nll"], None)]
         rows.append(cells + [mean_se(r["ensemble_accuracy"], None, 2), mean_se(r["ece"], None)])
     n = int(frame["n_samples"].iloc[0]) if len(frame) else 0
@@ -212,18 +199,16 @@ def step_records(
     """Fig. 6 right's table (mean ± SEM over seeds at ``steps``) and a PNG of the SNR and the validation -ELBO
     along training (Fig. 7's MLP panel), from every run's ``steps.csv``."""
     records = []
-    for run in _runs(folder):
-        path = run / "steps.csv"
-        if path.exists():
-            config = _config(run)
-            frame = pd.read_csv(path).assign(column=_column(config), seed=int(config["trainer"]["seed"]))
-            records.append(frame)
+    for run, config in _runs(folder):
+        if (run / "steps.csv").exists():
+            frame = pd.read_csv(run / "steps.csv")
+            records.append(frame.assign(column=ktied_column(flatten(config)), seed=int(config["trainer"]["seed"])))
     if not records:
         raise ResultsError(f"no run below {folder} has steps.csv (runs with method.record_every > 0)")
     every = pd.concat(records, ignore_index=True)
     if snr_column not in every.columns:
         every[snr_column] = float("nan")
-    paper = read_paper_csv_text("ktied_fig6_right.csv")
+    paper = read_paper_csv("ktied_fig6_right.csv", printed=True)
     rows = []
     for (column, step), group in every[every["step"].isin(list(steps))].groupby(["column", "step"]):
         row: dict = {"dataset": "mnist", "method": column, "step": int(step), "n_runs": len(group)}
@@ -235,10 +220,7 @@ def step_records(
             value = None
             if len(match):
                 value = PaperValue.printed(match.iloc[0][f"{paper_key}_mean"], match.iloc[0][f"{paper_key}_sem"])
-            row[f"paper_{metric}"] = None if value is None else value.value
-            row[f"paper_{metric}_se"] = None if value is None else value.se
-            se = row[f"{metric}_se"]
-            row[f"agrees_{metric}"] = _verdict(row[metric], 0.0 if math.isnan(se) else se, value)
+            _beside(row, metric, value)
         rows.append(row)
     if not rows:
         raise ResultsError(f"no run below {folder} recorded any of the steps {list(steps)}")
@@ -254,11 +236,7 @@ def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
     for r in table.to_dict("records"):
         cells = [str(r["step"]), LABELS.get(r["method"], r["method"]), str(r["n_runs"])]
         for metric, digits in (("snr", 2), ("val_neg_elbo", 3)):
-            cells += [
-                mean_se(r[metric], r[f"{metric}_se"], digits),
-                mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], digits),
-                _yes_no(r[f"agrees_{metric}"]),
-            ]
+            cells += _compared(r, metric, digits, digits)
         rows.append(cells)
     return markdown(headers, rows) + (
         f"\n\nSNR: {snr_column} of steps.csv, the mean over the layer's std parameters of E[g²]/Var[g] over the "

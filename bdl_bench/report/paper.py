@@ -17,16 +17,12 @@ from bdl_bench.errors import ResultsError
 from bdl_bench.results import read_csv_exact
 
 
-def read_paper_csv(name: str) -> pd.DataFrame:
-    """One of the transcribed CSVs shipped in ``bdl_bench/report/paper_numbers``."""
+def read_paper_csv(name: str, *, printed: bool = False) -> pd.DataFrame:
+    """One of the transcribed CSVs shipped in ``bdl_bench/report/paper_numbers``: each number the printed value's
+    nearest float (before pandas 3.1, not always), or with ``printed`` every cell as the printed text (``"0.00"``
+    keeps its two decimals)."""
     with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
-        return read_csv_exact(f)  # the printed value's nearest float (before pandas 3.1, not always)
-
-
-def read_paper_csv_text(name: str) -> pd.DataFrame:
-    """Every cell as the printed text (``"0.00"`` keeps its two decimals)."""
-    with resources.files("bdl_bench.report").joinpath("paper_numbers", name).open() as f:
-        return pd.read_csv(f, dtype=str, keep_default_na=False)
+        return pd.read_csv(f, dtype=str, keep_default_na=False) if printed else read_csv_exact(f)
 
 
 def half_unit(printed: str) -> float:
@@ -98,7 +94,7 @@ class PaperTable:
 
 
 def _slang_table2() -> PaperTable:
-    frame = read_paper_csv_text("slang_table2_uci.csv").set_index(["dataset", "method"])
+    frame = read_paper_csv("slang_table2_uci.csv", printed=True).set_index(["dataset", "method"])
 
     def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
         if (dataset, column) not in frame.index:
@@ -230,7 +226,7 @@ def _def_table1() -> PaperTable:
 _KTIED_DATASETS = {"mnist": "mnist_mlp", "cifar100": "cifar100_cnn", "imdb": "imdb_lstm"}
 
 
-def _ktied_column(run: Mapping[str, Any]) -> str:
+def ktied_column(run: Mapping[str, Any]) -> str:
     """k-tied Fig. 6 left's column: ``mean_field`` (``gmfvi``) or ``<k>_tied`` (``ktied``, ``method.k``)."""
     name = str(run["method.name"])
     if name == "gmfvi":
@@ -260,7 +256,7 @@ def _ktied_fig6() -> PaperTable:
     return PaperTable(
         name="ktied_fig6",
         metrics={"elbo": ("neg_elbo", -1.0), "nll": ("nll", 1.0), "accuracy": ("accuracy_percent", 1.0)},
-        column=_ktied_column,
+        column=ktied_column,
         lookup=lookup,
         # our accuracy is a fraction; the paper prints percent
         scale=lambda dataset, metric: 0.01 if metric == "accuracy_percent" else 1.0,

@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import yaml
 from matplotlib.figure import Figure
 from torch import Tensor
 
 from bdl_bench.data.toy import make_cubic
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
-from bdl_bench.results import CONFIG_FILE, METRICS_FILE, find_run_dirs
+from bdl_bench.report.tables import run_configs
+from bdl_bench.results import METRICS_FILE
 
 VARIANTS = ("hmc", "bbb", "map", "diag", "kfac", "efb", "block", "def", "def_rank1")
 N_SIGMA = 3  # Fig. 4 shades up to three standard deviations
@@ -204,24 +204,20 @@ def read_runs(folder: Path, variants: Sequence[str] | None = None) -> tuple[dict
     these."""
     found: dict[str, ToyPrediction] = {}
     data_cfg = None
-    for run_dir in find_run_dirs(folder):
-        npz, metrics = run_dir / "predictive.npz", run_dir / METRICS_FILE
-        if not (npz.exists() and metrics.exists()):
-            continue
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    for run_dir, config in run_configs(folder, "predictive.npz", METRICS_FILE):
         variant = variant_of(config)
         if variants is not None and variant not in variants:
             continue
         if data_cfg is not None and config.get("data") != data_cfg:
             raise ResultsError(f"the runs below {folder} use different data configs; draw one sweep at a time")
         data_cfg = config.get("data")
-        arrays = np.load(npz)
+        arrays = np.load(run_dir / "predictive.npz")
         std = torch.as_tensor(arrays["f_std"])
         found[variant] = ToyPrediction(
             torch.as_tensor(arrays["f_mean"]),
             std,
             (std.square() + float(arrays["noise_std"]) ** 2).sqrt(),
-            json.loads(metrics.read_text()),
+            json.loads((run_dir / METRICS_FILE).read_text()),
         )
     if not found:
         raise ResultsError(f"no finished run below {folder} has predictive.npz (trainer.save_predictive: true)")
