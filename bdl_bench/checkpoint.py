@@ -1,15 +1,8 @@
-"""Training checkpoints: what a killed run needs to continue exactly where it stopped.
-
-A checkpoint is one file (``checkpoint.pt`` in the run folder), written atomically and read with
-``torch.load(weights_only=True)``, so it holds only tensors, numbers, strings and plain containers: the
-method's ``state_dict()``, the state of every ``torch.Generator`` the runner made and of torch's global RNG,
-the epoch reached, how many rows of ``history.csv`` belong to it (the rows stay in that file: a resumed run
-reads them back and drops any written after the checkpoint), the training time spent, the config hash (never
-applied to another config) and the device type: generator states differ between CPU and CUDA, so a checkpoint
-is refused on another device type rather than resumed.
-
-A finished run removes its checkpoint and keeps ``params.pt`` (:func:`save_params`): the final flat parameters
-of methods with a point estimate or posterior mean, which ``method.map_dir`` of ``method=laplace`` reads."""
+"""Training checkpoints (docs/sweeps.md): what a killed run needs to continue exactly where it stopped, in one
+file (``checkpoint.pt`` in the run folder) written atomically and read with ``torch.load(weights_only=True)``, so
+it holds only tensors, numbers, strings and plain containers (:class:`Checkpoint`). It is never applied to another
+config hash, and refused on another device type: generator states differ between CPU and CUDA. A finished run
+removes it and keeps ``params.pt`` (:func:`save_params`), which ``method.map_dir`` of ``method=laplace`` reads."""
 
 from __future__ import annotations
 

@@ -167,12 +167,6 @@ def reliability_from_confidence(confidence: Tensor, correct: Tensor, n_bins: int
     )
 
 
-def reliability_diagram(probs: Tensor, labels: Tensor, n_bins: int = 15) -> ReliabilityDiagram:
-    """:class:`ReliabilityDiagram` of predictive probabilities ``(N, C)`` against integer labels ``(N,)``."""
-    confidence, predicted = probs.max(dim=-1)
-    return reliability_from_confidence(confidence, predicted == labels.long(), n_bins)
-
-
 def uncertainty_arrays(probs: Tensor, labels: Tensor, ood_probs: Tensor | None = None) -> dict[str, np.ndarray]:
     """Per-example arrays for reliability diagrams and entropy histograms (``uncertainty.npz``):
     ``test_confidence``, ``test_correct``, ``test_entropy`` (normalised) and, with ``ood_probs``, ``ood_entropy``."""

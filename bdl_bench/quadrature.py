@@ -71,7 +71,7 @@ _VAR_SWITCH = 2.0
 """Variance above which the Laguerre rule (kink in closed form) replaces plain Gauss–Hermite."""
 
 PIECEWISE_MAX_GAP = 1.502e-4
-"""Upper bound on ``softplus_upper_bound(x) - log(1 + exp(x))`` over all real x."""
+"""Upper bound on the gap between the piecewise quadratic and ``log(1 + exp(x))`` over all real x."""
 
 # Breakpoints t_1 < ... < t_{R-1} of the piecewise quadratic upper bound on log(1 + e^x), and the
 # coefficients (a_r, b_r, c_r) of a_r x^2 + b_r x + c_r on [t_{r-1}, t_r): scripts/fit_softplus_bound.py.
@@ -212,21 +212,6 @@ def expected_log_sigmoid(mean: Tensor, var: Tensor, *, n_points: int = 32) -> Te
     return _ExpectedLogSigmoid.apply(mean, var, int(n_points))
 
 
-def _softplus_table(like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    edges = torch.tensor((-_PW_FAR, *_PW_BREAKS, _PW_FAR), dtype=like.dtype, device=like.device)
-    coeffs = torch.tensor(_PW_COEFFS, dtype=like.dtype, device=like.device)  # (R, 3)
-    return edges[:-1], edges[1:], coeffs
-
-
-def softplus_upper_bound(x: Tensor) -> Tensor:
-    r"""The piecewise quadratic :math:`\bar\ell(x) \ge \log(1 + e^x)` of the piecewise bound, elementwise:
-    ``0 <= result - softplus(x) <= PIECEWISE_MAX_GAP``."""
-    lo, _, coeffs = _softplus_table(x)
-    piece = torch.searchsorted(lo[1:].contiguous(), x.detach().contiguous(), right=True)
-    a, b, c = coeffs[piece].unbind(-1)
-    return (a * x + b) * x + c
-
-
 def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
     r"""Lower bound on :math:`\mathbb E[\log\sigma(f)]`, :math:`f\sim\mathcal N(m, v)`, elementwise.
 
@@ -239,7 +224,9 @@ def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
     is then a very narrow Gaussian); within :data:`PIECEWISE_MAX_GAP` of the exact value. The broadcast
     shape, ``mean``'s dtype; differentiable in ``mean`` and ``var``."""
     mean, var = _check_moments(mean, var)
-    lo, hi, coeffs = _softplus_table(mean)
+    edges = torch.tensor((-_PW_FAR, *_PW_BREAKS, _PW_FAR), dtype=mean.dtype, device=mean.device)
+    lo, hi = edges[:-1], edges[1:]
+    coeffs = torch.tensor(_PW_COEFFS, dtype=mean.dtype, device=mean.device)  # (R, 3)
     mu = -mean[..., None]  # (..., 1): the mean of g = -f
     v = var.clamp_min(1e-24)[..., None]
     s = torch.sqrt(v)

@@ -24,31 +24,6 @@ from bdl_bench.likelihoods import Likelihood
 from bdl_bench.methods import Problem, build_method
 
 
-def reference_key(
-    reference_cfg: Mapping[str, Any],
-    model: torch.nn.Module,
-    likelihood: Likelihood,
-    prior: torch.Tensor,
-    dataset: Dataset,
-    seed: int,
-) -> str:
-    """SHA-256 (hex, 32 characters) of everything the reference fit depends on."""
-    digest = hashlib.sha256()
-    described = {
-        "reference": dict(reference_cfg),
-        "model": repr(model),
-        "likelihood": f"{type(likelihood).__name__}{sorted(vars(likelihood).items())!r}",
-        "dtype": str(prior.dtype),
-        "seed": seed,
-    }
-    digest.update(json.dumps(described, sort_keys=True, default=str).encode())
-    for tensor in (dataset.x_train, dataset.y_train, prior):
-        array = tensor.detach().cpu().contiguous()
-        digest.update(str((tuple(array.shape), str(array.dtype))).encode())
-        digest.update(array.numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def reference_posterior(
     reference_cfg: Mapping[str, Any],
     model: torch.nn.Module,
@@ -59,10 +34,24 @@ def reference_posterior(
     cache_dir: Path | None = None,
 ) -> Any:
     """The posterior of the method ``reference_cfg`` on ``dataset``'s training set, fitted on a zeroed copy of
-    ``model``, from ``cache_dir`` when it is there (``None``: no caching)."""
+    ``model``, from ``cache_dir`` when it is there (``None``: no caching), under 32 hex digits of a SHA-256 of
+    everything the fit depends on."""
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"{reference_key(reference_cfg, model, likelihood, prior, dataset, seed)}.pt"
+        digest = hashlib.sha256()
+        described = {
+            "reference": dict(reference_cfg),
+            "model": repr(model),
+            "likelihood": f"{type(likelihood).__name__}{sorted(vars(likelihood).items())!r}",
+            "dtype": str(prior.dtype),
+            "seed": seed,
+        }
+        digest.update(json.dumps(described, sort_keys=True, default=str).encode())
+        for tensor in (dataset.x_train, dataset.y_train, prior):
+            array = tensor.detach().cpu().contiguous()
+            digest.update(str((tuple(array.shape), str(array.dtype))).encode())
+            digest.update(array.numpy().tobytes())
+        path = Path(cache_dir) / f"{digest.hexdigest()[:32]}.pt"
         if path.exists():
             cached = load_gaussian(path)
             return type(cached)(**{f.name: getattr(cached, f.name).to(prior) for f in dataclasses.fields(cached)})

@@ -316,11 +316,6 @@ COST_METRICS = ("train_time_s", "cpu_time_s", "peak_rss_mib")
 """What a run cost (runner.finish_run): the metrics two runs of the same config may differ in."""
 
 
-def without_cost(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` less :data:`COST_METRICS`: what a repeated or resumed run must reproduce exactly."""
-    return {k: v for k, v in metrics.items() if k not in COST_METRICS}
-
-
 def load_runs(root: Path, *, strict: bool = False) -> pd.DataFrame:
     """One row per finished run below ``root``: flattened config keys plus metrics and ``run_dir``. A run whose ``config.yaml`` or ``metrics.json`` cannot be
     read (cut short by a full disk or a killed copy) is left out with one warning line naming the file, or

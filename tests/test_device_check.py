@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _device_check import DEVICE, DeviceMixError, DeviceTensor, fake_device, to_device
+from _runs import without_cost
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
@@ -22,7 +23,7 @@ from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.orchestration.resume import CheckpointDeviceError
 from bdl_bench.orchestration.runner import run
-from bdl_bench.results import read_run_record, without_cost
+from bdl_bench.results import read_run_record
 
 # --- the check itself ---------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _runs import without_cost
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import Terminated
@@ -26,7 +27,7 @@ from bdl_bench.orchestration.sigterm import stop_at_epoch_end
 from bdl_bench.orchestration.status import folder_status
 from bdl_bench.orchestration.sweep import run_job
 from bdl_bench.orchestration.write_errors import WriteError
-from bdl_bench.results import append_whole, read_run_record, without_cost
+from bdl_bench.results import append_whole, read_run_record
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "BDL_BENCH_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

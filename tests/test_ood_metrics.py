@@ -14,9 +14,14 @@ from bdl_bench.metrics import (
     ood_auroc,
     ood_metrics,
     predictive_entropy,
-    reliability_diagram,
+    reliability_from_confidence,
     uncertainty_arrays,
 )
+
+
+def reliability_diagram(probs: torch.Tensor, labels: torch.Tensor, n_bins: int = 15):
+    confidence, predicted = probs.max(dim=-1)
+    return reliability_from_confidence(confidence, predicted == labels, n_bins)
 
 
 def test_ece_hand_computed() -> None:

@@ -15,13 +15,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from _runs import without_cost
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import UserError
 from bdl_bench.orchestration.resume import CheckpointDeviceError, checkpoint_histories
 from bdl_bench.orchestration.runner import run
 from bdl_bench.orchestration.sweep import run_job
-from bdl_bench.results import read_run_record, without_cost
+from bdl_bench.results import read_run_record
 
 
 class Crash(Exception):

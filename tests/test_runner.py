@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import without_cost
 
 from bdl_bench.methods.base import NonFiniteLossError
 from bdl_bench.orchestration.runner import run
-from bdl_bench.results import without_cost
 
 
 def test_run_writes_config_history_and_metrics(tmp_path: Path, compose_cfg) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from _runs import without_cost
 from omegaconf import OmegaConf
 
 from bdl_bench.data import build_dataset
@@ -26,7 +27,7 @@ from bdl_bench.orchestration.reproduce import make_plan
 from bdl_bench.orchestration.runner import _check_stackable, run
 from bdl_bench.orchestration.stacked import stacked_splits
 from bdl_bench.orchestration.sweep import ConfigVersionError, run_job
-from bdl_bench.results import config_hash, read_run_record, without_cost
+from bdl_bench.results import config_hash, read_run_record
 
 METHODS = {
     "bbb": {"name": "bbb", "lr": 0.01, "n_train_mc_samples": 3, "estimator": "local_reparam", "init_std": 0.05},

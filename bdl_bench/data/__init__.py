@@ -6,57 +6,24 @@ that calls :func:`~bdl_bench.data.base.register_dataset`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from bdl_bench.data.base import DATASETS, DataFileError, Dataset, DatasetLoader, Task, default_data_root
+from bdl_bench.data.base import DATASETS, Dataset, DatasetLoader
 from bdl_bench.errors import ConfigError
-
-__all__ = [
-    "DATASETS",
-    "DataFileError",
-    "Dataset",
-    "Task",
-    "available_datasets",
-    "build_dataset",
-    "default_data_root",
-    "get_loader",
-    "import_all_loaders",
-]
+from bdl_bench.registry import import_submodules, lookup
 
 IGNORED_KEYS = frozenset({"name", "protocol"})
 """Config keys that are not loader arguments (``protocol`` holds settings other code reads)."""
 
-_imported = False
-
-
-def import_all_loaders() -> None:
-    """Import every submodule of :mod:`bdl_bench.data` once, so that all loaders are registered."""
-    global _imported
-    if _imported:
-        return
-    for module in pkgutil.iter_modules(__path__):
-        if not module.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{module.name}")
-    _imported = True
-
-
-def available_datasets() -> list[str]:
-    import_all_loaders()
-    return sorted(DATASETS)
-
 
 def get_loader(name: str) -> DatasetLoader:
     """The loader registered under ``name``; an unknown name is a :class:`ConfigError` listing the known ones."""
-    import_all_loaders()
-    if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; available: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name]
+    import_submodules(__name__)
+    return lookup(DATASETS, name, "dataset")
 
 
 def build_dataset(cfg: Mapping[str, Any]) -> Dataset:

@@ -1,9 +1,5 @@
-"""Safe reading and extraction of downloaded tar archives.
-
-Every member is checked before anything is read or written: an absolute path, a ``..`` component, a
-link or a special file is refused (:class:`UnsafeArchiveError`), and extraction also passes
-``filter="data"`` to :mod:`tarfile` (which alone would strip a leading ``/`` rather than refuse it).
-"""
+"""Safe reading of downloaded tar archives, never extracted: every member is checked before it is read, and an
+absolute path, a ``..`` component, a link or a special file is refused (:class:`UnsafeArchiveError`)."""
 
 from __future__ import annotations
 
@@ -28,18 +24,6 @@ def check_member(member: tarfile.TarInfo) -> None:
         raise UnsafeArchiveError(f"archive member {name!r} contains '..'; refusing to extract")
     if not (member.isfile() or member.isdir()):
         raise UnsafeArchiveError(f"archive member {name!r} is a link or special file; refusing to extract")
-
-
-def safe_extract(archive: Path, dest: Path) -> list[Path]:
-    """Extract a tar archive into ``dest`` after checking every member (then with ``filter="data"``); returns the
-    extracted regular files. Nothing is extracted if any member is unsafe."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        for member in members:
-            check_member(member)
-        tar.extractall(dest, members=members, filter="data")
-    return [dest / m.name for m in members if m.isfile()]
 
 
 def iter_tar_files(archive: Path, select: Callable[[str], bool]) -> Iterator[tuple[str, bytes]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bdl_bench.errors import DataFileError  # noqa: F401  (re-exported: data modules import it from here)
+from bdl_bench.registry import registrar
 
 
 class Task(str, Enum):
@@ -106,17 +106,7 @@ class Dataset:
 
 DatasetLoader = Callable[..., Dataset]
 DATASETS: dict[str, DatasetLoader] = {}
-
-
-def register_dataset(name: str) -> Callable[[DatasetLoader], DatasetLoader]:
-
-    def add(fn: DatasetLoader) -> DatasetLoader:
-        if name in DATASETS:
-            raise ValueError(f"dataset name {name!r} is registered twice")
-        DATASETS[name] = fn
-        return fn
-
-    return add
+register_dataset = registrar(DATASETS, "dataset")
 
 
 def default_data_root() -> Path:

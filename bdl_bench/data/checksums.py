@@ -1,27 +1,25 @@
-"""SHA-256 verification of the shipped data files against ``data/SHA256SUMS``.
-
-The manifest is the repository's own ``data/SHA256SUMS`` (``sha256sum`` format, paths relative to
-``data/``), even when a loader reads from another ``root``: a copy of the data elsewhere must hold the
-same bytes. Each file is hashed at most once per process (the cache key includes size and mtime, so a
-file rewritten in place is hashed again).
-
-Command line::
-
-    python -m bdl_bench.data.checksums            # check every file listed in data/SHA256SUMS
-    python -m bdl_bench.data.checksums --write    # rewrite data/SHA256SUMS from the files in data/
-"""
+"""SHA-256 verification of the shipped data files against ``data/SHA256SUMS`` (``sha256sum`` format, paths
+relative to ``data/``), also when a loader reads a copy elsewhere (``root``): it must hold the same bytes.
+``python -m bdl_bench.data.checksums [--write]`` checks every listed file (or rewrites the manifest; see
+``data/README.md``)."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
-from bdl_bench.data.base import DataFileError, default_data_root
+import numpy as np
+
+from bdl_bench.data.base import default_data_root
+from bdl_bench.errors import DataFileError
 
 MANIFEST_NAME = "SHA256SUMS"
+T = TypeVar("T")
 FIX_HINT = (
     "re-checkout the repository's data/ folder (git checkout -- data/) or copy it from the source "
     "named in data/README.md"
@@ -32,12 +30,18 @@ def manifest_path() -> Path:
     return default_data_root() / MANIFEST_NAME
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def hexdigests(path: Path, *algorithms: str) -> list[str]:
+    """The hex digests of the file at ``path`` by each of the :mod:`hashlib` ``algorithms``, in one read."""
+    hashes = [hashlib.new(name, usedforsecurity=False) for name in algorithms]
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+            for digest in hashes:
+                digest.update(block)
+    return [digest.hexdigest() for digest in hashes]
+
+
+def _sha256(path: Path) -> str:
+    return hexdigests(path, "sha256")[0]
 
 
 def parse_manifest(text: str) -> dict[str, str]:
@@ -65,8 +69,19 @@ def load_manifest() -> dict[str, str]:
 
 
 @cache
-def _digest_cached(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(Path(path))
+def _once(read: Callable[[Path], T], path: str, size: int, mtime_ns: int) -> T:
+    """``read(path)``, once per process while the file keeps its size and modification time; the arrays it
+    returns (alone or in a tuple) are made read-only, since every caller gets the same ones."""
+    value = read(Path(path))
+    for array in value if isinstance(value, tuple) else (value,):
+        if isinstance(array, np.ndarray):
+            array.flags.writeable = False
+    return value
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def verify_file(path: Path, rel: str) -> Path:
@@ -80,8 +95,7 @@ def verify_file(path: Path, rel: str) -> Path:
             f"data file {path} ({rel!r}) is not listed in {manifest_path()}; add it with "
             "`python -m bdl_bench.data.checksums --write` after checking its source"
         )
-    stat = path.stat()
-    actual = _digest_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    actual = _once(_sha256, *_stat_key(path))
     if actual != expected:
         raise DataFileError(
             f"data file {path} is corrupted or modified: SHA-256 {actual} differs from {expected} recorded "
@@ -96,10 +110,16 @@ def data_file(rel: str, root: str | Path | None = None) -> Path:
     return verify_file(base / rel, rel)
 
 
+def read_data_file(rel: str, read: Callable[[Path], T], root: str | Path | None = None) -> T:
+    """``read`` of the verified file :func:`data_file` ``(rel, root)``, parsed once per process while it keeps
+    its size and modification time (arrays read-only)."""
+    return _once(read, *_stat_key(data_file(rel, root)))
+
+
 def compute_manifest(root: Path) -> str:
     """``sha256sum``-format text for every file under ``root`` except the manifest, sorted by path."""
     lines = [
-        f"{sha256_file(p)}  {p.relative_to(root).as_posix()}"
+        f"{_sha256(p)}  {p.relative_to(root).as_posix()}"
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST_NAME and "__pycache__" not in p.parts
     ]

@@ -1,14 +1,5 @@
-"""``bdl-bench data list|fetch|verify``: the download cache from the command line.
-
-    bdl-bench data list                               # every downloadable dataset, its files and their state
-    bdl-bench data fetch vision/mnist vision/notmnist # download (or copy from --mirror) and verify
-    bdl-bench data fetch --all --mirror /srv/datasets
-    bdl-bench data verify                             # re-hash every cached file; re-fetch corrupt ones
-    bdl-bench data verify --no-refetch                # only report (exit status 1 on a corrupt file)
-
-Names are dataset names (``vision/mnist``) or cache keys (``mnist/train-images-idx3-ubyte.gz``).
-The cache folder is ``--root``, else ``$BDL_BENCH_DATA``, else ``~/.cache/bdl-bench``.
-"""
+"""``bdl-bench data list|fetch|verify``: the download cache from the command line (docs/running.md). Names are
+dataset names (``vision/mnist``) or cache keys (``mnist/train-images-idx3-ubyte.gz``)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,15 @@
-"""Verified downloads into the data cache.
-
-Every large dataset file is described by a :class:`RemoteFile` (``registry_files.py``): its place in
-the cache, its canonical URLs and its published checksum. :func:`fetch` returns the cached copy after
-checking it, or gets it:
-
-1. from ``mirror`` when one is given (``data.mirror=<URL or folder>`` in configs, ``--mirror`` on the
-   command line): a folder is searched for ``<folder>/<key>`` then ``<folder>/<file name>``; a URL is
-   tried as ``<URL>/<key>`` then ``<URL>/<file name>``;
-2. then from the canonical URLs, unless ``$BDL_BENCH_OFFLINE`` is set.
-
-A download is streamed with a tqdm bar into ``<name>.part``, resumed with an HTTP ``Range`` request
-after a broken connection (or from a ``.part`` an earlier process left), retried with exponential
-back-off on connection errors, time-outs and 5xx answers, and renamed to its final name only once
-its size and checksums match. A file whose checksum does not match is deleted, never used.
-
-Where only an MD5 is published (CIFAR binary, SVHN, IMDB) the MD5 is checked and the SHA-256 of the
-accepted file is written beside it (``<name>.sha256``) and checked on every later use as well.
-
-The cache folder is ``$BDL_BENCH_DATA``, by default ``~/.cache/bdl-bench``. Concurrent runs of a sweep
-share it safely: each file is fetched under an exclusive lock (POSIX ``flock``).
-"""
+"""Verified downloads into the data cache (docs/running.md): :func:`fetch` returns the cached copy of a
+:class:`RemoteFile` after checking it, or gets it from ``mirror`` (a folder or base URL, tried as
+``<mirror>/<key>`` then ``<mirror>/<file name>``) and then, unless ``$BDL_BENCH_OFFLINE`` is set, from the
+canonical URLs. A download is resumed with an HTTP ``Range`` request after a broken connection, retried with
+back-off, and renamed to its final name only once its size and checksums match; a file that does not match is
+deleted, never used. Where only an MD5 is published, the SHA-256 of the accepted file is written beside it
+(``<name>.sha256``) and checked on every later use as well. Each file is fetched under an exclusive ``flock``,
+so concurrent runs share the cache safely."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
@@ -38,7 +23,8 @@ from urllib.parse import urlsplit
 import requests
 from tqdm.auto import tqdm
 
-from bdl_bench.data.base import DataFileError
+from bdl_bench.data.checksums import hexdigests
+from bdl_bench.errors import DataFileError
 
 try:  # POSIX only; elsewhere concurrent fetches of one file are not serialised
     import fcntl
@@ -71,7 +57,6 @@ class RemoteFile:
     sha256: str | None = None
     md5: str | None = None  # as published by the source or well-known loaders
     size: int | None = None  # bytes, None when not recorded
-    source: str = ""  # where the checksums come from
 
     def __post_init__(self) -> None:
         if self.sha256 is None and self.md5 is None:
@@ -118,24 +103,6 @@ def offline() -> bool:
 # --- checksums ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Digests:
-    sha256: str
-    md5: str
-    size: int
-
-
-def file_digests(path: Path) -> Digests:
-    sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
-    size = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-            md5.update(block)
-            size += len(block)
-    return Digests(sha.hexdigest(), md5.hexdigest(), size)
-
-
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
@@ -146,16 +113,16 @@ def checksum_problem(path: Path, remote: RemoteFile, *, use_sidecar: bool = True
     size = path.stat().st_size
     if remote.size is not None and size != remote.size:
         return f"size {size} bytes differs from the recorded {remote.size}"
-    got = file_digests(path)  # never cached: a file rewritten in place may keep its mtime
-    if remote.sha256 is not None and got.sha256 != remote.sha256:
-        return f"SHA-256 {got.sha256} differs from the recorded {remote.sha256}"
-    if remote.md5 is not None and got.md5 != remote.md5:
-        return f"MD5 {got.md5} differs from the recorded {remote.md5}"
+    sha256, md5 = hexdigests(path, "sha256", "md5")  # never cached: a file rewritten in place may keep its mtime
+    if remote.sha256 is not None and sha256 != remote.sha256:
+        return f"SHA-256 {sha256} differs from the recorded {remote.sha256}"
+    if remote.md5 is not None and md5 != remote.md5:
+        return f"MD5 {md5} differs from the recorded {remote.md5}"
     sidecar = _sidecar(path)
     if use_sidecar and remote.sha256 is None and sidecar.is_file():
         expected = sidecar.read_text(encoding="utf-8").split()[0] if sidecar.stat().st_size else ""
-        if got.sha256 != expected:
-            return f"SHA-256 {got.sha256} differs from {expected!r} recorded in {sidecar} when it was first fetched"
+        if sha256 != expected:
+            return f"SHA-256 {sha256} differs from {expected!r} recorded in {sidecar} when it was first fetched"
     return None
 
 
@@ -174,13 +141,7 @@ class _Retryable(Exception):
     """A transfer failure worth another attempt (5xx, a truncated body)."""
 
 
-def download_url(
-    url: str,
-    part: Path,
-    *,
-    settings: DownloadSettings,
-    expected_size: int | None = None,
-) -> None:
+def download_url(url: str, part: Path, *, settings: DownloadSettings, expected_size: int | None = None) -> None:
     """Stream ``url`` into ``part``, resuming from ``part``'s current length.
 
     A server that ignores ``Range`` (status 200) restarts the file; 416 on a non-empty part means
@@ -331,7 +292,7 @@ def fetch(
             problem = _get_one(source, part, remote, settings)
             if problem is None:
                 if remote.sha256 is None:  # first use of an MD5-only file: remember its SHA-256
-                    _sidecar(part).write_text(f"{file_digests(part).sha256}  {remote.filename}\n", encoding="utf-8")
+                    _sidecar(part).write_text(f"{hexdigests(part, 'sha256')[0]}  {remote.filename}\n", encoding="utf-8")
                     os.replace(_sidecar(part), _sidecar(target))
                 os.replace(part, target)
                 log.info("fetched %s from %s", target, source)

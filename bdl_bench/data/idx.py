@@ -1,4 +1,4 @@
-"""Reading and writing the IDX format of MNIST-style files (LeCun's ``*-idx3-ubyte``), plain or gzipped.
+"""Reading the IDX format of MNIST-style files (LeCun's ``*-idx3-ubyte``), plain or gzipped.
 
 Layout (big-endian): two zero bytes, one type byte, one byte ``n_dims``, then ``n_dims`` unsigned
 32-bit sizes, then the values row-major. Type bytes: 0x08 uint8, 0x09 int8, 0x0B int16, 0x0C int32,
@@ -60,23 +60,3 @@ def read_idx(path: str | Path) -> np.ndarray:
     """:func:`parse_idx` of a file on disk (``.gz`` or not: the content decides)."""
     path = Path(path)
     return parse_idx(path.read_bytes(), name=str(path))
-
-
-def encode_idx(array: np.ndarray) -> bytes:
-    """IDX bytes of ``array`` (dtype one of :data:`IDX_TYPES`' kinds)."""
-    array = np.asarray(array)
-    for code, dtype in IDX_TYPES.items():
-        if array.dtype.kind == dtype.kind and array.dtype.itemsize == dtype.itemsize:
-            header = bytes([0, 0, code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-            return header + np.ascontiguousarray(array, dtype=dtype).tobytes()
-    raise ValueError(f"no IDX type for dtype {array.dtype}")
-
-
-def write_idx(array: np.ndarray, path: str | Path, *, compress: bool | None = None) -> Path:
-    """Write ``array`` as IDX (gzipped when ``compress`` or, by default, when the name ends in ``.gz``)."""
-    path = Path(path)
-    data = encode_idx(array)
-    if compress if compress is not None else path.suffix == ".gz":
-        data = gzip.compress(data, mtime=0)
-    path.write_bytes(data)
-    return path

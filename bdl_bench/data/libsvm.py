@@ -12,7 +12,7 @@ random, the permutation seeded by ``split`` (train size ``N // 2``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +20,11 @@ import scipy.io
 import scipy.sparse
 from torch import Tensor
 
-from bdl_bench.data.base import DataFileError, Dataset, Task, as_float, register_dataset
-from bdl_bench.data.checksums import data_file
+from bdl_bench.data.base import Dataset, Task, as_float, register_dataset
+from bdl_bench.data.checksums import read_data_file
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_seed, check_split, random_halves
-from bdl_bench.errors import ConfigError
+from bdl_bench.errors import DataFileError
+from bdl_bench.registry import lookup
 
 RawArrays = tuple[np.ndarray, np.ndarray, int | None]
 """``(x, y01, n_fixed_train)``: inputs, {0,1} labels, and the size of a fixed training part (or None)."""
@@ -74,27 +75,11 @@ LIBSVM_SOURCES: dict[str, tuple[str, Callable[[Path], RawArrays]]] = {
 """Short name (after ``libsvm/``) -> file under ``data/`` and its reader."""
 
 
-@cache
-def _read_cached(name: str, path: str, size: int, mtime_ns: int) -> RawArrays:
-    x, y, n_fixed = LIBSVM_SOURCES[name][1](Path(path))
-    x.flags.writeable = False
-    y.flags.writeable = False
-    return x, y, n_fixed
-
-
-def _file(name: str) -> str:
-    if name not in LIBSVM_SOURCES:
-        raise ConfigError(f"unknown LIBSVM dataset {name!r}; available: {', '.join(LIBSVM_SOURCES)}")
-    return LIBSVM_SOURCES[name][0]
-
-
 def load_libsvm_raw(name: str, root: str | Path | None = None) -> RawArrays:
     """All rows of a LIBSVM set as read-only arrays: dense float64 inputs, labels in {0., 1.}, and the size of the
     fixed training part: for ``a1a`` the rows are a1a (padded to 123 columns) then a1a.t, and it is 1605; for the
     others ``None``."""
-    path = data_file(_file(name), root)
-    stat = path.stat()
-    return _read_cached(name, str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return read_data_file(*lookup(LIBSVM_SOURCES, name, "LIBSVM dataset"), root=root)
 
 
 def libsvm_split_indices(

@@ -9,16 +9,16 @@ predictions back to original units.
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from bdl_bench.data.base import Dataset, register_dataset
-from bdl_bench.data.checksums import data_file
+from bdl_bench.data.checksums import read_data_file
 from bdl_bench.data.splits import SplitIndices, carve_validation, check_split
 from bdl_bench.data.standardise import regression_dataset
-from bdl_bench.errors import ConfigError
+from bdl_bench.registry import lookup
 
 UCI_FOLDERS: dict[str, str] = {
     "boston": "bostonHousing",
@@ -37,33 +37,21 @@ UCI_N_SPLITS: dict[str, int] = {name: (5 if name == "protein" else 20) for name 
 """Number of Gal's fixed splits per dataset."""
 
 
-@cache
-def _loadtxt(path: str, size: int, mtime_ns: int, integer: bool) -> np.ndarray:
-    array = np.loadtxt(path, dtype=np.int64 if integer else np.float64, ndmin=1)
-    array.flags.writeable = False
-    return array
-
-
-def _read(rel: str, root: str | Path | None, *, integer: bool = False) -> np.ndarray:
-    """Verify and parse one text file, parsing each file at most once per process (read-only result)."""
-    path = data_file(rel, root)
-    stat = path.stat()
-    return _loadtxt(str(path.resolve()), stat.st_size, stat.st_mtime_ns, integer)
+_FLOATS = partial(np.loadtxt, dtype=np.float64, ndmin=1)
+_INTS = partial(np.loadtxt, dtype=np.int64, ndmin=1)
 
 
 def _folder(name: str) -> str:
-    if name not in UCI_FOLDERS:
-        raise ConfigError(f"unknown UCI dataset {name!r}; available: {', '.join(UCI_FOLDERS)}")
-    return f"uci/{UCI_FOLDERS[name]}"
+    return f"uci/{lookup(UCI_FOLDERS, name, 'UCI dataset')}"
 
 
 def load_uci_raw(name: str, root: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The whole table of a UCI set in original units: read-only float64 ``x`` ``(N, D)`` and ``y`` ``(N,)``,
     row ``i`` being row ``i`` of ``data.txt`` (what the ids of :func:`uci_split_indices` index)."""
     folder = _folder(name)
-    table = _read(f"{folder}/data.txt", root)
-    features = _read(f"{folder}/index_features.txt", root, integer=True)
-    target = int(_read(f"{folder}/index_target.txt", root, integer=True)[0])
+    table = read_data_file(f"{folder}/data.txt", _FLOATS, root)
+    features = read_data_file(f"{folder}/index_features.txt", _INTS, root)
+    target = int(read_data_file(f"{folder}/index_target.txt", _INTS, root)[0])
     return table[:, features], table[:, target]
 
 
@@ -74,8 +62,8 @@ def uci_split_indices(
     moved to validation by a permutation seeded with ``seed``."""
     folder = _folder(name)
     split = check_split(split, UCI_N_SPLITS[name], f"uci/{name}")
-    train = np.array(_read(f"{folder}/index_train_{split}.txt", root, integer=True))
-    test = np.array(_read(f"{folder}/index_test_{split}.txt", root, integer=True))
+    train = np.array(read_data_file(f"{folder}/index_train_{split}.txt", _INTS, root))
+    test = np.array(read_data_file(f"{folder}/index_test_{split}.txt", _INTS, root))
     train, val = carve_validation(train, val_fraction, seed, f"uci/{name}")
     return SplitIndices(train=train, val=val, test=test)
 

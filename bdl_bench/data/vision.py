@@ -5,9 +5,6 @@ Images are kept in memory as float32 tensors ``(N, C, H, W)`` scaled to [0, 1] â
 statistics of the training part (``data.standardise=true``). The out-of-distribution set of a loader
 (``data.ood=...``) is preprocessed with the same statistics. Validation rows are the *last* ``n_val``
 rows of the official training set (SLANG Table 3: MNIST 50k / 10k; k-tied: CIFAR-100 last 10k).
-
-Files come through :func:`bdl_bench.data.registry_files.get_file` (verified download into the cache,
-``data.mirror`` for offline sites); all parsing (IDX here, CIFAR binary, SVHN .mat) is ours.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from bdl_bench.data.base import Dataset, Task, register_dataset
 from bdl_bench.data.idx import read_idx
 from bdl_bench.data.registry_files import get_file
 from bdl_bench.errors import ConfigError, DataError
+from bdl_bench.registry import import_submodules, registrar
 
 
 @dataclass(frozen=True)
@@ -157,14 +155,7 @@ def image_dataset(
 OodReader = Callable[[str | Path | None, str | Path | None], ImageArrays]
 OOD_READERS: dict[str, OodReader] = {}
 """Short OOD name (``notmnist``, ``svhn``, ...) â†’ reader of its test images; filled by the modules below."""
-
-
-def register_ood(name: str) -> Callable[[OodReader], OodReader]:
-    def add(fn: OodReader) -> OodReader:
-        OOD_READERS[name] = fn
-        return fn
-
-    return add
+register_ood = registrar(OOD_READERS, "OOD set")
 
 
 def check_ood(ood: str | None, allowed: tuple[str, ...], name: str) -> str | None:
@@ -183,10 +174,7 @@ def read_ood(
     ood = check_ood(ood, allowed, name)
     if ood is None:
         return None
-    if ood not in OOD_READERS:  # the reader lives in another module of this package
-        from bdl_bench.data import import_all_loaders
-
-        import_all_loaders()
+    import_submodules("bdl_bench.data")  # the reader may live in another module of this package
     return f"vision/{ood}", OOD_READERS[ood](root, mirror)
 
 
@@ -251,11 +239,5 @@ def load_notmnist(
     ``ood``); see :func:`load_mnist` for the options."""
     rest, test = split_last(read_notmnist(root, mirror), n_test, "vision/notmnist")
     return image_dataset(
-        "vision/notmnist",
-        train=rest,
-        test=test,
-        n_classes=10,
-        n_val=n_val,
-        flatten=flatten,
-        standardise=standardise,
+        "vision/notmnist", train=rest, test=test, n_classes=10, n_val=n_val, flatten=flatten, standardise=standardise
     )

@@ -49,13 +49,7 @@ def _pooled(size: int, kernel: int, stride: int, padding: int) -> int:
 
 @register_model("cnn_def")
 def cnn_def(
-    *,
-    in_features: int,
-    out_features: int,
-    image_size: int,
-    channels: int,
-    hidden: list[int],
-    local_response_norm: bool,
+    *, in_features: int, out_features: int, image_size: int, channels: int, hidden: list[int], local_response_norm: bool
 ) -> nn.Sequential:
     """DEF's CIFAR-10 CNN (module docstring); ``channels`` = 64 and ``hidden`` = [384, 192] in the paper."""
     head, c_in = image_input(in_features, image_size, "cnn_def")
@@ -84,13 +78,7 @@ def cnn_def(
 
 
 def _lenet(
-    name: str,
-    in_features: int,
-    out_features: int,
-    image_size: int,
-    channels: list[int],
-    hidden: int,
-    dropout: float,
+    name: str, in_features: int, out_features: int, image_size: int, channels: list[int], hidden: int, dropout: float
 ) -> nn.Sequential:
     head, c_in = image_input(in_features, image_size, name)
     if len(channels) != 2:
@@ -117,13 +105,7 @@ def _lenet(
 
 @register_model("lenet")
 def lenet(
-    *,
-    in_features: int,
-    out_features: int,
-    image_size: int,
-    channels: list[int],
-    hidden: int,
-    dropout: float,
+    *, in_features: int, out_features: int, image_size: int, channels: list[int], hidden: int, dropout: float
 ) -> nn.Sequential:
     """DEF's LeNet (module docstring): ``channels=[32, 64]``, ``hidden=1024``, ``image_size=28`` in the paper;
     ``dropout`` before the last layer (DEF's MC-dropout baseline: 0.6; 0 = none)."""

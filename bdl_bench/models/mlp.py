@@ -12,6 +12,7 @@ from torch import nn
 
 from bdl_bench.errors import ConfigError
 from bdl_bench.models import register_model
+from bdl_bench.registry import lookup
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "elu": nn.ELU}
 
@@ -24,24 +25,18 @@ def logistic_regression(*, in_features: int, out_features: int, bias: bool) -> n
 
 @register_model("mlp")
 def mlp(
-    *,
-    in_features: int,
-    out_features: int,
-    hidden: Sequence[int],
-    activation: str,
-    dropout: float = 0.0,
+    *, in_features: int, out_features: int, hidden: Sequence[int], activation: str, dropout: float = 0.0
 ) -> nn.Sequential:
     """``in → hidden[0] → … → out`` with ``activation`` between layers; ``dropout > 0`` inserts ``nn.Dropout``
     before every linear layer but the first (MC dropout methods set the rate; others leave it at 0)."""
-    if activation not in ACTIVATIONS:
-        raise ConfigError(f"unknown activation {activation!r}; available: {', '.join(sorted(ACTIVATIONS))}")
+    nonlinearity = lookup(ACTIVATIONS, activation, "activation")
     if any(int(h) < 1 for h in hidden):
         raise ConfigError(f"hidden widths must be positive, got {list(hidden)}")
     widths = [in_features, *map(int, hidden), out_features]
     layers: list[nn.Module] = []
     for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:])):
         if i > 0:
-            layers.append(ACTIVATIONS[activation]())
+            layers.append(nonlinearity())
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
         layers.append(nn.Linear(w_in, w_out))

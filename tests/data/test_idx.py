@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _archives import encode_idx, write_idx
 
-from bdl_bench.data.idx import IdxFormatError, encode_idx, parse_idx, read_idx, write_idx
+from bdl_bench.data.idx import IdxFormatError, parse_idx, read_idx
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from _runs import without_cost
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -23,7 +24,6 @@ from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, prior_precision_vector
 from bdl_bench.orchestration.runner import run
 from bdl_bench.orchestration.sweep import run_job
-from bdl_bench.results import without_cost
 
 OPTIONS = {
     "name": "ivon",

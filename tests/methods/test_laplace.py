@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _runs import without_cost
 from torch import Tensor
 from torch.func import hessian
 from torch.testing import assert_close
@@ -27,7 +28,6 @@ from bdl_bench.methods.laplace import Laplace, load_map_parameters
 from bdl_bench.models import build_model
 from bdl_bench.models.params import forward_with, prior_precision_vector
 from bdl_bench.orchestration.runner import run
-from bdl_bench.results import without_cost
 
 F64 = torch.float64
 STRUCTURES = ("diag", "kfac", "efb", "def", "block", "full")
