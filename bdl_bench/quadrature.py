@@ -248,12 +248,8 @@ def piecewise_expected_log_sigmoid(mean: Tensor, var: Tensor) -> Tensor:
 
 
 def expected_log_sigmoid_with(mean: Tensor, var: Tensor, *, expectation: Expectation | str, n_points: int) -> Tensor:
-    """:func:`expected_log_sigmoid` or :func:`piecewise_expected_log_sigmoid`, by name."""
-    try:
-        kind = Expectation(expectation)
-    except ValueError:
-        choices = ", ".join(e.value for e in Expectation)
-        raise ValueError(f"unknown expectation {expectation!r}; choices: {choices}") from None
-    if kind is Expectation.PIECEWISE:
+    """:func:`expected_log_sigmoid` or :func:`piecewise_expected_log_sigmoid`, by name (a ``ValueError`` for
+    another name)."""
+    if Expectation(expectation) is Expectation.PIECEWISE:
         return piecewise_expected_log_sigmoid(mean, var)
     return expected_log_sigmoid(mean, var, n_points=n_points)

@@ -9,8 +9,8 @@ import pytest
 
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import default_data_root
-from bdl_bench.errors import DataFileError
 from bdl_bench.data.checksums import check_all, compute_manifest, load_manifest, parse_manifest
+from bdl_bench.errors import DataFileError
 
 DATA = default_data_root()
 
