@@ -114,7 +114,7 @@ def _load(
     root: str | Path | None,
     mirror: str | Path | None,
 ) -> Dataset:
-    check_ood(ood, _OOD_CHOICES, layout.name)  # bad options fail before the download
+    ood = check_ood(ood, _OOD_CHOICES, layout.name)  # bad options fail before the download
     layout.label_index(label)
     train, test = read_cifar_archive(get_file(layout.key, root=root, mirror=mirror), layout, label)
     return image_dataset(
@@ -125,7 +125,7 @@ def _load(
         n_val=n_val,
         flatten=flatten,
         standardise=standardise,
-        ood=read_ood(ood, _OOD_CHOICES, root=root, mirror=mirror, name=layout.name),
+        ood=read_ood(ood, root, mirror),
         augmentation=(crop_padding, horizontal_flip),
     )
 

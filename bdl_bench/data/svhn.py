@@ -55,7 +55,7 @@ def load_svhn(
     """SVHN: 73,257 training digits (+531,131 with ``use_extra``; the last ``n_val`` for validation),
     26,032 test digits, 10 classes. Options as :func:`bdl_bench.data.cifar.load_cifar10`
     (``ood``: ``cifar10``, ``cifar100`` or ``None``); flips are off by default (digits are not symmetric)."""
-    check_ood(ood, _OOD_CHOICES, "vision/svhn")
+    ood = check_ood(ood, _OOD_CHOICES, "vision/svhn")
     train = read_svhn_mat(get_file("svhn/train_32x32.mat", root=root, mirror=mirror))
     if use_extra:
         extra = read_svhn_mat(get_file("svhn/extra_32x32.mat", root=root, mirror=mirror))
@@ -68,6 +68,6 @@ def load_svhn(
         n_val=n_val,
         flatten=flatten,
         standardise=standardise,
-        ood=read_ood(ood, _OOD_CHOICES, root=root, mirror=mirror, name="vision/svhn"),
+        ood=read_ood(ood, root, mirror),
         augmentation=(crop_padding, horizontal_flip),
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,16 +54,9 @@ def encode(tokens: Sequence[str], vocabulary: dict[str, int], max_len: int) -> n
     return out
 
 
-@dataclass(frozen=True)
-class Reviews:
-    """Texts and labels (1 positive, 0 negative) of one split, in (label, id) order."""
-
-    texts: list[str]
-    labels: np.ndarray  # (N,) int64
-
-
-def read_imdb_archive(archive: Path) -> dict[str, Reviews]:
-    """``{"train": ..., "test": ...}`` from ``aclImdb_v1.tar.gz`` (or a tarball with the same layout)."""
+def read_imdb_archive(archive: Path) -> dict[str, tuple[list[str], np.ndarray]]:
+    """``{"train": (texts, labels), "test": ...}`` from ``aclImdb_v1.tar.gz`` (or a tarball with the same layout):
+    ``(N,)`` int64 labels, 1 positive and 0 negative, the reviews in (label, id) order."""
     found: dict[str, list[tuple[int, int, str]]] = {"train": [], "test": []}
     for name, data in iter_tar_files(archive, lambda n: _MEMBER.match(n) is not None):
         match = _MEMBER.match(name)
@@ -76,7 +68,7 @@ def read_imdb_archive(archive: Path) -> dict[str, Reviews]:
         if not rows:
             raise DataError(f"{archive}: no reviews under aclImdb/{split}/{{pos,neg}}/")
         rows.sort(key=lambda r: (-r[0], r[1]))
-        out[split] = Reviews([r[2] for r in rows], np.array([r[0] for r in rows], dtype=np.int64))
+        out[split] = [r[2] for r in rows], np.array([r[0] for r in rows], dtype=np.int64)
     return out
 
 
@@ -93,7 +85,8 @@ def load_imdb(
     """IMDB sentiment as token-id sequences ``(N, max_len)`` (long) with binary labels (float), as the module
     docstring says; ``root``, ``mirror`` as :func:`bdl_bench.data.cifar.load_cifar10`."""
     splits = read_imdb_archive(get_file("imdb/aclImdb_v1.tar.gz", root=root, mirror=mirror))
-    train_tokens = [tokenise(t) for t in splits["train"].texts]
+    (train_texts, labels), (test_texts, test_labels) = splits["train"], splits["test"]
+    train_tokens = [tokenise(t) for t in train_texts]
     order = np.random.default_rng(seed).permutation(len(train_tokens))
     n_train = len(order)
     if not 0 <= n_val < n_train:
@@ -105,8 +98,7 @@ def load_imdb(
         rows = [encode(t, vocabulary, max_len) for t in token_lists]
         return torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, max_len, dtype=torch.long)
 
-    train_labels = torch.from_numpy(splits["train"].labels).float()
-    test = splits["test"]
+    train_labels = torch.from_numpy(labels).float()
     return Dataset(
         name="text/imdb",
         task=Task.BINARY,
@@ -114,6 +106,6 @@ def load_imdb(
         y_train=train_labels[torch.from_numpy(fit_rows)],
         x_val=ids(train_tokens[i] for i in val_rows),
         y_val=train_labels[torch.from_numpy(val_rows)],
-        x_test=ids(tokenise(t) for t in test.texts),
-        y_test=torch.from_numpy(test.labels).float(),
+        x_test=ids(tokenise(t) for t in test_texts),
+        y_test=torch.from_numpy(test_labels).float(),
     )

@@ -167,11 +167,8 @@ def check_ood(ood: str | None, allowed: tuple[str, ...], name: str) -> str | Non
     return ood
 
 
-def read_ood(
-    ood: str | None, allowed: tuple[str, ...], *, root: str | Path | None, mirror: str | Path | None, name: str
-) -> tuple[str, ImageArrays] | None:
-    """The OOD test set named ``ood`` (one of ``allowed``) as ``(dataset name, arrays)``, or ``None``."""
-    ood = check_ood(ood, allowed, name)
+def read_ood(ood: str | None, root: str | Path | None, mirror: str | Path | None) -> tuple[str, ImageArrays] | None:
+    """The OOD test set ``ood`` (as :func:`check_ood` returned it) as ``(dataset name, arrays)``, or ``None``."""
     if ood is None:
         return None
     import_submodules("bdl_bench.data")  # the reader may live in another module of this package
@@ -181,20 +178,20 @@ def read_ood(
 # --- MNIST and notMNIST ------------------------------------------------------------------------------------
 
 
-def _idx_split(
-    prefix: str, images: str, labels: str, root: str | Path | None, mirror: str | Path | None
-) -> ImageArrays:
-    x = read_idx(get_file(f"{prefix}/{images}", root=root, mirror=mirror))
-    y = read_idx(get_file(f"{prefix}/{labels}", root=root, mirror=mirror))
+def _idx_split(prefix: str, split: str, root: str | Path | None, mirror: str | Path | None) -> ImageArrays:
+    """The images and labels of ``<prefix>/<split>-{images-idx3,labels-idx1}-ubyte.gz`` (split: train, t10k)."""
+    images = f"{prefix}/{split}-images-idx3-ubyte.gz"
+    x = read_idx(get_file(images, root=root, mirror=mirror))
+    y = read_idx(get_file(f"{prefix}/{split}-labels-idx1-ubyte.gz", root=root, mirror=mirror))
     if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-        raise DataError(f"{prefix}/{images}: expected (N, H, W) images and (N,) labels, got {x.shape} and {y.shape}")
+        raise DataError(f"{images}: expected (N, H, W) images and (N,) labels, got {x.shape} and {y.shape}")
     return ImageArrays(x[:, None, :, :], y.astype(np.int64))
 
 
 @register_ood("notmnist")
 def read_notmnist(root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
     """The 10k-image IDX sample of notMNIST_small (letters A–J as labels 0–9)."""
-    return _idx_split("notmnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror)
+    return _idx_split("notmnist", "t10k", root, mirror)
 
 
 @register_dataset("vision/mnist")
@@ -211,16 +208,16 @@ def load_mnist(
     10000, leaving 50k to train), 10k test. ``flatten``: ``(N, 784)`` rows for MLPs; ``standardise``: with the
     training part's pixel mean/std (default: pixels in [0, 1]); ``ood``: ``notmnist`` (DEF Table 1) or ``None``;
     ``root``, ``mirror`` as :func:`bdl_bench.data.cifar.load_cifar10`."""
-    check_ood(ood, ("notmnist",), "vision/mnist")
+    ood = check_ood(ood, ("notmnist",), "vision/mnist")
     return image_dataset(
         "vision/mnist",
-        train=_idx_split("mnist", "train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", root, mirror),
-        test=_idx_split("mnist", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", root, mirror),
+        train=_idx_split("mnist", "train", root, mirror),
+        test=_idx_split("mnist", "t10k", root, mirror),
         n_classes=10,
         n_val=n_val,
         flatten=flatten,
         standardise=standardise,
-        ood=read_ood(ood, ("notmnist",), root=root, mirror=mirror, name="vision/mnist"),
+        ood=read_ood(ood, root, mirror),
     )
 
 
