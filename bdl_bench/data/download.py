@@ -166,8 +166,9 @@ def download_url(url: str, part: Path, *, settings: DownloadSettings, expected_s
                     raise _Retryable(f"HTTP {status} {response.reason}")
                 if status >= 400:
                     raise DownloadError(f"{url}: HTTP {status} {response.reason}")
-                if status == 206:
-                    if not offset or _content_range_start(response) != offset:
+                if status == 206:  # Content-Range: bytes <start>-<end>/<total>
+                    start = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+                    if not offset or start is None or int(start.group(1)) != offset:
                         part.unlink(missing_ok=True)  # a range we did not ask for: start again
                         raise _Retryable(f"unexpected Content-Range {response.headers.get('Content-Range')!r}")
                     mode = "ab"
@@ -208,12 +209,6 @@ def download_url(url: str, part: Path, *, settings: DownloadSettings, expected_s
                 "%s: %s; retrying in %.1f s (attempt %d of %d)", url, err, delay, attempt + 1, settings.retries + 1
             )
             time.sleep(delay)
-
-
-def _content_range_start(response: requests.Response) -> int | None:
-    """First byte of a 206 answer (``Content-Range: bytes <start>-<end>/<total>``)."""
-    match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
-    return int(match.group(1)) if match else None
 
 
 @contextlib.contextmanager
