@@ -1,11 +1,7 @@
 """``bdl-bench reproduce`` of a benchmark: an experiment whose config holds a ``benchmark:`` block (its keys:
-:class:`Benchmark`, ``docs/benchmarks.md``) times training steps with ``scripts/bench_step.py``, in this process.
-
-Every step is timed in alternation with a plain SGD step of the same model, so the ratios are what the tables
-compare (a step time alone says more about the machine than about the method): ``ktied_table4`` (k-tied Normal,
-Table 4: step time over the point estimate's and GMFVI's, beside the paper's ratios) and ``elrg_table1``
-(ELRG-VI, Table 1: step time and peak memory over mean field's, beside the ratios the paper's stated costs
-predict).
+:class:`Benchmark`, ``docs/benchmarks.md``) times training steps with ``scripts/bench_step.py``, in this process,
+each in alternation with a plain SGD step of the same model, so that the tables compare ratios
+(``ktied_table4``: k-tied Normal, Table 4; ``elrg_table1``: ELRG-VI, Table 1).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """One writer per folder: a lock file that names its holder and is broken once the holder is gone.
 
-The process holding a run folder (or a stacked job's folder) keeps ``.lock`` in it, a JSON file naming the holder
-made with ``O_CREAT | O_EXCL`` (atomic on local file systems and NFS v3 and later), and touches it every
-:data:`HEARTBEAT_S` seconds. A lock is stale when its holder is gone: on the same host, no process has its pid or
-the pid was reused; on another host, no heartbeat for :data:`STALE_AFTER_S` seconds. A stale lock is broken under
-a second lock file (``.lock.break``), so that two processes do not both take it. ``docs/faults.md``.
+``.lock`` is made with ``O_CREAT | O_EXCL`` (atomic on local file systems and NFS v3 and later, whatever their
+flock support) and touched every :data:`HEARTBEAT_S` seconds; when it is stale, and how: ``docs/faults.md``.
 """
 
 from __future__ import annotations

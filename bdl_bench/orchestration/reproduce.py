@@ -1,14 +1,7 @@
-"""``bdl-bench reproduce <experiment>``: run (or resume) a paper experiment's sweep and compare with the paper.
-
-The experiment's sweep (``hydra.sweeper.params``, command-line ``key=values`` in place of the experiment's) is
-expanded into jobs, dropping splits beyond a dataset's ``protocol.n_splits``. Where ``conf/tune/<experiment>.yaml``
-exists every job searches its splits' values first (:mod:`bdl_bench.orchestration.search`). The jobs run as Hydra
-sweeps, one per group of datasets with the same sweep (joblib on ``--jobs`` cores unless a launcher is given);
-``data.split=all`` stacks a dataset's splits. The table gets a column per paper metric saying whether ours agrees
-(within two standard errors, or the experiment's ``tolerance``) and is written as ``reproduce.md`` and
-``reproduce.csv`` with the experiment's ``figures``. An experiment with a ``benchmark:`` block times training
-steps instead (:mod:`bdl_bench.orchestration.benchmark`). No table is made from a folder holding runs of another
-config version: it would compare two protocols at once. Usage: ``docs/reproducing.md``.
+"""``bdl-bench reproduce <experiment>``: run (or resume) a paper experiment's sweep (tuned where
+``conf/tune/<experiment>.yaml`` exists) as Hydra sweeps, and compare with the paper in ``reproduce.md`` and
+``reproduce.csv``; an experiment with a ``benchmark:`` block times training steps instead
+(:mod:`bdl_bench.orchestration.benchmark`). ``docs/reproducing.md``.
 """
 
 from __future__ import annotations

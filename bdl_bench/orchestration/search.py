@@ -1,17 +1,9 @@
 """Hyperparameter search as stacked replicas: the trials of every split of a stacked job train as one stack.
 
-A stacked job whose config has a ``search`` node (``tune=uci``, ``tune=slang_table2``) first searches, per split,
-the keys of ``search.params`` on a validation part of the split's training rows (``search.val_fraction``), then
-trains its test runs on the whole training part with each split's best values (:func:`tuned_members`).
-
-Bayesian optimisation as in SLANG Table 2 (Mishkin et al. 2018, App. F.3: per split ``n_random`` random and
-``n_guided`` guided evaluations, objective the validation log-likelihood): one Optuna study per split,
-multivariate TPE on a log scale (one joint density, as the authors' Gaussian process models the keys jointly)
-with the constant liar, so the ``round_size`` trials of a round differ. All trials of a round, over all splits,
-train as one stack. Each round's sampler is seeded from ``search.seed``, the split and the trials before it, so a
-search is deterministic and one resumed from ``.search/journal.jsonl`` continues as the uninterrupted one would.
-``search.grids`` replaces the search by a grid of values from the dataset's files. Keys, files and the
-algorithm in detail: ``docs/search.md``.
+As in SLANG Table 2 (Mishkin et al. 2018, App. F.3), one Optuna study per split (multivariate TPE on a log scale,
+with the constant liar) searches ``search.params`` on a validation part of the split's training rows; all trials
+of a round, over all splits, train as one stack; each split's test run then trains with its best values
+(:func:`tuned_members`). Seeding, the journal a search resumes from, grids and files: ``docs/search.md``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""SIGTERM handled like Ctrl-C, at an epoch's end: what a cluster sends at a time limit or on preemption.
-
-A SIGTERM while epochs run asks the loop to stop at the end of the epoch under way, with a checkpoint there and
-exit status 143, so that the same command (or the requeued job) resumes there; at any other moment it stops the
-run at once, as Ctrl-C does. Submitit's own USR2 is left to submitit. ``docs/faults.md``.
+"""SIGTERM (a cluster's time limit or preemption) handled like Ctrl-C, but at the end of the epoch under way, with
+a checkpoint there and exit status 143 (``docs/faults.md``); submitit's own USR2 is left to submitit.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Stacked splits: one job fits a method on several splits of a dataset at once (``docs/sweeps.md``).
-
-``data.split=[0,1,2]`` (or ``all``, every split of the dataset's protocol) trains R = 3 copies of the method side
-by side, every tensor carrying a leading copy dimension (``Method.setup_replicas``). SLANG's UCI networks are so
-small that a single run's time is Python overhead per step, so R splits cost about as much as one.
-
-Each split gets the run folder, files and config hash a single run of it would get, so tables, skipping and
-``reproduce`` treat stacked and single runs alike. Copy k draws the noise a single run with the same seed draws,
-so its metrics equal those of ``data.split=k`` run alone up to floating-point rounding; a stack of one is that
-split's single run bit for bit. ``train_time_s`` is the stack's time divided by R; ``stack_size`` says R.
-
-This module says which members a job stacks and checks that they may share one fit; the fit is the runner's one
-training loop (:func:`bdl_bench.orchestration.runner.fit_job`). The splits need equal training sets and no
-augmentation; a method that cannot stack raises :class:`~bdl_bench.methods.base.CannotStack` and the job runs
-its splits one after another (:func:`bdl_bench.orchestration.sweep.run_job`).
+"""Stacked splits (``data.split=[0,1,2]`` or ``all``): which members a job stacks, and the checks that they may
+share one fit, the runner's one training loop (:func:`bdl_bench.orchestration.runner.fit_job`). Each split gets
+the run folder, files and config hash its single run would get; a stack of one is that single run bit for bit.
+A method that cannot stack raises :class:`~bdl_bench.methods.base.CannotStack`. ``docs/sweeps.md``.
 """
 
 from __future__ import annotations

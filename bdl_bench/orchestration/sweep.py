@@ -1,12 +1,10 @@
 """Sweep members and sweep summaries: skip finished runs, resume, record failures, report at the end.
 
-:func:`run_job` is what the Hydra app runs for every member of a sweep (and for a single run): a folder holding
-``metrics.json`` of the job's config hash is skipped, one of another config refuses (:class:`ConfigVersionError`:
-it must not be mixed into a table; ``force=true`` re-runs either), an unfinished run resumes from its checkpoint,
-and a run that raises leaves ``failure.json``/``failure.txt`` and re-raises, so Hydra marks the job failed while
-the other members go on. Under submitit the job process then exits with status 1, as Hydra's submitit launcher
-returns a failed job's record as a normal result that Slurm would account as COMPLETED (hydra#1928). Every
-attempt updates ``run.json``, from which :func:`summarise` lists what a sweep did.
+:func:`run_job` is what the Hydra app runs for every member of a sweep (and for a single run): a finished run of
+the job's config is skipped, one of another config refused (:class:`ConfigVersionError`; ``force=true`` re-runs
+either), an unfinished run resumed from its checkpoint, and a run that raises leaves ``failure.json`` and
+re-raises, so Hydra marks the job failed while the other members go on. Every attempt updates ``run.json``, from
+which :func:`summarise` lists what a sweep did. ``docs/sweeps.md``.
 """
 
 from __future__ import annotations
@@ -73,7 +71,8 @@ def _task_overrides() -> list[str]:
 
 
 def _exit_with_failure_status() -> None:
-    """Under submitit, make this process end with exit status 1 after the launcher has stored its result."""
+    """Under submitit, make this process end with exit status 1 after the launcher has stored its result (which
+    returns a failed job's record as a normal result, that Slurm would account as COMPLETED: hydra#1928)."""
     if not os.environ.get("SUBMITIT_EXECUTOR"):
         return
 

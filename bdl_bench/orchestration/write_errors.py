@@ -1,9 +1,6 @@
-"""Failed writes into a results folder as user errors: a full disk, a quota, a read-only or vanished folder.
-
-Every file a run writes is written whole or not at all (:func:`bdl_bench.results.atomic_write_bytes`,
-:func:`~bdl_bench.results.append_whole`), so a write that fails leaves the last good checkpoint and every
-finished file as they were; what the user needs is one line naming the folder, the cause and the free space,
-not the chain of tracebacks the failure raises on its way out (:func:`write_error`).
+"""Failed writes into a results folder (a full disk, a quota, a read-only or vanished folder) as one-line user
+errors naming the file, the cause and the free space (:func:`write_error`): every file is written whole or not at
+all (:func:`bdl_bench.results.atomic_write_bytes`), so the files written before are intact.
 """
 
 from __future__ import annotations
