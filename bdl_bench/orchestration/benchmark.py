@@ -49,6 +49,8 @@ class Benchmark:
     table: str
     methods: list[str]
     hidden: list[list[int]]
+    title: str = ""  # the table's heading in reproduce.md
+    note: str = ""  # below the table: what it compares with the paper, and how closely
     batch: int = 200
     mc_samples: int = 1
     steps: int = 20
@@ -194,18 +196,6 @@ def ktied_table4(records: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-KTIED_NOTE = (
-    "The paper timed the TensorFlow Keras tutorial's 784-128-10 network (two dense layers) in Google Colab against "
-    "a point estimate trained by Keras, on hardware and with a batch size it does not state; we time bench_step's "
-    "784-<hidden>-10 ReLU MLP in PyTorch, the point estimate being a plain SGD step of the same model timed in "
-    "alternation with each method (a method's `ratio_to_point` is over the SGD steps timed beside it, the point "
-    "estimate's `step_ms` the median of all of them). Only the ratios compare, and not closely: a ratio of step times depends on "
-    "the framework and the hardware, so no agreement verdict is given. The paper's claim is the last ratio: the "
-    "2-tied step is no slower than GMFVI's (paper 0.86). `flop_ratio` is the ratio of the step's matrix-product "
-    "multiply-adds to SGD's, what the time ratio would be if every product ran at one speed."
-)
-
-
 # ------------------------------------------------------------------ ELRG-VI, Table 1
 
 
@@ -269,34 +259,7 @@ def _ratio(a: Any, b: Any) -> float:
     return math.nan if a is None or b is None or pd.isna(a) or pd.isna(b) or b == 0 else float(a) / float(b)
 
 
-ELRG_NOTE = (
-    "The paper's Table 1 states the cost of one update of a layer's variational parameters: time "
-    "O(K³ + (K+2)·N_in·N_out·|B|) for the efficient low-rank posterior against O(2·N_in·N_out·|B|) for mean field "
-    "with the local reparameterisation, memory O((K+2)·N_out·|B|) against O(2·N_out·|B|). `paper_*_ratio` evaluates "
-    "these over the MLP's three layers (784-h, h-h, h-10) at our batch size, constants taken as 1. The paper counts "
-    "K+2 paths (mean, K factors, diagonal) for one algorithm; our ELRG-VI keeps the diagonal constant, whose path "
-    "is an elementwise product, so it runs K+1 matrix-product paths, ELRG-D-VI K+2 (`flop_ratio_to_mf`: the "
-    "multiply-adds of the step over mean field's, Lemma 2's K×K Gram matrix included). The paper's memory is what "
-    "an update allocates to estimate the gradient, not the memory holding the variational parameters; "
-    "`peak_mem_mib` is the peak of all live tensors over setup and two steps: besides the activations the paper "
-    "counts, the model, the data and the variational parameters (2·D numbers for mean field, (K+1)·D for ELRG-VI, "
-    "(K+2)·D for ELRG-D-VI, D the number of weights and biases) with their gradients and Adam's state, which "
-    "outweigh the activations unless |B| is large beside N_in, so `mem_ratio_to_mf` measures the storage of "
-    "the posterior as much as the paper's memory of an update."
-)
-
-
-@dataclass(frozen=True)
-class Table:
-    make: Callable[[pd.DataFrame], pd.DataFrame]
-    title: str
-    note: str
-
-
-TABLES: dict[str, Table] = {
-    "ktied_table4": Table(ktied_table4, "Training step time, as ratios (k-tied Normal, Table 4)", KTIED_NOTE),
-    "elrg_table1": Table(elrg_table1, "Time and memory of an update against mean field (ELRG-VI, Table 1)", ELRG_NOTE),
-}
+TABLES: dict[str, Callable[[pd.DataFrame], pd.DataFrame]] = {"ktied_table4": ktied_table4, "elrg_table1": elrg_table1}
 
 
 def _cell(value: Any, se: Any = None) -> str:
@@ -326,10 +289,9 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
     node = OmegaConf.to_container(config.benchmark, resolve=True)
     bench = Benchmark.from_config(node, quick=quick)  # type: ignore[arg-type]
     folder = Path(str(config.results_root)) / str(config.experiment_name)
-    table = TABLES[bench.table]
     print(f"{experiment}: benchmark of {', '.join(bench.methods)} on {len(bench.hidden)} model(s)", flush=True)
     records = measure(bench)
-    frame = table.make(records)
+    frame = TABLES[bench.table](records)
     header = provenance(args, time.perf_counter() - started_wall)
     header["wall time"] = f"{time.perf_counter() - started_wall:.0f} s"
     header["CPU time"] = f"{time.process_time() - started_cpu:.0f} s (this process)"
@@ -338,7 +300,7 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
         f"{bench.steps} timed rounds after {bench.warmup} warm-up, {bench.clock} clock, step time = median"
     )
     title = f"# {experiment}" + (" (--quick: not the benchmark's settings)" if quick else "")
-    text = f"{table.title}\n\n{markdown(frame)}\n\n{table.note}"
+    text = f"{bench.title}\n\n{markdown(frame)}\n\n{bench.note}"
     write_report(folder, title, header, text, frame)
     print(f"\n{title}\n\n{text}\n\n(Markdown: {folder / 'reproduce.md'}; CSV: {folder / 'reproduce.csv'})")
     return folder
