@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,24 @@ def compose_cfg() -> Callable[..., DictConfig]:
             return compose("config", overrides=overrides)
 
     return _compose
+
+
+@pytest.fixture
+def at_epoch_end(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[int], None]], AbstractContextManager[None]]:
+    """``with at_epoch_end(hook):`` calls ``hook(epoch)`` at the end of every epoch of the fits within, after
+    the epoch's history row and checkpoint are written (to simulate a crash, a SIGTERM, a vanished folder there)."""
+    from bdl_bench.orchestration import runner
+
+    @contextmanager
+    def hooked(hook: Callable[[int], None]) -> Iterator[None]:
+        original = runner.stop_if_terminated
+
+        def stop_if_terminated(progress: object, epoch: int, *rest: object) -> None:
+            hook(epoch)
+            original(progress, epoch, *rest)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(runner, "stop_if_terminated", stop_if_terminated)
+            yield
+
+    return hooked

@@ -335,7 +335,7 @@ def test_a_diverging_stacked_copy_is_named(compose_cfg) -> None:
 # --- defect 3: a checkpoint resumed on another device type ----------------------------------------------------
 
 
-def test_a_device_runs_checkpoint_is_refused_by_a_cpu_rerun(tmp_path, compose_cfg) -> None:
+def test_a_device_runs_checkpoint_is_refused_by_a_cpu_rerun(tmp_path, compose_cfg, at_epoch_end) -> None:
     """trainer.device is not in the config hash, so a CPU re-run finds the GPU run's checkpoint; it must refuse
     it in one line rather than resume (on CUDA the generator states do not even fit: "RNG state is wrong size")."""
     overrides = ["method=map", "data=libsvm/australian", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]
@@ -344,8 +344,8 @@ def test_a_device_runs_checkpoint_is_refused_by_a_cpu_rerun(tmp_path, compose_cf
         if epoch == 2:
             raise KeyboardInterrupt
 
-    with fake_device(), pytest.raises(KeyboardInterrupt):
-        run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path, epoch_hook=crash)
+    with fake_device(), at_epoch_end(crash), pytest.raises(KeyboardInterrupt):
+        run(compose_cfg([*overrides, f"trainer.device={DEVICE.type}"]), tmp_path)
     assert load_checkpoint(tmp_path / "checkpoint.pt").epoch == 2
     with pytest.raises(CheckpointDeviceError, match=f"written on {DEVICE.type} and this run is on cpu"):
         run(compose_cfg([*overrides, "trainer.device=cpu"]), tmp_path)

@@ -256,15 +256,16 @@ def test_a_read_only_folder_is_one_line_and_the_failure_is_recorded_when_it_can_
     assert read_run_record(run_dir)["status"] == "failed"
 
 
-def test_a_vanished_run_folder_is_one_line(tmp_path: Path, compose_cfg) -> None:
+def test_a_vanished_run_folder_is_one_line(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
     run_dir = tmp_path / "run"
 
     def vanish(epoch: int) -> None:
         if epoch == 1:
             shutil.rmtree(run_dir)
 
-    with pytest.raises(WriteError, match=f"cannot write {re.escape(str(run_dir))}/history.csv: the folder vanished"):
-        run_job(compose_cfg([*FAST, "trainer.n_epochs=3"]), run_dir, epoch_hook=vanish)
+    message = f"cannot write {re.escape(str(run_dir))}/history.csv: the folder vanished"
+    with at_epoch_end(vanish), pytest.raises(WriteError, match=message):
+        run_job(compose_cfg([*FAST, "trainer.n_epochs=3"]), run_dir)
 
 
 def test_a_failed_append_leaves_no_half_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -369,7 +370,7 @@ def test_sigterm_mid_run_checkpoints_that_epoch_and_the_rerun_ends_as_an_unbroke
     )
 
 
-def test_sigterm_in_a_stacked_job_stops_at_the_epoch_end_and_resumes(tmp_path: Path, compose_cfg) -> None:
+def test_sigterm_in_a_stacked_job_stops_at_the_epoch_end_and_resumes(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
     overrides = ["method=bbb", "data.split=[0,1]", "trainer.n_epochs=4", "trainer.eval_every=0"]
 
     def sigterm_in_epoch_2(epoch: int) -> None:
@@ -377,8 +378,11 @@ def test_sigterm_in_a_stacked_job_stops_at_the_epoch_end_and_resumes(tmp_path: P
             os.kill(os.getpid(), signal.SIGTERM)
 
     handler = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Terminated, match="stopped by SIGTERM after epoch 2; checkpoint at epoch 2"):
-        run_job(compose_cfg(overrides), tmp_path / "stack", epoch_hook=sigterm_in_epoch_2)
+    with (
+        at_epoch_end(sigterm_in_epoch_2),
+        pytest.raises(Terminated, match="stopped by SIGTERM after epoch 2; checkpoint at epoch 2"),
+    ):
+        run_job(compose_cfg(overrides), tmp_path / "stack")
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
     assert load_checkpoint(tmp_path / "stack" / "checkpoint.pt").epoch == 2
     for split in (0, 1):

@@ -47,15 +47,17 @@ def _same_metrics(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("method", ["map", "bbb", "dropout", "slang", "laplace", "hmc"])
-def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path, compose_cfg, method: str) -> None:
+def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(
+    tmp_path: Path, compose_cfg, at_epoch_end, method: str
+) -> None:
     """(Laplace and HMC: killed while training the MAP, then their posterior fitted at the end.)"""
     assert torch.get_num_threads() == 1
     short_chain = ["method.n_samples=20", "method.n_warmup=10", "method.n_leapfrog=5"] if method == "hmc" else []
     cfg = compose_cfg([f"method={method}", "trainer.n_epochs=5", "trainer.checkpoint_every=2", *short_chain])
     unbroken = run(cfg, tmp_path / "unbroken").metrics
     killed = tmp_path / "killed"
-    with pytest.raises(Crash):
-        run_job(cfg, killed, epoch_hook=_crash_after(3))
+    with at_epoch_end(_crash_after(3)), pytest.raises(Crash):
+        run_job(cfg, killed)
     assert not (killed / "metrics.json").exists()
     checkpoint = load_checkpoint(killed / "checkpoint.pt")
     assert checkpoint is not None and checkpoint.epoch == 2 and checkpoint.history_rows == 2
@@ -68,23 +70,19 @@ def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path: Path
     assert not (killed / "checkpoint.pt").exists()  # removed once metrics.json is written
 
 
-def test_checkpoint_of_another_config_is_not_applied(tmp_path: Path, compose_cfg) -> None:
-    with pytest.raises(Crash):
-        run(
-            compose_cfg(["method=map", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]),
-            tmp_path,
-            epoch_hook=_crash_after(1),
-        )
+def test_checkpoint_of_another_config_is_not_applied(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
+    with at_epoch_end(_crash_after(1)), pytest.raises(Crash):
+        run(compose_cfg(["method=map", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]), tmp_path)
     with pytest.raises(ValueError, match="belongs to another config .*force=true"):
         run(compose_cfg(["method=map", "trainer.n_epochs=3", "method.lr=0.02"]), tmp_path)
 
 
-def test_checkpoint_names_its_device_and_is_refused_on_another(tmp_path: Path, compose_cfg) -> None:
+def test_checkpoint_names_its_device_and_is_refused_on_another(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
     """A GPU run's checkpoint is not resumed by a CPU re-run (the generator states differ in size): one line
     naming both devices and the fix. run.json records the device and versions."""
     cfg = compose_cfg(["method=map", "trainer.n_epochs=3", "trainer.checkpoint_every=1", "trainer.device=cpu"])
-    with pytest.raises(Crash):
-        run(cfg, tmp_path, epoch_hook=_crash_after(1))
+    with at_epoch_end(_crash_after(1)), pytest.raises(Crash):
+        run(cfg, tmp_path)
     record = read_run_record(tmp_path)
     assert record["device"] == "cpu" and record["torch_version"] == torch.__version__
     assert record["packages"]["pandas"] == pd.__version__ and record["packages"]["hydra-core"]

@@ -304,14 +304,14 @@ def _crash_after(epoch: int):
     return hook
 
 
-def test_stacked_job_resumes_after_a_kill_and_records_failures(tmp_path: Path, compose_cfg) -> None:
+def test_stacked_job_resumes_after_a_kill_and_records_failures(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
     overrides = ["method=bbb", "data=uci/yacht", "data.split=[0,2]", "trainer.n_epochs=4", "trainer.checkpoint_every=2"]
     cfg = compose_cfg(overrides)
     unbroken = tmp_path / "unbroken"
     run_job(cfg, unbroken)
     killed = tmp_path / "killed"
-    with pytest.raises(Crash):
-        run_job(cfg, killed, epoch_hook=_crash_after(3))
+    with at_epoch_end(_crash_after(3)), pytest.raises(Crash):
+        run_job(cfg, killed)
     assert (killed / "checkpoint.pt").exists()
     for split in (0, 2):
         assert read_run_record(killed / f"split={split}")["status"] == "failed"
@@ -404,12 +404,12 @@ def test_top_eigenpairs_match_eigh(dtype: torch.dtype) -> None:
     torch.testing.assert_close(values, torch.tensor([[5.0, 5.0]] * 2, dtype=dtype))
 
 
-def test_checkpoint_of_another_set_of_splits_is_discarded(tmp_path: Path, compose_cfg) -> None:
+def test_checkpoint_of_another_set_of_splits_is_discarded(tmp_path: Path, compose_cfg, at_epoch_end) -> None:
     """A stack killed while writing its splits' results leaves a checkpoint of the full set; the re-run
     (only the unfinished splits) warns and starts them afresh instead of failing."""
     common = ["method=dropout", "data=uci/yacht", "trainer.n_epochs=3", "trainer.checkpoint_every=1"]
-    with pytest.raises(Crash):
-        run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack", epoch_hook=_crash_after(2))
+    with at_epoch_end(_crash_after(2)), pytest.raises(Crash):
+        run_job(compose_cfg([*common, "data.split=[0,2]"]), tmp_path / "stack")
     assert (tmp_path / "stack" / "checkpoint.pt").exists()
     with pytest.warns(UserWarning, match="belongs to another stack of splits"):
         run_job(compose_cfg([*common, "data.split=[2]"]), tmp_path / "stack")

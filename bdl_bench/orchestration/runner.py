@@ -15,8 +15,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from bdl_bench.checkpoint import load_checkpoint, save_checkpoint, save_params
+from bdl_bench.checkpoint import save_checkpoint, save_params
 from bdl_bench.config_checks import check_config
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import ConfigError, DivergenceError, Interrupted, Terminated
+from bdl_bench.errors import ConfigError, DivergenceError, Terminated
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.orchestration.devices import device_record, resolve_device, resolve_dtype, to_device, use_deterministic
+from bdl_bench.orchestration.devices import device_record, resolve_device, resolve_dtype, use_deterministic
 from bdl_bench.orchestration.evaluation import (
     SharedPredictions,
     elbo_per_example,
@@ -47,7 +46,7 @@ from bdl_bench.orchestration.evaluation import (
     swap_generator,
 )
 from bdl_bench.orchestration.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
-from bdl_bench.orchestration.sigterm import stop_at_epoch_end
+from bdl_bench.orchestration.sigterm import EpochProgress, stop_if_terminated, stop_on_interrupt
 from bdl_bench.orchestration.threads import set_threads
 from bdl_bench.reference import reference_posterior
 from bdl_bench.results import (
@@ -60,65 +59,6 @@ from bdl_bench.results import (
     write_config,
     write_metrics,
 )
-
-
-@dataclass
-class EpochProgress:
-    """Where a fit stands, for the line Ctrl-C prints: the last finished epoch, the last checkpoint's."""
-
-    done: int
-    n_epochs: int
-    checkpoint_every: int
-    checkpoint_path: Path
-    in_epochs: bool = False  # the fit's epochs are running (a SIGTERM waits for the present one's end)
-    stop_requested: bool = False  # a SIGTERM arrived while they ran (bdl_bench.orchestration.sigterm)
-
-    def interrupted(self, terminated: bool = False) -> Interrupted:
-        """The interrupt's line (for SIGTERM with ``terminated``); the checkpoint's epoch is read from the
-        file (Ctrl-C may land between writing it and any note of it)."""
-        try:
-            checkpoint = load_checkpoint(self.checkpoint_path)
-        except (OSError, ValueError, RuntimeError):
-            checkpoint = None
-        done = max(self.done, checkpoint.epoch if checkpoint is not None else 0)
-        where = f"at epoch {done + 1}" if done < self.n_epochs else f"after epoch {done} (evaluating)"
-        what, error = "interrupted", Interrupted
-        if terminated:
-            what, error = "stopped by SIGTERM", Terminated
-            where = f"after epoch {done}" + (" (evaluating)" if done >= self.n_epochs else "")
-        if checkpoint is not None:
-            return error(f"{what} {where}; checkpoint at epoch {checkpoint.epoch}; run the same command to resume")
-        every = self.checkpoint_every
-        why = f"none yet, one every {every} epochs" if every > 0 else "trainer.checkpoint_every=0 writes none"
-        return error(f"{what} {where}; no checkpoint ({why}); run the same command to start it again")
-
-
-@contextmanager
-def stop_on_interrupt(progress: EpochProgress) -> Iterator[None]:
-    """Turn Ctrl-C inside the block into :class:`~bdl_bench.errors.Interrupted` saying where the fit stood,
-    and SIGTERM into :class:`~bdl_bench.errors.Terminated` (at the end of the epoch under way)."""
-    try:
-        with stop_at_epoch_end(progress):
-            yield
-    except Terminated as stop:
-        if str(stop):
-            raise
-        raise progress.interrupted(terminated=True) from None
-    except Interrupted:
-        raise
-    except KeyboardInterrupt:
-        raise progress.interrupted() from None
-
-
-def stop_if_terminated(progress: EpochProgress, epoch: int, save: Callable[[int], None], saved: bool) -> None:
-    """At the end of ``epoch``: when a SIGTERM asked to stop, write a checkpoint there (``save``, unless
-    ``saved`` already) and raise :class:`~bdl_bench.errors.Terminated`."""
-    if progress.stop_requested:
-        progress.in_epochs = False
-        if not saved:
-            save(epoch)
-        progress.done = epoch
-        raise Terminated()
 
 
 @dataclass(frozen=True)
@@ -147,24 +87,26 @@ def run_prior(model: torch.nn.Module, cfg: DictConfig, dataset: Dataset) -> torc
     return prior_precision_vector(model, precision, OmegaConf.select(cfg, "bias_prior_precision"))
 
 
-def load_dataset(data_cfg: Mapping[str, Any]) -> Dataset:
-    """The dataset of a ``data`` config, loaded once per process (a sweep worker runs many splits of a
-    few datasets); every call returns fresh copies of the tensors, so no run can alter another's data."""
+def load_dataset(data_cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype) -> Dataset:
+    """The dataset of a ``data`` config, loaded once per process (a sweep worker runs many splits of a few
+    datasets); every call returns fresh copies of the tensors, on ``device`` and floating ones in ``dtype`` (labels
+    keep theirs), so no run can alter another's data."""
     cached = _cached_dataset(json.dumps(dict(data_cfg), sort_keys=True, default=str))
-    fields = {f.name: getattr(cached, f.name) for f in dataclasses.fields(cached)}
-    return Dataset(**{name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in fields.items()})
+    fields = {}
+    for field in dataclasses.fields(cached):
+        value = getattr(cached, field.name)
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, dtype=dtype if value.is_floating_point() else value.dtype, copy=True)
+        fields[field.name] = value
+    return Dataset(**fields)
 
 
-EpochHook = Callable[[int], None]
-
-
-def run(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> RunResult:
+def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     """Fit and evaluate the method described by ``cfg``; write the results into ``run_dir``, resuming from a
-    checkpoint there. ``epoch_hook`` is called with the epoch number after each epoch's history row and
-    checkpoint are written (tests use it to simulate a crash)."""
+    checkpoint there."""
     check_config(cfg)
     run_dir = Path(run_dir)
-    return fit_job(cfg, {0: cfg}, {0: run_dir}, run_dir, epoch_hook=epoch_hook, single=True)[0]
+    return fit_job(cfg, {0: cfg}, {0: run_dir}, run_dir, single=True)[0]
 
 
 def fit_job(
@@ -173,7 +115,6 @@ def fit_job(
     member_dirs: Mapping[Hashable, Path],
     job_dir: Path,
     *,
-    epoch_hook: EpochHook | None = None,
     single: bool = False,
 ) -> dict[Hashable, RunResult]:
     """The one training loop: fit ``cfg``'s method on R members at once and write each member's run folder.
@@ -190,7 +131,7 @@ def fit_job(
     checkpoint_every = int(OmegaConf.select(cfg, "trainer.checkpoint_every", default=0) or 0)
     progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, Path(job_dir) / CHECKPOINT_FILE)
     with stop_on_interrupt(progress):
-        return _fit_job(cfg, members, member_dirs, Path(job_dir), epoch_hook, progress, single)
+        return _fit_job(cfg, members, member_dirs, Path(job_dir), progress, single)
 
 
 def _fit_job(
@@ -198,7 +139,6 @@ def _fit_job(
     members: Mapping[Hashable, DictConfig],
     member_dirs: Mapping[Hashable, Path],
     job_dir: Path,
-    epoch_hook: EpochHook | None,
     progress: EpochProgress,
     single: bool,
 ) -> dict[Hashable, RunResult]:
@@ -223,7 +163,7 @@ def _fit_job(
         write_config(dirs[k], configs[k])  # type: ignore[arg-type]
         update_run_record(dirs[k], **record)
 
-    datasets = {k: to_device(load_dataset(configs[k]["data"]), device, dtype) for k in keys}  # type: ignore[index]
+    datasets = {k: load_dataset(configs[k]["data"], device, dtype) for k in keys}  # type: ignore[index]
     if not one:
         _check_stackable(datasets, cfg)
     first = datasets[keys[0]]
@@ -318,8 +258,6 @@ def _fit_job(
         if one:
             bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
         progress.done = epoch
-        if epoch_hook is not None:
-            epoch_hook(epoch)
         stop_if_terminated(progress, epoch, save, saved)
 
     progress.in_epochs = True

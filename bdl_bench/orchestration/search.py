@@ -316,7 +316,7 @@ class Search:
             }
             dirs = {key: self.trial_dir(*key) for key in todo}
             try:
-                run_stack(self.trial_cfg, dirs, self.root, member_configs=configs)
+                run_stack(self.trial_cfg, dirs, self.root, configs)
             except CannotStack as reason:
                 self._train_one_by_one(configs, dirs, str(reason))
                 return

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.config_checks import check_config
 from bdl_bench.errors import ConfigError
-from bdl_bench.orchestration.runner import EpochHook, RunResult, fit_job
+from bdl_bench.orchestration.runner import RunResult, fit_job
 
 
 def stacked_splits(cfg: DictConfig) -> list[int] | None:
@@ -47,19 +47,16 @@ def run_stack(
     cfg: DictConfig,
     member_dirs: Mapping[Hashable, Path],
     stack_dir: Path,
-    *,
-    member_configs: Mapping[Hashable, DictConfig] | None = None,
-    epoch_hook: EpochHook | None = None,
+    member_configs: Mapping[Hashable, DictConfig],
 ) -> dict[Hashable, RunResult]:
-    """Fit ``cfg``'s method on the splits ``member_dirs`` names (split → run folder), stacked, with the stack's
-    checkpoint in ``stack_dir``. ``member_configs`` holds each member's config where members are not just splits
-    of ``cfg`` (a search's trials, tuned test runs): their precisions and the method's ``replica_options`` may
-    differ, all else must be ``cfg``'s."""
-    members = dict(member_configs) if member_configs is not None else {k: member_config(cfg, k) for k in member_dirs}
+    """Fit ``cfg``'s method on the members ``member_dirs`` names (member → run folder), stacked, with the stack's
+    checkpoint in ``stack_dir``. A member's config (``member_configs``: a split's, a search's trial, a tuned test
+    run) may differ from ``cfg`` in its precisions and the method's ``replica_options``; all else is ``cfg``'s."""
+    members = {k: member_configs[k] for k in member_dirs}
     for member in (cfg, *members.values()):
         check_config(member)
     _check_shared(cfg, {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()})
-    return fit_job(cfg, {k: members[k] for k in member_dirs}, member_dirs, Path(stack_dir), epoch_hook=epoch_hook)
+    return fit_job(cfg, members, member_dirs, Path(stack_dir))
 
 
 _SHARED = ("model", "trainer", "likelihood")  # what every member of a stack shares (one network, one loop)

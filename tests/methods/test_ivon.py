@@ -300,7 +300,7 @@ class Crash(Exception):
     """Stands for the process dying after an epoch."""
 
 
-def test_a_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path, compose_cfg) -> None:
+def test_a_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path, compose_cfg, at_epoch_end) -> None:
     """Through the runner (checkpoint every 2 epochs, killed after 3): every metric and the posterior equal the
     unbroken run's, bit for bit."""
 
@@ -311,8 +311,8 @@ def test_a_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(tmp_path, co
     cfg = compose_cfg(["method=ivon", "trainer.n_epochs=5", "trainer.checkpoint_every=2"])
     unbroken = run(cfg, tmp_path / "unbroken").metrics
     killed = tmp_path / "killed"
-    with pytest.raises(Crash):
-        run_job(cfg, killed, epoch_hook=crash)
+    with at_epoch_end(crash), pytest.raises(Crash):
+        run_job(cfg, killed)
     checkpoint = load_checkpoint(killed / "checkpoint.pt")
     assert checkpoint is not None and checkpoint.epoch == 2 and checkpoint.method["step"] > 0
     run_job(cfg, killed)
