@@ -1,15 +1,13 @@
 """Where a run computes: ``trainer.device`` / ``trainer.dtype`` resolved, what run.json records of the device, the
-deterministic-algorithms switch, and a dataset moved to the device."""
+deterministic-algorithms switch."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 import torch
 
-from bdl_bench.data.base import Dataset
 from bdl_bench.errors import ConfigError
 
 
@@ -61,14 +59,3 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"trainer.dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def to_device(dataset: Dataset, device: torch.device, dtype: torch.dtype) -> Dataset:
-    """Move every tensor to ``device``; floating tensors also to ``dtype`` (labels keep theirs)."""
-    moved = {}
-    for field in dataclasses.fields(dataset):
-        value = getattr(dataset, field.name)
-        if isinstance(value, torch.Tensor):
-            value = value.to(device, dtype=dtype if value.is_floating_point() else value.dtype)
-        moved[field.name] = value
-    return Dataset(**moved)

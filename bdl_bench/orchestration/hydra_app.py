@@ -111,15 +111,6 @@ def hydra_app(cfg: DictConfig) -> float | None:
     return result.metrics.get("val_test_ll", result.metrics.get("test_ll"))
 
 
-def hydra_error_line(error: BaseException) -> str:
-    """One line for an error Hydra reports about the command line (a key that does not exist, an override
-    it cannot parse, a config it cannot find), with the first line of its cause (OmegaConf's reason)."""
-    cause = error.__cause__
-    reason = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
-    line = error_line(error)
-    return f"{line} ({reason})" if reason and reason not in line else line
-
-
 @contextlib.contextmanager
 def _hydra_raises_user_errors() -> Iterator[None]:
     """Within: Hydra raises a user error (ours, or its own about the command line) to the caller instead of
@@ -174,8 +165,11 @@ def run_hydra(args: list[str]) -> SystemExit | None:
         return SystemExit(error_line(error))
     except ReportedError as error:  # a sweep member's user error, its line made already
         return SystemExit(str(error))
-    except HydraException as error:  # Hydra's own about the command line
+    except HydraException as error:  # Hydra's own about the command line, with its cause's (OmegaConf's) reason
         if debugging():
             raise
-        return SystemExit(hydra_error_line(error))
+        cause = str(error.__cause__ or "").strip()
+        reason = cause.splitlines()[0] if cause else ""
+        line = error_line(error)
+        return SystemExit(f"{line} ({reason})" if reason and reason not in line else line)
     return None

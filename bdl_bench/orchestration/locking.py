@@ -72,9 +72,13 @@ class Holder:
 
     def describe(self) -> str:
         """``host h, pid p, since <UTC time>, last heartbeat <n> s ago``."""
-        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
         beat = max(0, time.time() - self.heartbeat)
-        return f"host {self.host}, pid {self.pid}, since {since}, last heartbeat {beat:.0f} s ago"
+        return f"host {self.host}, pid {self.pid}, since {utc(self.since)}, last heartbeat {beat:.0f} s ago"
+
+
+def utc(t: float | None) -> str:
+    """``t`` (seconds since the epoch) as ``YYYY-MM-DD HH:MM:SS UTC``; ``?`` when unknown."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "?"
 
 
 def _pid_start(pid: int) -> str | None:
@@ -227,13 +231,18 @@ def release(folder: Path) -> None:
 
 @contextlib.contextmanager
 def holding(folders: Sequence[Path]) -> Iterator[None]:
-    """Hold the locks of ``folders`` (taken in order; all given back if one is in use) within the block."""
+    """Hold the locks of ``folders`` (taken in order; all given back if one is in use) within the block; a
+    failed write there (of a lock too: a full disk) is a one-line :class:`~.write_errors.WriteError`."""
+    from bdl_bench.orchestration.write_errors import write_error
+
     taken: list[Path] = []
     try:
         for folder in folders:
             acquire(folder)
             taken.append(folder)
         yield
+    except OSError as error:
+        raise write_error(error) or error from None
     finally:
         for folder in reversed(taken):
             release(folder)

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdl_bench.orchestration.locking import lock_state
+from bdl_bench.orchestration.locking import lock_state, utc
 from bdl_bench.results import CONFIG_FILE, HISTORY_FILE, METRICS_FILE, RUN_RECORD_FILE, read_failure
 
 CLASSES = ("finished", "failed", "running", "stale", "interrupted", "not started")
@@ -68,10 +67,6 @@ def _reason(run_dir: Path, record: dict) -> str:
     return f"{failure.get('error_type', 'error')}: {message}"[:300]
 
 
-def _when(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t)) if t else "?"
-
-
 def classify(run_dir: Path) -> tuple[str, str]:
     """``(class, detail)`` of one run folder."""
     record = _record(run_dir)
@@ -84,12 +79,12 @@ def classify(run_dir: Path) -> tuple[str, str]:
     if status == "failed":
         return "failed", _reason(run_dir, record)
     if status == "running":
-        where = f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, since {_when(record.get('started'))}"
+        where = f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, since {utc(record.get('started'))}"
         return "stale", f"run.json says running ({where}) but no process holds it{_epochs(run_dir)}"
     if (run_dir / METRICS_FILE).exists():
         return "finished", ""
     if status == "interrupted":
-        return "interrupted", f"at {_when(record.get('ended'))}{_epochs(run_dir)}; the same command resumes it"
+        return "interrupted", f"at {utc(record.get('ended'))}{_epochs(run_dir)}; the same command resumes it"
     return "not started", ""
 
 

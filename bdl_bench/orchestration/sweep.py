@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,7 +27,7 @@ from bdl_bench.errors import ConfigError, OutputPathError, UserError
 from bdl_bench.methods.base import CannotStack
 from bdl_bench.orchestration import locking
 from bdl_bench.orchestration.hydra_app import load_config, override_dirname
-from bdl_bench.orchestration.runner import EpochHook, run
+from bdl_bench.orchestration.runner import run
 from bdl_bench.orchestration.search import has_search, tuned_members, with_method_settings, write_split_trials
 from bdl_bench.orchestration.stacked import member_config, run_stack, stacked_splits
 from bdl_bench.orchestration.status import run_folders
@@ -86,15 +85,15 @@ def _exit_with_failure_status() -> None:
     atexit.register(_exit)
 
 
-def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = None) -> JobResult:
+def run_job(cfg: DictConfig, run_dir: Path) -> JobResult:
     """Skip, resume or run the job ``cfg`` in ``run_dir``; record a failure and re-raise it. A job whose
     ``data.split`` is a list runs those splits stacked (:func:`run_stacked_job`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = _task_overrides()
     if stacked_splits(cfg) is not None or has_search(cfg):  # a search stacks its trials, even of one split
-        return run_stacked_job(cfg, run_dir, overrides=overrides, epoch_hook=epoch_hook)
-    with _holding([run_dir]):  # one writer per run folder (bdl_bench.orchestration.locking)
+        return run_stacked_job(cfg, run_dir, overrides)
+    with locking.holding([run_dir]):  # one writer per run folder
         force = bool(OmegaConf.select(cfg, "force", default=False))
         config: dict[str, Any] = {}
         try:
@@ -104,31 +103,17 @@ def run_job(cfg: DictConfig, run_dir: Path, *, epoch_hook: EpochHook | None = No
                 metrics = json.loads((run_dir / METRICS_FILE).read_text())
                 return JobResult(run_dir=run_dir, metrics=metrics, skipped=True)
             _start_attempt(run_dir, chash, overrides, force)
-            result = run(cfg, run_dir, epoch_hook=epoch_hook)
+            result = run(cfg, run_dir)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, submitit's requeue (its exit)
             _record_interrupted([run_dir])
             raise
         except Exception as error:
-            failure = _record_failure(run_dir, error, config, overrides)
-            _exit_with_failure_status()
-            if failure is not error:
-                raise failure from None
-            raise
+            _fail(error, {run_dir: (config, overrides)})
         try:
             update_run_record(run_dir, status="finished", ended=time.time(), error=None)
         except OSError as error:  # the run's files are whole; only its record says "running"
             raise write_error(error, run_dir) or error from None
         return JobResult(run_dir=run_dir, metrics=result.metrics, skipped=False)
-
-
-@contextlib.contextmanager
-def _holding(folders: list[Path]) -> Iterator[None]:
-    """:func:`~bdl_bench.orchestration.locking.holding`; a lock that cannot be written is a one-line error."""
-    try:
-        with locking.holding(folders):
-            yield
-    except OSError as error:
-        raise write_error(error) or error from None
 
 
 def _record_interrupted(run_dirs: list[Path]) -> None:
@@ -158,18 +143,19 @@ def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any],
     return failure  # type: ignore[return-value]
 
 
-def _fail_splits(error: Exception, members: dict[int, Any], dirs: dict[int, Path], overrides: list[str]) -> NoReturn:
-    """Record ``error`` in every split folder of a stacked job (each with its own split's overrides, as its single
-    run would record them) and raise it, or the one-line error of a failed write; under submitit, the job also
-    ends with exit status 1."""
-    failures = [
-        _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
-        for k, d in dirs.items()
-    ]
+def _fail(error: Exception, records: dict[Path, tuple[Any, list[str]]]) -> NoReturn:
+    """Record ``error`` in each run folder of ``records`` (folder → its config and overrides) and raise it, or the
+    one-line error of a failed write; under submitit, the job also ends with exit status 1."""
+    failures = [_record_failure(d, error, config, overrides) for d, (config, overrides) in records.items()]
     _exit_with_failure_status()
     if failures[0] is not error:
         raise failures[0] from None
     raise error
+
+
+def _split_record(member: DictConfig, overrides: list[str], split: int) -> tuple[Any, list[str]]:
+    """What a split's failure record holds: its config, and the overrides of its single run."""
+    return OmegaConf.to_container(member), _with_split(overrides, split)
 
 
 def _finished(run_dir: Path, chash: str, force: bool) -> bool:
@@ -245,9 +231,7 @@ def _with_split(overrides: list[str], split: int) -> list[str]:
     return [f"data.split={split}" if parser.parse_override(o).key_or_group == "data.split" else o for o in overrides]
 
 
-def run_stacked_job(
-    cfg: DictConfig, run_dir: Path, *, overrides: list[str], epoch_hook: EpochHook | None = None
-) -> JobResult:
+def run_stacked_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> JobResult:
     """:func:`run_job` for a stacked job: splits whose folder holds a finished run of the same config are
     skipped, the others fitted together (one after another when the method cannot stack); each split's folder
     gets its own ``run.json`` and failure record. The result holds the mean of each metric over the splits."""
@@ -256,13 +240,13 @@ def run_stacked_job(
         cfg = with_method_settings(cfg)
     splits = stacked_splits(cfg) or [int(cfg.data.split)]
     dirs = member_dirs(run_dir, overrides, splits)
-    with _holding([run_dir, *dirs.values()]):  # the job's folder (checkpoint, search) and every split's
+    with locking.holding([run_dir, *dirs.values()]):  # the job's folder (checkpoint, search) and every split's
         members = {k: member_config(cfg, k) for k in splits}
         if has_search(cfg):  # each split's test run with its own best values (bdl_bench.orchestration.search)
             try:
                 members = tuned_members(cfg, run_dir, splits)
             except Exception as error:  # a bad search spec, a failed search: every split's folder says so
-                _fail_splits(error, members, dirs, overrides)
+                _fail(error, {d: _split_record(members[k], overrides, k) for k, d in dirs.items()})
             write_split_trials(run_dir, dirs)
         hashes = {k: config_hash(OmegaConf.to_container(members[k], resolve=True)) for k in splits}  # type: ignore[arg-type]
         todo = {}
@@ -272,7 +256,7 @@ def run_stacked_job(
                 if not _finished(d, hashes[k], force):
                     todo[k] = d
             except ConfigVersionError as error:  # recorded in the split's folder, as a single run records it
-                _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+                _record_failure(d, error, *_split_record(members[k], overrides, k))
                 conflicts.append(error)
         if conflicts:
             raise conflicts[0]
@@ -282,15 +266,15 @@ def run_stacked_job(
                 if overrides:  # what a single run's Hydra folder records (reproduce re-composes runs from it)
                     atomic_write_text(d / ".hydra" / "overrides.yaml", yaml.safe_dump(_with_split(overrides, k)))
             try:
-                run_stack(cfg, todo, run_dir, member_configs={k: members[k] for k in todo}, epoch_hook=epoch_hook)
+                run_stack(cfg, todo, run_dir, members)
             except CannotStack as reason:
                 print(f"{reason}: the {len(todo)} splits run one after another", file=sys.stderr, flush=True)
-                _run_one_by_one(members, todo, overrides, epoch_hook)
+                _run_one_by_one(members, todo, overrides)
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a requeue: every unfinished split says so
                 _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
                 raise
             except Exception as error:
-                _fail_splits(error, members, todo, overrides)
+                _fail(error, {d: _split_record(members[k], overrides, k) for k, d in todo.items()})
             else:
                 for d in todo.values():
                     update_run_record(d, status="finished", ended=time.time(), error=None)
@@ -300,21 +284,19 @@ def run_stacked_job(
         return JobResult(run_dir=run_dir, metrics=means, skipped=not todo)
 
 
-def _run_one_by_one(
-    members: dict[int, DictConfig], todo: dict[int, Path], overrides: list[str], epoch_hook: EpochHook | None
-) -> None:
+def _run_one_by_one(members: dict[int, DictConfig], todo: dict[int, Path], overrides: list[str]) -> None:
     """The splits of a job whose method cannot stack, each as its single run in its own folder (as a sweep
     of single jobs would run them: a failed split is recorded and the others still run; the first failure
     is raised at the end)."""
     first_error: Exception | None = None
     for k, d in todo.items():
         try:
-            run(members[k], d, epoch_hook=epoch_hook)
+            run(members[k], d)
         except (KeyboardInterrupt, SystemExit):
             _record_interrupted([d for d in todo.values() if not (d / METRICS_FILE).exists()])
             raise
         except Exception as error:
-            failure = _record_failure(d, error, OmegaConf.to_container(members[k]), _with_split(overrides, k))  # type: ignore[arg-type]
+            failure = _record_failure(d, error, *_split_record(members[k], overrides, k))
             first_error = first_error or failure
             continue
         update_run_record(d, status="finished", ended=time.time(), error=None)
