@@ -75,10 +75,7 @@ def sparsify(
 
 def _unique_in_order(values: Tensor) -> Tensor:
     """Distinct entries of a 1-D integer tensor in order of first appearance."""
-    seen: dict[int, None] = {}
-    for v in values.tolist():
-        seen.setdefault(int(v), None)
-    return torch.tensor(list(seen), dtype=torch.long, device=values.device)
+    return torch.tensor(list(dict.fromkeys(values.tolist())), dtype=torch.long, device=values.device)
 
 
 def kron_diag(factor_out: Tensor, factor_in: Tensor, eigenvalues: Tensor) -> Tensor:

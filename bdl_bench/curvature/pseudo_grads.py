@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -414,13 +415,12 @@ def iter_pseudo_grads(
     likelihood: Likelihood,
     *,
     batch_size: int,
-    kind: CurvatureKind | str = CurvatureKind.GGN,
-    n_samples: int = 1,
-    generator: torch.Generator | None = None,
     labels: Sequence[Tensor | None] | None = None,
+    **options: Any,
 ) -> Iterator[PseudoGrads]:
-    """:func:`pseudo_grads` over consecutive minibatches of ``batch_size`` rows of ``(x, y)``; ``labels``: for
-    ``fisher``, one ``(S, M)`` tensor per minibatch (e.g. an earlier pass's :attr:`PseudoGrads.labels`)."""
+    """:func:`pseudo_grads` (``options``: its ``kind``, ``n_samples`` and ``generator``) over consecutive minibatches
+    of ``batch_size`` rows of ``(x, y)``; ``labels``: for ``fisher``, one ``(S, M)`` tensor per minibatch (e.g. an
+    earlier pass's :attr:`PseudoGrads.labels`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     n_chunks = -(-x.shape[0] // batch_size)
@@ -428,15 +428,6 @@ def iter_pseudo_grads(
         raise ValueError(f"labels must have one entry per minibatch ({n_chunks}), got {len(labels)}")
     layout = kron_layout(model)
     for chunk, start in enumerate(range(0, x.shape[0], batch_size)):
-        yield pseudo_grads(
-            model,
-            theta,
-            x[start : start + batch_size],
-            y[start : start + batch_size],
-            likelihood,
-            kind=kind,
-            n_samples=n_samples,
-            generator=generator,
-            labels=None if labels is None else labels[chunk],
-            layout=layout,
-        )
+        rows = slice(start, start + batch_size)
+        drawn = None if labels is None else labels[chunk]
+        yield pseudo_grads(model, theta, x[rows], y[rows], likelihood, labels=drawn, layout=layout, **options)

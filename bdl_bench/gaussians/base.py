@@ -20,6 +20,7 @@ tensor is created like ``mean``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -83,6 +84,12 @@ class StructuredGaussian(ABC):
     def _check_rhs(self, v: Tensor) -> None:
         if v.ndim not in (1, 2) or v.shape[0] != self.dim:
             raise ValueError(f"expected shape (D,) or (D, K) with D={self.dim}, got {tuple(v.shape)}")
+
+    def _on_columns(self, v: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """``fn`` of ``v`` ``(D,)`` or ``(D, K)`` (checked) taken as ``(D, K)`` columns, in ``v``'s shape."""
+        self._check_rhs(v)
+        out = fn(v if v.ndim == 2 else v[:, None])
+        return out if v.ndim == 2 else out[:, 0]
 
     @abstractmethod
     def precision_matvec(self, v: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from bdl_bench.gaussians.base import StructuredGaussian
-from bdl_bench.gaussians.full import FullGaussian, _symmetry_tolerance
+from bdl_bench.gaussians.full import FullGaussian, check_symmetric, cholesky
 
 
 def pack(matrices: Sequence[Tensor]) -> Tensor:
@@ -95,12 +95,6 @@ class BlockGaussian(StructuredGaussian):
             out[idx] = block.reshape(n_cols, -1).mT
         return out
 
-    def _map_blocks(self, v: Tensor, fn_name: str) -> Tensor:
-        self._check_rhs(v)
-        cols = v if v.ndim == 2 else v[:, None]
-        out = self._join([getattr(self, fn_name)(b, x) for b, x in enumerate(self._split(cols))])
-        return out if v.ndim == 2 else out[:, 0]
-
     @abstractmethod
     def _block_matvec(self, b: int, x: Tensor) -> Tensor:
         """:math:`P_b x` for ``x`` ``(K, m, n)``."""
@@ -125,11 +119,15 @@ class BlockGaussian(StructuredGaussian):
     def _block_dense(self, b: int) -> Tensor:
         """:math:`P_b` as a dense ``(m·n, m·n)`` matrix (for tests)."""
 
+    def _map_blocks(self, v: Tensor, fn: Callable[[int, Tensor], Tensor]) -> Tensor:
+        """``fn(b, x)`` on every block ``x`` ``(K, m, n)`` of ``v`` ``(D,)`` or ``(D, K)``, joined back."""
+        return self._on_columns(v, lambda cols: self._join([fn(b, x) for b, x in enumerate(self._split(cols))]))
+
     def precision_matvec(self, v: Tensor) -> Tensor:
-        return self._map_blocks(v, "_block_matvec")
+        return self._map_blocks(v, self._block_matvec)
 
     def solve(self, v: Tensor) -> Tensor:
-        return self._map_blocks(v, "_block_solve")
+        return self._map_blocks(v, self._block_solve)
 
     def logdet_precision(self) -> Tensor:
         return torch.stack([self._block_logdet(b) for b in range(len(self.block_shapes))]).sum()
@@ -154,13 +152,6 @@ class BlockGaussian(StructuredGaussian):
         return FullGaussian(self.mean, 0.5 * (precision + precision.mT))
 
 
-def _cholesky(matrix: Tensor, what: str) -> Tensor:
-    chol, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) != 0:
-        raise ValueError(f"{what} is not positive definite (Cholesky failed at column {int(info)})")
-    return chol
-
-
 @dataclass(frozen=True, eq=False, repr=False)
 class BlockDiagGaussian(BlockGaussian):
     """Dense precision blocks :math:`P_b` (exact block-diagonal Laplace, "FB" in Lee et al.); a block that is not
@@ -172,8 +163,7 @@ class BlockDiagGaussian(BlockGaussian):
         super().__post_init__()
         self._check_param("blocks", self.blocks, (sum((m * n) ** 2 for m, n in self.block_shapes),))
         for b, block in enumerate(self._blocks):
-            if not torch.allclose(block, block.mT, rtol=0.0, atol=_symmetry_tolerance(block)):
-                raise ValueError(f"precision block {b} must be symmetric")
+            check_symmetric(f"precision block {b}", block)
 
     @cached_property
     def _blocks(self) -> list[Tensor]:
@@ -181,7 +171,7 @@ class BlockDiagGaussian(BlockGaussian):
 
     @cached_property
     def _chols(self) -> list[Tensor]:
-        return [_cholesky(block, f"precision block {b}") for b, block in enumerate(self._blocks)]
+        return [cholesky(block, f"precision block {b}") for b, block in enumerate(self._blocks)]
 
     def _flat(self, b: int, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0], -1).mT  # (mn, K)

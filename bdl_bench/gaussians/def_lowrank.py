@@ -38,8 +38,9 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from bdl_bench.gaussians.blocks import BlockGaussian, _check_long, _cholesky
+from bdl_bench.gaussians.blocks import BlockGaussian, _check_long
 from bdl_bench.gaussians.diag import _check_positive
+from bdl_bench.gaussians.full import cholesky
 from bdl_bench.gaussians.low_rank import sample_core
 
 
@@ -119,12 +120,12 @@ class KroneckerLowRankPlusDiagGaussian(BlockGaussian):
     @cached_property
     def _capacity_chols(self) -> list[Tensor]:
         eye = [torch.eye(h.shape[0], dtype=self.dtype, device=self.device) for h in self._grams]
-        return [_cholesky(i + h, f"capacity matrix of block {b}") for b, (i, h) in enumerate(zip(eye, self._grams))]
+        return [cholesky(i + h, f"capacity matrix of block {b}") for b, (i, h) in enumerate(zip(eye, self._grams))]
 
     @cached_property
     def _sample_cores(self) -> list[Tensor]:
         """The App. B.2 core K of every block: Alg. 3's when H is well conditioned, else eigh's."""
-        return [sample_core(gram).core for gram in self._grams]
+        return [sample_core(gram) for gram in self._grams]
 
     def _block_matvec(self, b: int, x: Tensor) -> Tensor:
         return self._w(b, self._w_t(b, x)) + self._diags[b] * x

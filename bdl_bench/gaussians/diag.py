@@ -28,15 +28,11 @@ class DiagGaussian(StructuredGaussian):
         self._check_param("prec_diag", self.prec_diag, (self.dim,))
         _check_positive("prec_diag", self.prec_diag)
 
-    def _diag_times(self, scale: Tensor, v: Tensor) -> Tensor:
-        self._check_rhs(v)
-        return scale * v if v.ndim == 1 else scale[:, None] * v
-
     def precision_matvec(self, v: Tensor) -> Tensor:
-        return self._diag_times(self.prec_diag, v)
+        return self._on_columns(v, lambda cols: self.prec_diag[:, None] * cols)
 
     def solve(self, v: Tensor) -> Tensor:
-        return self._diag_times(self.prec_diag.reciprocal(), v)
+        return self._on_columns(v, lambda cols: self.prec_diag.reciprocal()[:, None] * cols)
 
     def logdet_precision(self) -> Tensor:
         return self.prec_diag.log().sum()

@@ -11,10 +11,20 @@ from torch import Tensor
 from bdl_bench.gaussians.base import LinearMoments, StructuredGaussian
 
 
-def _symmetry_tolerance(matrix: Tensor) -> float:
-    """Absolute tolerance for ``matrix == matrix.T``: sqrt(eps) times its largest entry."""
+def check_symmetric(name: str, matrix: Tensor) -> None:
+    """Raise ``ValueError`` unless ``matrix == matrix.T`` up to sqrt(eps) times its largest entry."""
     scale = matrix.abs().max().item() if matrix.numel() else 0.0
-    return (torch.finfo(matrix.dtype).eps ** 0.5) * max(scale, 1.0)
+    atol = (torch.finfo(matrix.dtype).eps ** 0.5) * max(scale, 1.0)
+    if not torch.allclose(matrix, matrix.mT, rtol=0.0, atol=atol):
+        raise ValueError(f"{name} must be symmetric")
+
+
+def cholesky(matrix: Tensor, what: str) -> Tensor:
+    """The lower Cholesky factor of ``matrix``; ``ValueError`` naming ``what`` unless it is positive definite."""
+    chol, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0:
+        raise ValueError(f"{what} is not positive definite (Cholesky failed at column {int(info)})")
+    return chol
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -32,15 +42,11 @@ class FullGaussian(StructuredGaussian):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_param("precision", self.precision, (self.dim, self.dim))
-        if not torch.allclose(self.precision, self.precision.mT, rtol=0.0, atol=_symmetry_tolerance(self.precision)):
-            raise ValueError("precision must be symmetric")
+        check_symmetric("precision", self.precision)
 
     @cached_property
     def _chol(self) -> Tensor:
-        chol, info = torch.linalg.cholesky_ex(self.precision)
-        if int(info.item()) != 0:
-            raise ValueError(f"precision is not positive definite (leading minor {int(info.item())})")
-        return chol
+        return cholesky(self.precision, "precision")
 
     @cached_property
     def covariance(self) -> Tensor:
@@ -53,10 +59,7 @@ class FullGaussian(StructuredGaussian):
 
     def solve(self, v: Tensor) -> Tensor:
         r""":math:`\Sigma v` by two triangular solves with L."""
-        self._check_rhs(v)
-        rhs = v if v.ndim == 2 else v[:, None]
-        out = torch.cholesky_solve(rhs, self._chol)
-        return out if v.ndim == 2 else out[:, 0]
+        return self._on_columns(v, lambda rhs: torch.cholesky_solve(rhs, self._chol))
 
     def logdet_precision(self) -> Tensor:
         r""":math:`\log|P| = 2\sum_i \log L_{ii}`."""

@@ -30,6 +30,14 @@ CLASSES: dict[str, type[StructuredGaussian]] = {
 }
 
 
+def gaussian_class(fields: set[str]) -> type[StructuredGaussian]:
+    """The savable class whose dataclass fields are ``fields`` (a saved posterior's tensors)."""
+    for cls in CLASSES.values():
+        if {f.name for f in dataclasses.fields(cls)} == fields:
+            return cls
+    raise ValueError(f"no savable Gaussian has the fields {sorted(fields)}")
+
+
 def save_gaussian(gaussian: StructuredGaussian, path: Path) -> None:
     """Write the defining tensors (``mean``, ``prec_*``) and the class name, atomically."""
     name = type(gaussian).__name__

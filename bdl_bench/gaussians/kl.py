@@ -94,13 +94,12 @@ def sym_kl(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
     return kl(p, q) + kl(q, p)
 
 
-def _assemble(p: StructuredGaussian, q: StructuredGaussian, trace: Tensor, maha: Tensor) -> Tensor:
+def _assemble(p: StructuredGaussian, q: StructuredGaussian, trace: Tensor, maha: Tensor | None = None) -> Tensor:
+    r"""The KL from its trace term and the Mahalanobis term (by default :math:`\delta^\top P_q\delta`)."""
+    if maha is None:
+        delta = q.mean - p.mean
+        maha = delta @ q.precision_matvec(delta)
     return 0.5 * (trace + maha - p.dim + p.logdet_precision() - q.logdet_precision())
-
-
-def _mahalanobis_q(p: StructuredGaussian, q: StructuredGaussian) -> Tensor:
-    delta = q.mean - p.mean
-    return delta @ q.precision_matvec(delta)
 
 
 @register_kl(StructuredGaussian, DiagGaussian)
@@ -108,7 +107,7 @@ def _kl_to_diag(p: StructuredGaussian, q: DiagGaussian) -> Tensor:
     r"""KL to a diagonal q: :math:`\operatorname{tr}(P_q\Sigma_p) = \sum_i d_{q,i}\,\Sigma_{p,ii}`, at the cost of
     ``p.variance()`` and ``p.logdet_precision()`` (O(D L^2) for a low-rank p, blockwise for a block p)."""
     trace = (q.prec_diag * p.variance()).sum()
-    return _assemble(p, q, trace, _mahalanobis_q(p, q))
+    return _assemble(p, q, trace)
 
 
 @register_kl(StructuredGaussian, LowRankPlusDiagGaussian)
@@ -121,7 +120,7 @@ def _kl_to_low_rank(p: StructuredGaussian, q: LowRankPlusDiagGaussian) -> Tensor
     """
     factor_q = q.prec_factor
     trace = (factor_q * p.solve(factor_q)).sum() + (q.prec_diag * p.variance()).sum()
-    return _assemble(p, q, trace, _mahalanobis_q(p, q))
+    return _assemble(p, q, trace)
 
 
 @register_kl(FullGaussian, FullGaussian)

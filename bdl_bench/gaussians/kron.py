@@ -24,9 +24,9 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from bdl_bench.gaussians.blocks import BlockGaussian, _cholesky
+from bdl_bench.gaussians.blocks import BlockGaussian
 from bdl_bench.gaussians.diag import _check_positive
-from bdl_bench.gaussians.full import _symmetry_tolerance
+from bdl_bench.gaussians.full import check_symmetric, cholesky
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -43,8 +43,7 @@ class KroneckerGaussian(BlockGaussian):
         self._check_param("prec_in", self.prec_in, (sum(n * n for _, n in self.block_shapes),))
         for name, factors in (("prec_out", self._outs), ("prec_in", self._ins)):
             for b, f in enumerate(factors):
-                if not torch.allclose(f, f.mT, rtol=0.0, atol=_symmetry_tolerance(f)):
-                    raise ValueError(f"{name} factor of block {b} must be symmetric")
+                check_symmetric(f"{name} factor of block {b}", f)
 
     @cached_property
     def _outs(self) -> list[Tensor]:
@@ -57,7 +56,7 @@ class KroneckerGaussian(BlockGaussian):
     @cached_property
     def _chols(self) -> list[tuple[Tensor, Tensor]]:
         return [
-            (_cholesky(b_out, f"prec_out factor of block {b}"), _cholesky(c_in, f"prec_in factor of block {b}"))
+            (cholesky(b_out, f"prec_out factor of block {b}"), cholesky(c_in, f"prec_in factor of block {b}"))
             for b, (b_out, c_in) in enumerate(zip(self._outs, self._ins))
         ]
 

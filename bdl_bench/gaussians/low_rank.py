@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -77,15 +76,11 @@ def _eigh_core(gram: Tensor) -> Tensor:
     return (evecs * (s * (s + 1.0)).reciprocal()) @ evecs.mT
 
 
-class _SampleCore(NamedTuple):
-    core: Tensor  # (L, L) K
-    method: str  # "alg3" or "eigh"
-
-
-def sample_core(gram: Tensor) -> _SampleCore:
-    """Alg. 3's core K of :math:`G = V^\\top V` when G is well conditioned, else the eigendecomposition fallback."""
+def sample_core(gram: Tensor) -> Tensor:
+    """Alg. 3's core K ``(L, L)`` of :math:`G = V^\\top V` when G is well conditioned, else the eigendecomposition
+    fallback's."""
     core = _alg3_core(gram)
-    return _SampleCore(_eigh_core(gram), "eigh") if core is None else _SampleCore(core, "alg3")
+    return _eigh_core(gram) if core is None else core
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -138,7 +133,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         return torch.linalg.cholesky(eye + self._gram)
 
     @cached_property
-    def _sample_core(self) -> _SampleCore:
+    def _sample_core(self) -> Tensor:
         return sample_core(self._gram)
 
     def precision_matvec(self, v: Tensor) -> Tensor:
@@ -175,7 +170,7 @@ class LowRankPlusDiagGaussian(StructuredGaussian):
         r"""Rows :math:`\mu + D^{-1/2}(\epsilon - VKV^\top\epsilon)` (Alg. 3), O(D L) per row, K from
         :attr:`_sample_core`."""
         v_mat = self._scaled_factor
-        core = self._sample_core.core
+        core = self._sample_core
         # Row form of eps - V K V^T eps: eps - eps V K^T V^T.
         return self.mean + (eps - (eps @ v_mat) @ core.mT @ v_mat.mT) * self._rsqrt_diag
 

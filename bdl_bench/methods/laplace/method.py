@@ -1,7 +1,4 @@
-"""``method=laplace``: the MAP fit, the curvature pass, and the posterior at the configured or searched (N, τ).
-
-The structures live in :mod:`.structures`, the predictives in :mod:`.predictive`, the hyperparameter searches in
-:mod:`.search` and ``map_dir`` in :mod:`.map_dir`; the package docstring states the approximation."""
+"""``method=laplace``: the MAP fit, the curvature pass, and the posterior at the configured or searched (N, τ)."""
 
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ from torch import Tensor
 from bdl_bench.curvature.pseudo_grads import CurvatureKind, KronLayout, iter_pseudo_grads, kron_layout
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import StructuredGaussian
+from bdl_bench.gaussians.io import gaussian_class
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods._shared import map_step, parse_choice
 from bdl_bench.methods.base import PostHocMethod, Problem, register_method
@@ -50,18 +48,11 @@ _CURVATURE_DTYPES: dict[str, torch.dtype | None] = {"model": None, "float32": to
 
 @register_method("laplace")
 class Laplace(GaussianPredictive, PostHocMethod):
-    """Post-hoc Laplace approximation (the package docstring; the options in ``docs/laplace.md``).
-
-    ``prior_precision``/``dataset_scale``: τ and N, ``None`` for the run's prior and the training-set size;
-    ``rank``: DEF's K top eigenvalues per layer (``None``: all); ``curvature_subset``: estimate the curvature on
-    that many training examples drawn without replacement; ``curvature_cache_mib``: EFB/DEF's MiB of pass 1's
-    per-chunk tensors kept for the second pass (:class:`~bdl_bench.curvature.kron.ChunkCache`; 0 recomputes);
-    ``search``: a :class:`~.search.SearchSettings` mapping (choose N and τ on the validation set of
-    :meth:`use_validation`), ``marglik`` or ``{marglik: {...}}`` (:class:`~.search.MarglikSettings`).
-
-    After a fit: ``fit_info`` (what the curvature pass and the assembly report), ``extra_metrics`` (the search's
-    ``metrics.json`` entries), ``search_rows`` (``laplace_search.csv``), ``fitted_likelihood`` (the Gaussian at the
-    noise ``search=marglik`` chose, which the runner scores with) and ``last_evidence`` (marglik's objective)."""
+    """Post-hoc Laplace approximation (the package docstring; options in ``conf/method/laplace.yaml`` and
+    ``docs/laplace.md``). After a fit: ``fit_info`` (what the curvature pass and the assembly report),
+    ``extra_metrics`` (the search's ``metrics.json`` entries), ``search_rows`` (``laplace_search.csv``),
+    ``fitted_likelihood`` (the Gaussian at the noise ``search=marglik`` chose, which the runner scores with) and
+    ``last_evidence`` (marglik's objective)."""
 
     option_ranges = MappingProxyType(
         {
@@ -316,5 +307,4 @@ class Laplace(GaussianPredictive, PostHocMethod):
             self.theta.copy_(state["theta"])
         load_adam_state(self.optimizer, state["optimizer"])
         fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
-        gaussian = STRUCTURES[self.structure].posterior_class(set(fields))
-        self._posterior = gaussian(**fields) if fields else None
+        self._posterior = gaussian_class(set(fields))(**fields) if fields else None

@@ -65,12 +65,9 @@ class GaussianPredictive(Method):
         generator: torch.Generator,
     ) -> dict[str, Tensor]:
         r"""Outputs ``(n_samples, N, out)`` per set at ``n_samples`` draws of ``posterior`` from ``generator``
-        (``None``: the MAP's outputs, repeated).
-
-        Samples are drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries, each evaluated functionally on
-        every set before the next is drawn. Forward passes are sliced so that no activation exceeds
-        ``_PREDICT_BUDGET`` entries (large fresh tensors cost more in page faults than in arithmetic on the CPU);
-        images are evaluated channels-last (the faster convolution layout on the CPU)."""
+        (``None``: the MAP's outputs, repeated), drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries,
+        each evaluated on every set before the next is drawn, in forward passes of at most ``_PREDICT_BUDGET``
+        activation entries (on the CPU large fresh tensors cost page faults); images channels-last."""
         model, theta = self.problem.model, self.theta.detach()
         probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
         rows = 1 if probe is None else forward_rows(model, theta, probe)
@@ -128,10 +125,9 @@ class GaussianPredictive(Method):
     def predictive_moments(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         r"""The linearised predictive in closed form: :math:`f(x;\theta_{MAP})` and
         :math:`\operatorname{diag}(J\Sigma J^\top)` per example and output, ``(N, out)`` each (laplace-torch's
-        ``pred_type="glm"``). With a Gaussian likelihood the predictive is exactly
-        :math:`\mathcal N(f, \operatorname{diag}(J\Sigma J^\top) + \gamma^{-1})`; the runner scores it beside
-        the MC mixture of ``trainer.n_test_mc_samples`` samples, which underestimates its spread when γ⁻¹ is
-        small against the function variance. ``None`` for ``predictive: sample`` or before the posterior exists.
+        ``pred_type="glm"``); with a Gaussian likelihood the predictive is exactly
+        :math:`\mathcal N(f, \operatorname{diag}(J\Sigma J^\top) + \gamma^{-1})`. ``None`` for
+        ``predictive: sample`` or before the posterior exists.
         The Jacobian rows are formed per example (vmapped; a Jacobian of a whole slice would hold slice²
         activations), :math:`\Sigma J^\top` by the posterior's ``solve``."""
         if self.predictive is not Predictive.LINEARISED or self._posterior is None:

@@ -1,13 +1,6 @@
-r"""``method.search``: choose the Laplace posterior's hyperparameters after one curvature pass.
-
-Two searches, both cheap because N and τ enter only the assembly of :math:`P = N\mathbf I + \operatorname{diag}(\tau)`
-(:mod:`.structures`), never the data pass:
-
-* a validation grid over (N, τ) (:class:`SearchSettings`, :func:`grid_search`; Lee et al. 2020, App. E.3.1);
-* the Laplace marginal likelihood, maximised over τ and the noise (:class:`MarglikSettings`, :class:`LaplaceEvidence`,
-  :func:`maximise_evidence`; MacKay 1992, Immer et al. 2021).
-
-Each returns a :class:`SearchResult`: the chosen posterior and what a run reports of the choice."""
+r"""``method.search``: choose N and τ of :math:`P = N\mathbf I + \operatorname{diag}(\tau)` after one curvature pass
+(they enter only the assembly, :mod:`.structures`): on a validation grid (:func:`grid_search`; Lee et al. 2020,
+App. E.3.1) or by the Laplace marginal likelihood (:func:`maximise_evidence`; MacKay 1992, Immer et al. 2021)."""
 
 from __future__ import annotations
 
@@ -43,13 +36,9 @@ seeded with ``seed``."""
 
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
-    """``method.search``: choose N and τ on the validation set (Lee et al. 2020, App. E.3.1: N in
-    {1, 50000, 100000}, 100 values of τ, the minimum-ECE point with accuracy like the MAP's).
-
-    ``max_val_examples``: the first this many validation examples (``None``: all); ``criterion``: the validation
-    metric minimised; ``accuracy_tolerance``: eligible points keep validation accuracy >= the MAP's minus this
-    (``None``: all; ignored for regression); ``prune_accuracy_drop``: per N, skip the smaller τ once accuracy is
-    this far below the MAP's (``None``: evaluate every point)."""
+    """``method.search``: choose N and τ on the first ``max_val_examples`` validation examples (``None``: all) by
+    :func:`grid_search` (Lee et al. 2020, App. E.3.1: N in {1, 50000, 100000}, 100 values of τ, the minimum-ECE
+    point with accuracy like the MAP's)."""
 
     dataset_scale: tuple[float, ...]
     prior_precision: tuple[float, ...]
@@ -94,11 +83,8 @@ class MarglikSettings:
     :math:`P = N(\\gamma/\\gamma_0)\\mathbf I + \\operatorname{diag}(\\tau)` in the chosen ``structure``: the curvature of a
     Gaussian likelihood is linear in γ (GGN and Fisher alike), so its eigenvalues scale with it and the gradient
     of :math:`\\log|P|` in γ is exact. ``n_steps`` of Adam (``lr``) on :math:`\\log\\tau`, :math:`\\log\\gamma` from the
-    run's values, one curvature pass; no validation data.
-
-    ``noise`` (regression only): ``true`` fits γ jointly with τ; ``false`` keeps the run's γ; ``residual`` fixes
-    :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2`, the MAP's inverse mean squared training residual, and fits τ only
-    (laplace-torch's usual recipe)."""
+    run's values, one curvature pass; no validation data. ``noise`` (regression only): ``true`` fits γ, ``false`` keeps
+    the run's, ``residual`` fixes :math:`\\gamma = n / \\sum_i (f_*(x_i) - y_i)^2` (laplace-torch's usual recipe)."""
 
     prior: str = "layer"
     noise: bool | str = "residual"
@@ -183,8 +169,9 @@ def grid_search(
     """Lee et al. (2020), App. E.3.1: every (N, τ) of the grid on one curvature fit; keep the lowest
     validation ``criterion`` among points whose validation accuracy is within ``accuracy_tolerance``
     of the MAP's. For each N, τ goes from large to small and, once accuracy falls more than
-    ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``). Every point is scored on the
-    same posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
+    ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``); either ``None``, or a
+    likelihood without accuracy, turns that step off. Every point is scored on ``n_samples`` draws of the same
+    posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
     posterior in the model's dtype."""
     cfg = settings
     if cfg.max_val_examples is not None:

@@ -69,7 +69,6 @@ class LaplaceStructure(ABC):
     MiB kept for the second pass) and ``progress`` matter to the structures that name them."""
 
     name: ClassVar[Structure]
-    gaussian: ClassVar[type[StructuredGaussian]]
 
     def __init__(
         self,
@@ -93,22 +92,22 @@ class LaplaceStructure(ABC):
         """The float64 posterior :math:`\\mathcal N(\\theta, (N\\mathbf I + \\operatorname{diag}(\\tau))^{-1})`, N =
         ``scale``, τ = ``tau`` ``(D,)``."""
 
-    @classmethod
-    def posterior_class(cls, fields: set[str]) -> type[StructuredGaussian]:
-        """The Gaussian class of a saved posterior of this structure with these fields (a checkpoint's)."""
-        return cls.gaussian
+    def blocked(self, theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A ``BlockGaussian``'s first fields: ``theta``, the flat index of every layer's grid (bias column
+        included) and the grids' shapes."""
+        index = torch.cat([block_index(slot, theta.device) for slot in self.layout.slots])
+        shapes = torch.tensor([list(slot.shape) for slot in self.layout.slots], device=theta.device)
+        return theta, index, shapes
 
-    def layer_index(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The flat index of every layer's grid (bias column included), and the grids' shapes."""
-        index = torch.cat([block_index(slot, device) for slot in self.layout.slots])
-        shapes = torch.tensor([list(slot.shape) for slot in self.layout.slots], device=device)
-        return index, shapes
+    def layer_taus(self, tau: Tensor) -> list[Tensor]:
+        """τ ``(D,)`` of every layer as its ``(m, n)`` grid (the bias column last)."""
+        return [tau[block_index(slot, tau.device)].view(slot.shape) for slot in self.layout.slots]
 
 
 class Diag(LaplaceStructure):
     r""":math:`\operatorname{diag}(\mathbf I)` → ``DiagGaussian`` (Ritter et al. 2018's Diag)."""
 
-    name, gaussian = Structure.DIAG, DiagGaussian
+    name = Structure.DIAG
 
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         return {"diag": diagonal(batches())}
@@ -120,7 +119,7 @@ class Diag(LaplaceStructure):
 class Full(LaplaceStructure):
     r"""The whole :math:`N\mathbf I + \operatorname{diag}(\tau)` → ``FullGaussian`` (small nets)."""
 
-    name, gaussian = Structure.FULL, FullGaussian
+    name = Structure.FULL
 
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         return {"matrix": exact_matrix(batches())}
@@ -132,18 +131,15 @@ class Full(LaplaceStructure):
 class Block(LaplaceStructure):
     r"""The exact per-layer blocks :math:`N\mathbf I_l + \operatorname{diag}(\tau)` ("FB") → ``BlockDiagGaussian``."""
 
-    name, gaussian = Structure.BLOCK, BlockDiagGaussian
+    name = Structure.BLOCK
 
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         return {"blocks": tuple(exact_blocks(batches()))}
 
     def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        index, shapes = self.layer_index(theta.device)
-        blocks = [
-            scale * block + torch.diag(tau[block_index(slot, theta.device)])
-            for block, slot in zip(curvature["blocks"], self.layout.slots)
-        ]
-        return BlockDiagGaussian(theta, index, shapes, pack(blocks))
+        grids = self.layer_taus(tau)
+        blocks = [scale * block + torch.diag(grid.reshape(-1)) for block, grid in zip(curvature["blocks"], grids)]
+        return BlockDiagGaussian(*self.blocked(theta), pack(blocks))
 
 
 class Kfac(LaplaceStructure):
@@ -156,11 +152,7 @@ class Kfac(LaplaceStructure):
     ``ScaledEigenKroneckerGaussian``; ``kfac_prior: exact`` uses that form, :math:`NG\otimes A +
     \operatorname{diag}(\tau)`, for every layer (as laplace-torch's KronLaplace)."""
 
-    name, gaussian = Structure.KFAC, KroneckerGaussian
-
-    @classmethod
-    def posterior_class(cls, fields: set[str]) -> type[StructuredGaussian]:
-        return ScaledEigenKroneckerGaussian if "in_scale" in fields else KroneckerGaussian
+    name = Structure.KFAC
 
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         return {"factors": kron_factors(batches())}
@@ -169,10 +161,9 @@ class Kfac(LaplaceStructure):
         """Eq. 3 as a ``KroneckerGaussian`` where that is exact for every layer, else a ``ScaledEigenKroneckerGaussian``
         with eq. 3's eigenvalues :math:`(\\sqrt Ns_G + \\sqrt\\tau)(\\sqrt Ns_A + \\sqrt\\tau)` in the damped layers and
         :math:`Ns_Gs_{A'} + 1` with scale :math:`t^{1/2}` in the exact ones."""
-        index, shapes = self.layer_index(theta.device)
         factors = curvature["factors"]
         scale = torch.as_tensor(scale, dtype=theta.dtype, device=theta.device)
-        grids = [tau[block_index(f.slot, theta.device)].view(f.slot.shape) for f in factors]
+        grids = self.layer_taus(tau)
         uniform = [bool((grid == grid.reshape(-1)[0]).all()) for grid in grids]
         damped = self.kfac_prior is KfacPrior.DAMPED
         if damped and all(uniform):
@@ -181,7 +172,7 @@ class Kfac(LaplaceStructure):
                 root = grid.reshape(-1)[0].sqrt()
                 outs.append(scale.sqrt() * f.g_factor + root * torch.eye(f.g_factor.shape[0]).to(theta))
                 ins.append(scale.sqrt() * f.a_factor + root * torch.eye(f.a_factor.shape[0]).to(theta))
-            return KroneckerGaussian(theta, index, shapes, pack(outs), pack(ins))
+            return KroneckerGaussian(*self.blocked(theta), pack(outs), pack(ins))
         if "bases" not in curvature:  # τ-independent: one eigendecomposition per factor, kept for the next call
             curvature["bases"] = eigenbasis(factors)
         vecs_out, vecs_in, values, scales = [], [], [], []
@@ -209,7 +200,7 @@ class Kfac(LaplaceStructure):
             values.append(grid_values)
             scales.append(root)
         return ScaledEigenKroneckerGaussian(
-            theta, index, shapes, pack(vecs_out), pack(vecs_in), pack(values), torch.cat(scales)
+            *self.blocked(theta), pack(vecs_out), pack(vecs_in), pack(values), torch.cat(scales)
         )
 
 
@@ -219,7 +210,7 @@ class Efb(LaplaceStructure):
     The eigenvalues are refitted in the Kronecker eigenbasis (George et al. 2018), by a second pass over the data
     (:meth:`second_pass`)."""
 
-    name, gaussian = Structure.EFB, EigenKroneckerGaussian
+    name = Structure.EFB
 
     def second_pass(self, batches: Batches) -> tuple[tuple[KronEigenbasis, ...], tuple[Tensor, ...], Tensor]:
         """The KFAC eigenbases of pass 1, then the eigenvalues in them (one grid per layer) and the exact diagonal
@@ -241,33 +232,18 @@ class Efb(LaplaceStructure):
         return {"bases": bases, "eigs": eigs}
 
     def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        index, shapes = self.layer_index(theta.device)
-        taus = self.layer_tau(tau)
-        bases = curvature["bases"]
-        values = [scale * e + t for e, t in zip(curvature["eigs"], taus)]
-        return EigenKroneckerGaussian(
-            theta,
-            index,
-            shapes,
-            pack([b.eigvecs_out for b in bases]),
-            pack([b.eigvecs_in for b in bases]),
-            pack(values),
-        )
-
-    def layer_tau(self, tau: Tensor) -> list[Tensor]:
-        """One prior precision per layer (EFB adds it to its eigenvalues), 0-dim tensors (``tau``'s autograd
-        graph kept for the marginal likelihood)."""
-        out = []
-        for slot in self.layout.slots:
-            values = tau[block_index(slot, tau.device)]
-            if not bool((values == values[0]).all()):
+        bases, values = curvature["bases"], []
+        for e, grid, slot in zip(curvature["eigs"], self.layer_taus(tau), self.layout.slots):
+            flat = grid.reshape(-1)  # one prior precision per layer, added to the eigenvalues (graph kept)
+            if not bool((flat == flat[0]).all()):
                 raise ConfigError(
                     f"laplace: structure={self.name.value} needs one prior precision per layer, but layer "
-                    f"{slot.module_index} has {sorted(set(values.tolist()))}; set method.prior_precision=<τ>, "
+                    f"{slot.module_index} has {sorted(set(flat.tolist()))}; set method.prior_precision=<τ>, "
                     "bias_prior_precision=null or method.structure=kfac (which handles a bias prior exactly)"
                 )
-            out.append(values[0])
-        return out
+            values.append(scale * e + flat[0])
+        vecs_out, vecs_in = pack([b.eigvecs_out for b in bases]), pack([b.eigvecs_in for b in bases])
+        return EigenKroneckerGaussian(*self.blocked(theta), vecs_out, vecs_in, pack(values))
 
 
 def layer_rank(low: Any) -> dict[str, Any]:
@@ -299,40 +275,35 @@ class Def(Efb):
     :math:`ND + \tau > 0`. Where that fails D is clipped at 0 (prec_diag = τ there; the clipping Lee et al.
     recommend), and ``info["n_clipped"]`` counts the entries."""
 
-    name, gaussian = Structure.DEF, KroneckerLowRankPlusDiagGaussian
+    name = Structure.DEF
 
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         bases, eigs, exact_diag = self.second_pass(batches)
         lows, corrections = [], torch.zeros_like(theta)
         for basis, e in zip(bases, eigs):
             low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, e, self.rank)
-            lows.append(low)
-            correction = diagonal_correction(flat_to_grid(exact_diag, basis.slot), low)
-            corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
-        for low in lows:
             if low.rank > MAX_DEF_RANK:
                 raise ConfigError(
                     f"laplace: DEF keeps L={low.rank} eigenvalues in layer {low.slot.module_index} (Alg. 1 keeps "
                     f"whole rows and columns of the top K={self.rank}); its L x L sampler core is too large "
                     f"(limit {MAX_DEF_RANK}): lower method.rank"
                 )
+            lows.append(low)
+            correction = diagonal_correction(flat_to_grid(exact_diag, basis.slot), low)
+            corrections[block_index(basis.slot, theta.device)] = correction.reshape(-1)
         self.info["kept_rank"] = sum(low.rank for low in lows)
         self.layer_ranks = [layer_rank(low) for low in lows]
         return {"lows": lows, "corrections": corrections}
 
     def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        index, shapes = self.layer_index(theta.device)
         lows = curvature["lows"]
         prec_diag = scale * curvature["corrections"] + tau
         invalid = prec_diag <= 0
-        n_clipped = int(invalid.sum())
-        self.info["n_clipped"] = n_clipped
+        n_clipped = self.info["n_clipped"] = int(invalid.sum())
         if n_clipped:
             logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
         return KroneckerLowRankPlusDiagGaussian(
-            theta,
-            index,
-            shapes,
+            *self.blocked(theta),
             torch.tensor([list(low.eigenvalues.shape) for low in lows], device=theta.device),
             pack([low.factor_out for low in lows]),
             pack([low.factor_in for low in lows]),
