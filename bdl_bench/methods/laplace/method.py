@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -194,14 +195,14 @@ class Laplace(GaussianPredictive, PostHocMethod):
         ranks = getattr(self._structure, "layer_ranks", None)
         if ranks and self._run_dir is not None:  # DEF: the per-layer reduction (Lee et al., Table 2)
             atomic_write_text(self._run_dir / DEF_RANKS_FILE, pd.DataFrame(ranks).to_csv(index=False))
+        scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
         if self.search is None:
-            scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
             self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))
             return
         self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
         if isinstance(self.search, MarglikSettings):
             started = time.perf_counter()
-            self.last_evidence = self.evidence(theta, curvature, x_all, y_all)
+            self.last_evidence = self.evidence(self.search, theta, curvature, scale, x_all, y_all)
             result = maximise_evidence(self.search, self.last_evidence, self._prior(theta), self._cast, started)
             if result.likelihood is not None:
                 self.fitted_likelihood = result.likelihood
@@ -273,23 +274,18 @@ class Laplace(GaussianPredictive, PostHocMethod):
         generator = torch.Generator(device=self.problem.generator.device).manual_seed(seed)
         return self.sample_sets(posterior, {"val": x}, n_samples, generator)["val"]
 
-    def evidence(self, theta: Tensor, curvature: dict[str, Any], x: Tensor, y: Tensor) -> LaplaceEvidence:
-        """The log marginal likelihood of :class:`~.search.MarglikSettings` as a function of (log τ per group,
-        log γ), at the float64 MAP ``theta``, the curvature pass's output and the training set ``(x, y)``."""
-        p = self.problem
-        settings = self.search if isinstance(self.search, MarglikSettings) else MarglikSettings()
+    def evidence(
+        self, settings: MarglikSettings, theta: Tensor, curvature: dict[str, Any], scale: float, x: Tensor, y: Tensor
+    ) -> LaplaceEvidence:
+        """The log marginal likelihood of ``settings`` as a function of (log τ per group, log γ), at the float64 MAP
+        ``theta``, the curvature pass's output, the N ``scale`` and the training set ``(x, y)``."""
+        model, map_theta = self.problem.model, self.theta.detach()
         with torch.no_grad():
-            rows = forward_rows(p.model, self.theta.detach(), x)
-            f = torch.cat([forward_with(p.model, self.theta.detach(), xs) for xs in x.split(rows)]).double()
-        return LaplaceEvidence(
-            lambda scale, tau: self._assemble(theta, curvature, scale, tau),
-            theta,
-            prior_groups(settings.prior, self._layout.slots, theta),
-            f,
-            y,
-            p.likelihood,
-            float(p.n_data) if self.dataset_scale is None else self.dataset_scale,
-        )
+            rows = forward_rows(model, map_theta, x)
+            f = torch.cat([forward_with(model, map_theta, xs) for xs in x.split(rows)]).double()
+        groups = prior_groups(settings.prior, self._layout.slots, theta)
+        assemble = functools.partial(self._assemble, theta, curvature)
+        return LaplaceEvidence(assemble, theta, groups, f, y, self.problem.likelihood, scale)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -90,20 +90,15 @@ class GaussianPredictive(Method):
         """Write ``(S, N, out)`` outputs at the parameter samples ``thetas`` ``(S, D)`` into ``out``, in passes of
         at most ``rows`` (samples x examples): several samples vmapped over a small ``x``; else row slices, one
         sample at a time (``sample``) or all S at once around one shared MAP pass (``linearised``)."""
-        per_pass = rows // max(1, x.shape[0])  # samples per pass over the whole of x
-        if per_pass >= 2 or len(thetas) == 1:
-            for k, group in zip(range(0, len(thetas), max(1, per_pass)), thetas.split(max(1, per_pass))):
-                for r, xs in zip(range(0, x.shape[0], rows), x.split(rows)):
-                    out[k : k + len(group), r : r + len(xs)] = self._forward(group, xs)
-            return
-        if self.predictive is Predictive.LINEARISED:
+        per_pass = max(1, rows // max(1, x.shape[0]))  # samples per pass over the whole of x
+        if per_pass == 1 and len(thetas) > 1 and self.predictive is Predictive.LINEARISED:
             step = max(1, rows // len(thetas))
             for r, xs in zip(range(0, x.shape[0], step), x.split(step)):
                 out[:, r : r + len(xs)] = self._forward(thetas, xs)
             return
-        for k, th in enumerate(thetas):
+        for k, group in zip(range(0, len(thetas), per_pass), thetas.split(per_pass)):
             for r, xs in zip(range(0, x.shape[0], rows), x.split(rows)):
-                out[k, r : r + len(xs)] = self._forward(th[None], xs)[0]
+                out[k : k + len(group), r : r + len(xs)] = self._forward(group, xs)
 
     def _forward(self, thetas: Tensor, x: Tensor) -> Tensor:
         """One pass: ``(S, N, out)`` outputs at ``thetas`` ``(S, D)`` (per ``predictive``)."""
