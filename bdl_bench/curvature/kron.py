@@ -121,31 +121,29 @@ class _FactorSums:
             padded = (height + 2 * ph, width + 2 * pw)
             self.q = RunningSum((kh, *padded, channels, (2 * kw - 1) * channels), like)
             self.s = RunningSum((*padded, channels), like)
+            self.totals = (self.g, self.q, self.s)
         else:
             self.a = RunningSum((n, n), like)
-        self.n_rows = 0
+            self.totals = (self.g, self.a)
 
     def add(self, layer: LayerPseudoGrads) -> None:
         deltas = layer.output_grads.reshape(-1, layer.output_grads.shape[-1])
         self.g.partial.addmm_(deltas.mT, deltas, alpha=1.0 / layer.n_positions)
-        self.g.step()
         if self.shifted:
             assert layer.slot.conv is not None
             add_shifted_products_(self.q.partial, self.s.partial, layer.layer_input, layer.slot.conv)
-            self.q.step()
-            self.s.step()
         elif layer.slot.conv is None:
             _add_gram_(self.a.partial, layer.layer_input, layer.slot.bias_slice is not None)
-            self.a.step()
         else:
             patches = layer.inputs.reshape(-1, layer.inputs.shape[-1])
             self.a.partial.addmm_(patches.mT, patches)
-            self.a.step()
-        self.n_rows += layer.layer_input.shape[0]
+        for total in self.totals:
+            total.step()
 
-    def a_sum(self) -> Tensor:
+    def a_sum(self, n_rows: int) -> Tensor:
+        """:math:`\\sum_{i,t}\\tilde a\\tilde a^\\top` over the ``n_rows`` examples added."""
         if self.shifted:
-            return shifted_gram(self.q.result(), self.s.result(), self.n_rows, self.input_shape[2:], self.slot)
+            return shifted_gram(self.q.result(), self.s.result(), n_rows, self.input_shape[2:], self.slot)
         return self.a.result()
 
 
@@ -162,7 +160,8 @@ def kron_factors(batches: Iterable[PseudoGrads]) -> tuple[KronFactors, ...]:
     if sums is None:
         raise ValueError("kron_factors needs at least one minibatch")
     return tuple(
-        KronFactors(acc.slot, _symmetric(acc.a_sum()) / n_total, _symmetric(acc.g.result()) / n_total) for acc in sums
+        KronFactors(acc.slot, _symmetric(acc.a_sum(n_total)) / n_total, _symmetric(acc.g.result()) / n_total)
+        for acc in sums
     )
 
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.models.params import n_params, sequential_layers
+from bdl_bench.models.params import forward_with, n_params, sequential_layers
 
 
 class CurvatureKind(str, Enum):
@@ -322,31 +322,21 @@ def sample_labels(likelihood: Likelihood, f: Tensor, n_samples: int, generator: 
 def _forward(
     model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Network output at ``theta``, every layer's input (rows or feature maps, unfolded lazily) and its
-    pre-activation (the roots of the graph), in layer order."""
-    slot_of = {slot.module_index: slot for slot in layout.slots}
+    """Network output at ``theta``, every weight layer's input (rows or feature maps, unfolded lazily) and output,
+    the pre-activation (a root of the graph), in layer order: recorded by forward hooks."""
     inputs: list[Tensor] = []
     pre_activations: list[Tensor] = []
-    h = x
-    for index, module in enumerate(model):
-        slot = slot_of.get(index)
-        if slot is None:
-            h = module(h)
-            continue
-        weight = theta[slot.weight_slice]
-        bias = None if slot.bias_slice is None else theta[slot.bias_slice]
-        inputs.append(h.detach())
-        if slot.conv is None:
-            z = F.linear(h, weight.view(slot.out_features, slot.in_features), bias)
-        else:
-            spec = slot.conv
-            kernel = weight.view(slot.out_features, -1, *spec.kernel_size)
-            z = F.conv2d(h, kernel, bias, spec.stride, spec.padding, spec.dilation)
-        if not z.requires_grad:
-            z.requires_grad_(True)
-        pre_activations.append(z)
-        h = z
-    return h, inputs, pre_activations
+
+    def record(_module: nn.Module, args: tuple[Tensor, ...], z: Tensor) -> None:
+        inputs.append(args[0].detach())
+        pre_activations.append(z if z.requires_grad else z.requires_grad_(True))
+
+    hooks = [model[slot.module_index].register_forward_hook(record) for slot in layout.slots]
+    try:
+        return forward_with(model, theta, x), inputs, pre_activations
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _backward(f: Tensor, roots: list[Tensor], cotangents: Tensor) -> tuple[Tensor, ...]:
@@ -396,15 +386,12 @@ def pseudo_grads(
             # (S, M, out): gradients of the nll at the sampled labels, scaled so that sum_s = mean_s
             cotangents = torch.autograd.grad(losses.sum(), f_leaf)[0] / math.sqrt(labels.shape[0])
         grads = _backward(f, pre_activations, cotangents)
-    layers = []
-    for slot, a, deltas in zip(layout.slots, inputs, grads):
-        if slot.conv is not None:  # (K, M, m, H', W') -> (K, M, T, m)
-            deltas = deltas.flatten(3).transpose(2, 3)
-        else:
-            deltas = deltas[:, :, None, :]
-        layers.append(LayerPseudoGrads(slot=slot, layer_input=a, output_grads=deltas))
+    layers = tuple(  # deltas (K, M, T, m): a conv's (K, M, m, H', W') flattened over its positions
+        LayerPseudoGrads(slot, a, d[:, :, None, :] if slot.conv is None else d.flatten(3).transpose(2, 3))
+        for slot, a, d in zip(layout.slots, inputs, grads)
+    )
     kept = labels if kind is CurvatureKind.FISHER else None
-    return PseudoGrads(layers=tuple(layers), layout=layout, n_examples=x.shape[0], labels=kept)
+    return PseudoGrads(layers=layers, layout=layout, n_examples=x.shape[0], labels=kept)
 
 
 def iter_pseudo_grads(

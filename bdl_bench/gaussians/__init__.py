@@ -1,8 +1,8 @@
 """Structured Gaussians over a flat parameter vector: one class per parameterisation.
 
-``StructuredGaussian`` (``base.py``) states the maths once; ``DiagGaussian``,
-``LowRankPlusDiagGaussian`` (SLANG) and ``FullGaussian`` fill in the structure. KL divergences
-dispatch on the pair of classes (``kl.py``).
+``StructuredGaussian`` (``base.py``) states the maths once; ``DiagGaussian``, ``LowRankPlusDiagGaussian`` (SLANG),
+``FullGaussian`` and the block-diagonal Laplace structures (``blocks.py``, ``kron.py``, ``def_lowrank.py``) fill in
+the structure. KL divergences dispatch on the pair of classes (``kl.py``); ``io.py`` saves and loads them.
 """
 
 from __future__ import annotations

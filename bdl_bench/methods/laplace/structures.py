@@ -232,7 +232,7 @@ class Efb(LaplaceStructure):
         return {"bases": bases, "eigs": eigs}
 
     def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        bases, values = curvature["bases"], []
+        values = []
         for e, grid, slot in zip(curvature["eigs"], self.layer_taus(tau), self.layout.slots):
             flat = grid.reshape(-1)  # one prior precision per layer, added to the eigenvalues (graph kept)
             if not bool((flat == flat[0]).all()):
@@ -242,6 +242,7 @@ class Efb(LaplaceStructure):
                     "bias_prior_precision=null or method.structure=kfac (which handles a bias prior exactly)"
                 )
             values.append(scale * e + flat[0])
+        bases = curvature["bases"]
         vecs_out, vecs_in = pack([b.eigvecs_out for b in bases]), pack([b.eigvecs_in for b in bases])
         return EigenKroneckerGaussian(*self.blocked(theta), vecs_out, vecs_in, pack(values))
 
