@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
-from bdl_bench.models.params import forward_with, n_params, sequential_layers
+from bdl_bench.models.params import n_params, sequential_layers
 
 
 class CurvatureKind(str, Enum):
@@ -322,21 +322,31 @@ def sample_labels(likelihood: Likelihood, f: Tensor, n_samples: int, generator: 
 def _forward(
     model: nn.Module, layout: KronLayout, theta: Tensor, x: Tensor
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Network output at ``theta``, every weight layer's input (rows or feature maps, unfolded lazily) and output,
-    the pre-activation (a root of the graph), in layer order: recorded by forward hooks."""
+    """Network output at ``theta``, every layer's input (rows or feature maps, unfolded lazily) and its
+    pre-activation (the roots of the graph), in layer order."""
+    slot_of = {slot.module_index: slot for slot in layout.slots}
     inputs: list[Tensor] = []
     pre_activations: list[Tensor] = []
-
-    def record(_module: nn.Module, args: tuple[Tensor, ...], z: Tensor) -> None:
-        inputs.append(args[0].detach())
-        pre_activations.append(z if z.requires_grad else z.requires_grad_(True))
-
-    hooks = [model[slot.module_index].register_forward_hook(record) for slot in layout.slots]
-    try:
-        return forward_with(model, theta, x), inputs, pre_activations
-    finally:
-        for hook in hooks:
-            hook.remove()
+    h = x
+    for index, module in enumerate(model):
+        slot = slot_of.get(index)
+        if slot is None:
+            h = module(h)
+            continue
+        weight = theta[slot.weight_slice]
+        bias = None if slot.bias_slice is None else theta[slot.bias_slice]
+        inputs.append(h.detach())
+        if slot.conv is None:
+            z = F.linear(h, weight.view(slot.out_features, slot.in_features), bias)
+        else:
+            spec = slot.conv
+            kernel = weight.view(slot.out_features, -1, *spec.kernel_size)
+            z = F.conv2d(h, kernel, bias, spec.stride, spec.padding, spec.dilation)
+        if not z.requires_grad:
+            z.requires_grad_(True)
+        pre_activations.append(z)
+        h = z
+    return h, inputs, pre_activations
 
 
 def _backward(f: Tensor, roots: list[Tensor], cotangents: Tensor) -> tuple[Tensor, ...]:
