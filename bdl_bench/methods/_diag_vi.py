@@ -17,6 +17,7 @@ The hand-written backwards are in ``bdl_bench.kernels``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,12 +56,15 @@ def local_reparam_linear(
     bias_mean: Tensor | None,
     bias_var: Tensor | None,
     generator: torch.Generator,
+    product: Callable[[Tensor, Tensor, Tensor | None], Tensor] = F.linear,
 ) -> Tensor:
     r"""Sample the pre-activation :math:`a W^\top + b` under independent Gaussian W, b, per row of ``a``
     ``(..., in)`` (Kingma, Salimans & Welling 2015, Sec. 2.3): given the input it is Gaussian with mean
-    :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`."""
-    mean = F.linear(a, weight_mean, bias_mean)
-    var = F.linear(a**2, weight_var, bias_var)
+    :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`. Any ``product``
+    ``(input, weight, bias)`` linear in the weight is sampled likewise, per output element (a convolution:
+    mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b`, variance :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`)."""
+    mean = product(a, weight_mean, bias_mean)
+    var = product(a * a, weight_var, bias_var)
     eps = standard_normal(tuple(mean.shape), generator, mean)
     return mean + sqrt_or_tiny(var) * eps
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.methods._diag_vi import sqrt_or_tiny, standard_normal
+from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
 from bdl_bench.methods._step_records import StepRecorder
 from bdl_bench.methods.base import Method, Problem
@@ -187,23 +187,6 @@ def conv2d_per_sample(layer: Layer, h: Tensor, weight: Tensor, bias: Tensor | No
     return out.unflatten(1, (n_samples, -1)).transpose(0, 1).flatten(0, 1)
 
 
-def local_reparam_conv2d(
-    layer: Layer,
-    a: Tensor,
-    weight_mean: Tensor,
-    weight_var: Tensor,
-    bias_mean: Tensor | None,
-    bias_var: Tensor | None,
-    generator: torch.Generator,
-) -> Tensor:
-    r"""Sample the output of the convolution ``layer`` of ``a`` ``(N, C_in, H, W)`` with independent Gaussian
-    weights and biases, per output element: mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b`, variance
-    :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2` (module docstring)."""
-    mean = conv2d(layer, a, weight_mean, bias_mean)
-    var = conv2d(layer, a * a, weight_var, bias_var)
-    return mean + sqrt_or_tiny(var) * standard_normal(tuple(mean.shape), generator, mean)
-
-
 def kl_annealing_weight(step: int, n_steps: int) -> float:
     r""":math:`\beta_t = \min(1, t / T)` for step ``t`` >= 1; 1 when ``n_steps`` T is 0."""
     return 1.0 if n_steps == 0 else min(1.0, step / n_steps)
@@ -230,6 +213,22 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is None:
         return torch.bmm(h, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
+
+
+def base_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``options`` (a family's constructor's ``locals()``) that :class:`LayerwiseVI` takes."""
+    return {key: options[key] for key in _BASE_OPTIONS if key in options}
+
+
+_BASE_OPTIONS = (
+    "lr",
+    "n_train_mc_samples",
+    "init_std",
+    "kl_annealing_steps",
+    "snr_window",
+    "conv_estimator",
+    "record_every",
+)
 
 
 class LayerwiseVI(Method):
@@ -265,15 +264,10 @@ class LayerwiseVI(Method):
                 f"{name}: conv_estimator must be one of {', '.join(CONV_ESTIMATORS)}, got {conv_estimator!r}"
             )
         self.conv_estimator = conv_estimator
-        self.check_options(locals())
-        self.lr = float(lr)
-        self.init_std = float(init_std)
-        self.n_train_mc_samples = int(n_train_mc_samples)
-        self.kl_annealing_steps = int(kl_annealing_steps)
-        self.snr_window = int(snr_window)
+        self.keep_options(locals())
         if self.snr_window == 1:
             raise ConfigError(f"{name}: snr_window must be 0 (off) or >= 2, got 1")
-        self.steps = StepRecorder(int(record_every)) if record_every else None
+        self.steps = StepRecorder(self.record_every) if self.record_every else None
 
     @abstractmethod
     def _init_variational(self) -> dict[str, Tensor]:

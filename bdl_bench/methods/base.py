@@ -88,6 +88,15 @@ class Method(ABC):
             if key in options and not allowed.accepts(options[key]):
                 raise ConfigError(f"{cls.name}: {out_of_range(f'method.{key}', options[key], allowed)}")
 
+    def keep_options(self, options: Mapping[str, Any]) -> None:
+        """:meth:`check_options`, then keep each of ``options`` that has a range as the attribute of its name: an
+        ``int`` where the range holds integers, else a ``float`` (``None`` stays ``None``)."""
+        self.check_options(options)
+        for key, allowed in self.option_ranges.items():
+            if key in options:
+                value = options[key]
+                setattr(self, key, value if value is None else int(value) if allowed.integer else float(value))
+
     def setup(self, problem: Problem) -> None:
         """Create the fitting state for ``problem``; called once before ``fit``."""
         self.problem = problem

@@ -71,11 +71,8 @@ class BayesByBackprop(StackedMethod):
     adam_leaves = ("mean", "rho")
 
     def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
-        self.check_options(locals())
+        self.keep_options(locals())
         self.estimator = parse_choice(Estimator, estimator, "estimator", "bbb")
-        self.lr = lr
-        self.n_train_mc_samples = int(n_train_mc_samples)
-        self.init_std = init_std
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         r"""Every copy starts from :math:`\mu` = the model's parameters, :math:`\sigma` = ``init_std``; a model

@@ -67,12 +67,9 @@ class MCDropout(StackedMethod):
     adam_leaves = ("theta",)
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
-        self.check_options(locals())
+        self.keep_options(locals())
         if not isinstance(dropout_inputs, bool):
             raise ConfigError(f"dropout: dropout_inputs must be true or false, got {dropout_inputs!r}")
-        self.lr = lr
-        self.dropout_rate = float(dropout_rate)
-        self.n_train_mc_samples = int(n_train_mc_samples)
         self.dropout_inputs = dropout_inputs
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:

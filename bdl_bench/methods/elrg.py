@@ -71,8 +71,8 @@ from bdl_bench.kernels.elrg_terms import (
     TermsPlan,
     low_rank_local_linear_reference,
 )
-from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
-from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, sqrt_or_tiny
+from bdl_bench.methods._diag_vi import softplus_inverse, sqrt_or_tiny, standard_normal, uniform_value
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, base_options
 from bdl_bench.methods.base import register_method
 from bdl_bench.ranges import COUNT
 
@@ -108,20 +108,12 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         snr_window: int,
         record_every: int = 0,
     ) -> None:
-        self.check_options(locals())
-        self.rank = int(rank)
+        self.keep_options(locals())
         if not isinstance(learn_diag, bool):
             raise ConfigError(f"elrg: learn_diag must be true or false, got {learn_diag!r}")
         self.learn_diag = learn_diag
         self.alpha = 1.0 / self.rank
-        super().__init__(
-            lr=lr,
-            n_train_mc_samples=n_train_mc_samples,
-            init_std=init_std,
-            kl_annealing_steps=kl_annealing_steps,
-            snr_window=snr_window,
-            record_every=record_every,
-        )
+        super().__init__(**base_options(locals()))
 
     def _init_variational(self) -> dict[str, Tensor]:
         smallest = min(self.layers, key=lambda layer: layer.n_params)
@@ -133,11 +125,9 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             )
         g, K = self.problem.generator, self.rank
         means = self.split_params(self.mean.detach())
-        self.layer_offsets = []
         self._flat_prior: dict[int, Tensor | float] = {}  # lambda per parameter position: flat, or one number
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
-            self.layer_offsets.append(layer.slices["weight"].start)
             scale = 0.5 * float(means[layer.weight_param].std(correction=0)) / math.sqrt(K)
             shape = (K, layer.out_features, layer.in_features)
             tensors[f"v_weight{layer.index}"] = scale * standard_normal(shape, g, self.mean)
@@ -173,13 +163,6 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
         """:math:`V_l^\\top = [v_1 \\dots v_K]^\\top` in the layer's flat order (weight, then bias): ``(K, D_l)``."""
         v_weight, v_bias = self._factor(layer)
         return torch.cat([v_weight.flatten(1)] + ([] if v_bias is None else [v_bias]), dim=1)
-
-    def layer_cov_diag(self, layer: Layer, var: Tensor | None = None) -> Tensor | float:
-        """The diagonal variances of layer ``layer``: ``(D_l,)`` when learned, else one number."""
-        if not self.learn_diag:
-            return self.init_std**2
-        var = var if var is not None else F.softplus(self.variational["rho"]).square()
-        return var.narrow(0, self.layer_offsets[layer.index - 1], layer.n_params)
 
     def _step_terms(self, with_kl: bool) -> _Terms:
         if with_kl and self.local and torch.is_grad_enabled():  # a training step
@@ -294,13 +277,3 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             grad = rho.grad if rho.grad is not None else torch.zeros_like(rho)
             grads.append(self.split_params(grad)[layer.weight_param])
         return grads
-
-    @torch.no_grad()
-    def marginal_std(self) -> Tensor:
-        """Each parameter's posterior standard deviation :math:`\\sqrt{c_d + \\alpha\\sum_k v_{dk}^2}`, ``(D,)``."""
-        var = F.softplus(self.variational["rho"]).square() if self.learn_diag else None
-        blocks = []
-        for layer in self.layers:
-            low = self.alpha * self.layer_cov_factor(layer).square().sum(0)
-            blocks.append(low + self.layer_cov_diag(layer, var))
-        return torch.cat(blocks).sqrt()

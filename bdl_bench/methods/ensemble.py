@@ -57,9 +57,7 @@ class DeepEnsemble(Method):
     adam_leaves = ("thetas",)
 
     def __init__(self, *, n_members: int, lr: float) -> None:
-        self.check_options(locals())
-        self.n_members = int(n_members)
-        self.lr = lr
+        self.keep_options(locals())
 
     def setup(self, problem: Problem) -> None:
         super().setup(problem)

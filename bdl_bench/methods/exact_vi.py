@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
+from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.likelihoods import Bernoulli, Likelihood
 from bdl_bench.methods._shared import Covariance, parse_choice
 from bdl_bench.methods.base import NonFiniteLossError, PostHocMethod, Problem, register_method
@@ -86,28 +86,6 @@ def _signed(y: Tensor, like: Tensor) -> Tensor:
     return 2.0 * y.to(like) - 1.0
 
 
-def logistic_elbo(
-    q: StructuredGaussian,
-    x: Tensor,
-    y: Tensor,
-    prior_precision: Tensor,
-    *,
-    expectation: Expectation | str = Expectation.QUADRATURE,
-    n_points: int = 32,
-) -> Tensor:
-    r"""ELBO per training example of logistic regression for any Gaussian ``q`` over the weights,
-    :math:`\big(\sum_i \mathbb E_q[\log\sigma(s_i x_i^\top\theta)] - \mathrm{KL}(q\,\|\,
-    \mathcal N(0, \operatorname{diag}(\lambda)^{-1}))\big)/N`, differentiable in ``q``'s tensors; ``x`` the
-    design matrix ``(N, D)`` (:func:`logistic_design`), ``y`` labels in {0, 1}.
-    """
-    moments = q.linear_moments(x)
-    ell = expected_log_sigmoid_with(
-        _signed(y, moments.mean) * moments.mean, moments.variance, expectation=expectation, n_points=n_points
-    )
-    prior = DiagGaussian(torch.zeros_like(q.mean), prior_precision.to(q.mean))
-    return (ell.sum() - q.kl(prior)) / x.shape[0]
-
-
 def logistic_elbo_from_scale(
     mean: Tensor,
     scale: Tensor,
@@ -118,9 +96,12 @@ def logistic_elbo_from_scale(
     expectation: Expectation | str = Expectation.QUADRATURE,
     n_points: int = 32,
 ) -> Tensor:
-    r""":func:`logistic_elbo` for :math:`\Sigma = AA^\top` given by ``scale`` A: lower triangular ``(D, D)``
-    (entries above the diagonal ignored), or the standard deviations ``(D,)`` of a diagonal Σ. The objective
-    ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`, :math:`\Sigma_{jj} = \sum_k A_{jk}^2`,
+    r"""ELBO per training example of logistic regression,
+    :math:`\big(\sum_i \mathbb E_q[\log\sigma(s_i x_i^\top\theta)] - \mathrm{KL}(q\,\|\,
+    \mathcal N(0, \operatorname{diag}(\lambda)^{-1}))\big)/N`, for :math:`q = \mathcal N(\mu, AA^\top)` given by
+    ``mean`` and ``scale`` A: lower triangular ``(D, D)`` (entries above the diagonal ignored), or the standard
+    deviations ``(D,)`` of a diagonal Σ; ``x`` the design matrix ``(N, D)`` (:func:`logistic_design`), ``y``
+    labels in {0, 1}. The objective ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`, :math:`\Sigma_{jj} = \sum_k A_{jk}^2`,
     :math:`\log|\Sigma| = 2\sum_j\log|A_{jj}|`.
     """
     if scale.ndim == 2:
@@ -164,8 +145,7 @@ class ExactVI(PostHocMethod):
     ) -> None:
         self.covariance = parse_choice(Covariance, covariance, "covariance", "exact_vi")
         self.expectation = parse_choice(Expectation, expectation, "expectation", "exact_vi")
-        self.check_options(locals())
-        self.n_quadrature, self.max_iter, self.tolerance = int(n_quadrature), int(max_iter), float(tolerance)
+        self.keep_options(locals())
 
     @property
     def _full(self) -> bool:

@@ -25,6 +25,7 @@ writes its gradients directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,14 @@ from torch import Tensor, nn
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.local_reparam import local_linear
 from bdl_bench.kernels.mean_field import MeanFieldScratch, mean_field_terms
-from bdl_bench.methods._diag_vi import local_reparam_linear, softplus_inverse, standard_normal, uniform_value
-from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, local_reparam_conv2d, sqrt_or_tiny
+from bdl_bench.methods._diag_vi import (
+    local_reparam_linear,
+    softplus_inverse,
+    sqrt_or_tiny,
+    standard_normal,
+    uniform_value,
+)
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, conv2d
 from bdl_bench.methods.base import register_method
 
 
@@ -87,9 +94,8 @@ class GaussianMeanFieldVI(LayerwiseVI):
             positions = (layer.weight_param, layer.bias_param)
             into = tuple(None if i is None else parts[i] for parts in terms.grad_parts for i in positions)
             return local_linear(a, weight_mean, bias_mean, weight_var, bias_var, eps, into)
-        if isinstance(layer.module, nn.Linear):
-            return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g)
-        return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)
+        product = F.linear if isinstance(layer.module, nn.Linear) else partial(conv2d, layer)
+        return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g, product)
 
     def _sample_params(self, terms: _Terms, n_samples: int) -> Tensor:
         eps = standard_normal((n_samples, self.mean.numel()), self.problem.generator, self.mean)

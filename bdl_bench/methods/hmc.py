@@ -91,10 +91,7 @@ class HMC(PostHocMethod):
         thin: int,
         lr: float,
     ) -> None:
-        self.check_options(locals())
-        self.n_samples, self.n_warmup = int(n_samples), int(n_warmup)
-        self.n_leapfrog, self.thin = int(n_leapfrog), int(thin)
-        self.step_size, self.target_accept, self.lr = float(step_size), float(target_accept), lr
+        self.keep_options(locals())
         self.samples: Tensor | None = None
         self.fit_info: dict[str, float] = {}
 

@@ -56,6 +56,7 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import standard_normal
+from bdl_bench.methods._shared import decayed_rate
 from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
@@ -106,14 +107,7 @@ class IVON(StackedMethod):
         clip_radius: float | None = None,
         decay: float = 0.0,
     ) -> None:
-        self.check_options(locals())
-        self.lr = float(lr)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.hess_init = float(hess_init)
-        self.n_train_mc_samples = int(n_train_mc_samples)
-        self.clip_radius = None if clip_radius is None else float(clip_radius)
-        self.decay = float(decay)
+        self.keep_options(locals())
 
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """R copies starting from the model's weights: m ``(R, D)``, h = ``hess_init``, g = 0, and each copy's
@@ -192,15 +186,12 @@ class IVON(StackedMethod):
         bias = 1 - self.beta1**self.step
         u = torch.addcmul(self.momentum, self.prior, self.mean, value=bias / n_data, out=h_hat)  # g + b delta m
         new_precision = self._precision(ws)  # (overwrites precision: no longer needed)
-        scale = self._rate() * n_data / bias
+        scale = decayed_rate(self.lr, self.decay, self.step) * n_data / bias
         if self.clip_radius is None:
             self.mean.addcdiv_(u, new_precision, value=-scale)
         else:
             radius = self.clip_radius * bias / n_data
             self.mean.add_(u.div_(new_precision).clamp_(-radius, radius), alpha=-scale)
-
-    def _rate(self) -> float:
-        return self.lr / (1 + self.step**self.decay) if self.decay > 0 else self.lr
 
     @torch.no_grad()
     def predict(self, x: Tensor, n_samples: int) -> Tensor:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 import torch
@@ -57,8 +58,14 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
-from bdl_bench.methods._diag_vi import softplus_inverse, standard_normal, uniform_value
-from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, local_reparam_conv2d, sqrt_or_tiny
+from bdl_bench.methods._diag_vi import (
+    local_reparam_linear,
+    softplus_inverse,
+    sqrt_or_tiny,
+    standard_normal,
+    uniform_value,
+)
+from bdl_bench.methods._layerwise_vi import Layer, LayerwiseVI, base_options, conv2d
 from bdl_bench.methods.base import register_method
 from bdl_bench.ranges import COUNT
 
@@ -115,20 +122,11 @@ class KTiedNormalVI(LayerwiseVI):
         conv_estimator: str,
         record_every: int = 0,
     ) -> None:
-        self.check_options(locals())
-        self.k = int(k)
+        self.keep_options(locals())
         if not isinstance(tie_conv, bool):
             raise ConfigError(f"ktied: tie_conv must be true or false, got {tie_conv!r}")
         self.tie_conv = tie_conv
-        super().__init__(
-            lr=lr,
-            n_train_mc_samples=n_train_mc_samples,
-            init_std=init_std,
-            kl_annealing_steps=kl_annealing_steps,
-            snr_window=snr_window,
-            conv_estimator=conv_estimator,
-            record_every=record_every,
-        )
+        super().__init__(**base_options(locals()))
 
     def is_tied(self, layer: Layer) -> bool:
         """Whether ``layer``'s weight matrices are k-tied (module docstring)."""
@@ -229,7 +227,7 @@ class KTiedNormalVI(LayerwiseVI):
             return torch.addcmul(mean, sqrt_or_tiny(var), eps)
         # nn.Conv2d: one more convolution, with the materialised variances (tied or not)
         weight_var = self._param_std(terms, pos).square()
-        return local_reparam_conv2d(layer, a, weight_mean, weight_var, bias_mean, bias_var, g)
+        return local_reparam_linear(a, weight_mean, weight_var, bias_mean, bias_var, g, partial(conv2d, layer))
 
     def flat_std(self, terms: _Terms | None = None) -> Tensor:
         """Every parameter's standard deviation in flat order, ``(D,)``."""

@@ -24,8 +24,7 @@ class MAP(Method):
     adam_leaves = ("theta",)
 
     def __init__(self, *, lr: float) -> None:
-        self.check_options(locals())
-        self.lr = lr
+        self.keep_options(locals())
 
     def setup(self, problem: Problem) -> None:
         super().setup(problem)

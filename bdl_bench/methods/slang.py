@@ -212,14 +212,7 @@ class Slang(StackedMethod):
         n_train_mc_samples: int,
         init_prec_diag: float,
     ) -> None:
-        self.check_options(locals())
-        self.rank = int(rank)
-        self.lr = float(lr)
-        self.beta = float(beta)
-        self.decay = float(decay)
-        self.momentum = float(momentum)
-        self.n_train_mc_samples = int(n_train_mc_samples)
-        self.init_prec_diag = float(init_prec_diag)
+        self.keep_options(locals())
 
     # ------------------------------------------------------------------------------ set-up
     def setup_replicas(self, problems: Sequence[Problem]) -> None:

@@ -266,10 +266,7 @@ class VOGN(StackedMethod):
     ) -> None:
         self.covariance = parse_choice(Covariance, covariance, "covariance", "vogn")
         self.curvature = parse_choice(Curvature, curvature, "curvature", "vogn")
-        self.check_options(locals())
-        self.lr, self.beta, self.decay = float(lr), float(beta), float(decay)
-        self.n_train_mc_samples = int(n_train_mc_samples)
-        self.init_prec = float(init_prec)
+        self.keep_options(locals())
 
     @property
     def _full(self) -> bool:

@@ -19,8 +19,14 @@ from bdl_bench.kernels.mean_field import (
     mean_field_variance_and_kl,
 )
 from bdl_bench.likelihoods import Gaussian
-from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, sum_log, sum_log2, uniform_value
-from bdl_bench.methods._layerwise_vi import sqrt_or_tiny
+from bdl_bench.methods._diag_vi import (
+    kl_diag_to_prior,
+    softplus_inverse,
+    sqrt_or_tiny,
+    sum_log,
+    sum_log2,
+    uniform_value,
+)
 
 
 def _random(seed: int, n: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
