@@ -241,38 +241,9 @@ class Method(ABC):
             )
         self._replica_options = [dict(o) for o in options]
 
-    def replica_option(self, key: str) -> list[Any]:
-        """Each copy's value of option ``key`` (this method's own where :meth:`configure_replicas` gave none)."""
-        n_copies = len(self._replica_problems)
-        options = getattr(self, "_replica_options", None) or [{}] * n_copies
-        if len(options) != n_copies:
-            raise ValueError(f"configure_replicas got {len(options)} option sets for {n_copies} copies")
-        return [o.get(key, getattr(self, key)) for o in options]
-
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """Create the fitting state of ``len(problems)`` independent copies (one per split)."""
         raise CannotStack(f"method {self.name!r} cannot fit several splits at once")
-
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the
-        statistics of :meth:`train_step`, each as an ``(R,)`` tensor."""
-        raise NotImplementedError(f"method {self.name!r} has no stacked training step")
-
-    def replica(self, index: int) -> Method:
-        """Copy ``index`` as an ordinary, set-up method (its own problem; state copied, not shared)."""
-        raise NotImplementedError(f"method {self.name!r} has no stacked copies")
-
-    def fit_replicas(
-        self, x: Tensor, y: Tensor, *, on_epoch_end: ReplicaEpochCallback | None = None, **loop: Any
-    ) -> None:
-        """:meth:`fit`'s loop for stacked copies, ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``: every copy sees its own
-        data in the order a single run of the same seed uses (one permutation for all); a non-finite loss is
-        reported naming its copy."""
-
-        def step(idx: Tensor) -> Mapping[str, Tensor]:
-            return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
-
-        self._epochs(step, x, x.shape[0], on_epoch_end=on_epoch_end, **loop)
 
 
 class PostHocMethod(Method):
@@ -348,13 +319,38 @@ class StackedMethod(Method):
     def n_copies(self) -> int:
         return len(self._replica_problems)
 
+    @abstractmethod
+    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the
+        statistics of :meth:`train_step`, each as an ``(R,)`` tensor."""
+
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float | Tensor]:
         """:meth:`train_step_replicas` of the one copy on ``(x, y)``."""
         out = self.train_step_replicas(x.unsqueeze(0), y.unsqueeze(0))
         return {k: v[0] for k, v in out.items()}
 
+    def fit_replicas(
+        self, x: Tensor, y: Tensor, *, on_epoch_end: ReplicaEpochCallback | None = None, **loop: Any
+    ) -> None:
+        """:meth:`fit`'s loop for stacked copies, ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``: every copy sees its own
+        data in the order a single run of the same seed uses (one permutation for all); a non-finite loss is
+        reported naming its copy."""
+
+        def step(idx: Tensor) -> Mapping[str, Tensor]:
+            return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
+
+        self._epochs(step, x, x.shape[0], on_epoch_end=on_epoch_end, **loop)
+
+    def replica_option(self, key: str) -> list[Any]:
+        """Each copy's value of option ``key`` (this method's own where :meth:`configure_replicas` gave none)."""
+        options = getattr(self, "_replica_options", None) or [{}] * self.n_copies
+        if len(options) != self.n_copies:
+            raise ValueError(f"configure_replicas got {len(options)} option sets for {self.n_copies} copies")
+        return [o.get(key, getattr(self, key)) for o in options]
+
     def replica(self, index: int) -> Method:
-        """Copy ``index`` as a stack of one, for evaluation (its optimiser, if any, still holds the stack's tensors)."""
+        """Copy ``index`` as an ordinary, set-up method: a stack of one, for evaluation (its own problem; state
+        copied, not shared; its optimiser, if any, still holds the stack's tensors)."""
         options = {key: self.replica_option(key)[index] for key in self.replica_options}
         single = copy.copy(self)
         single.problem = self._replica_problems[index]
