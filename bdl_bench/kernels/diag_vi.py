@@ -1,6 +1,6 @@
 r"""The closed-form KL of a diagonal Gaussian to the prior :math:`\mathcal N(0, \operatorname{diag}\lambda^{-1})`
 in two parts with fused backwards, the term in the standard deviations (:func:`diag_kl`) and the one in the mean
-(:func:`prior_quadratic`); references :func:`diag_kl_reference` and :func:`prior_quadratic_reference`."""
+(:func:`prior_quadratic`)."""
 
 from __future__ import annotations
 
@@ -86,14 +86,3 @@ def prior_quadratic(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
     r""":math:`\tfrac12\sum_d \lambda_d \mu_d^2` (``prior_precision``: ``mean``'s shape or one number), the
     KL's term in the mean, with a hand-written backward (:class:`_PriorQuadratic`)."""
     return _PriorQuadratic.apply(mean, prior_precision)
-
-
-def diag_kl_reference(std: Tensor, prior_precision: Tensor | float) -> Tensor:
-    """The plain-autograd twin of :func:`diag_kl`."""
-    var_ratio = torch.as_tensor(prior_precision, dtype=std.dtype).expand_as(std) * std**2
-    return 0.5 * (var_ratio - 1 - torch.log(var_ratio)).sum()
-
-
-def prior_quadratic_reference(mean: Tensor, prior_precision: Tensor | float) -> Tensor:
-    """The plain-autograd twin of :func:`prior_quadratic`."""
-    return 0.5 * (prior_precision * mean**2).sum()

@@ -1,6 +1,6 @@
 r"""A dense layer's locally reparameterised output (Kingma, Salimans & Welling 2015, Sec. 2.3) with a
 hand-written backward: :func:`local_linear` (one copy, gradients written into buffers) and
-:class:`StackedLocalLinear` (R stacked copies); reference :func:`local_linear_reference`."""
+:class:`StackedLocalLinear` (R stacked copies)."""
 
 from __future__ import annotations
 
@@ -140,17 +140,3 @@ class StackedLocalLinear(torch.autograd.Function):
         grad_wv = t_matmul(g_var, a2).mul(0.5) if need_wv else None
         grad_bv = g_var.sum(1).mul_(0.5) if need_bv and ctx.has_bias[1] else None
         return grad_a, grad_wm, grad_bm, grad_wv, grad_bv, None
-
-
-def local_linear_reference(
-    a: Tensor, w_mean: Tensor, b_mean: Tensor | None, w_var: Tensor, b_var: Tensor | None, eps: Tensor
-) -> Tensor:
-    r"""The plain-autograd twin of both kernels:
-    :math:`a\mu_W^\top + \mu_b + \sqrt{\max(a^2 (\sigma_W^2)^\top + \sigma_b^2, \text{tiny})} \odot \epsilon`
-    (stacked: ``(R, ...)`` weights with ``(R, P, in)`` inputs)."""
-    if w_mean.dim() == 3:
-        mean = a @ w_mean.mT + (0 if b_mean is None else b_mean.unsqueeze(1))
-        var = (a * a) @ w_var.mT + (0 if b_var is None else b_var.unsqueeze(1))
-    else:
-        mean, var = F.linear(a, w_mean, b_mean), F.linear(a * a, w_var, b_var)
-    return mean + var.clamp_min(torch.finfo(var.dtype).tiny).sqrt() * eps

@@ -1,5 +1,5 @@
 r"""GMFVI's :math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and closed-form KL in one fused backward
-(:func:`mean_field_terms`, in reused buffers); reference :func:`mean_field_reference`."""
+(:func:`mean_field_terms`, in reused buffers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from bdl_bench.kernels.buffers import gather_part_grads, reusable_grad_buffer
@@ -166,26 +165,3 @@ def mean_field_terms(
     args = (mean, rho, prior_precision, log_prior_precision_sum, shapes, scratch, grad_mean, grad_rho)
     kl, *parts = _MeanFieldTerms.apply(*args)
     return MeanFieldParts(kl, parts[: len(shapes)], parts[len(shapes) :], *grad_parts)
-
-
-def mean_field_variance_and_kl(
-    mean: Tensor,
-    rho: Tensor,
-    prior_precision: Tensor,
-    log_prior_precision_sum: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    r"""``(var (D,), kl ())``: :math:`\sigma^2 = \operatorname{softplus}(\rho)^2` and the closed-form KL to the
-    prior, through :func:`mean_field_terms` with fresh buffers."""
-    if log_prior_precision_sum is None:
-        log_prior_precision_sum = float(torch.log(prior_precision).sum())
-    terms = mean_field_terms(
-        mean, rho, prior_precision, log_prior_precision_sum, [mean.shape], MeanFieldScratch.like(mean)
-    )
-    return terms.var_parts[0], terms.kl
-
-
-def mean_field_reference(mean: Tensor, rho: Tensor, prior_precision: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain-autograd twin of :func:`mean_field_variance_and_kl`: ``F.softplus`` and the closed-form KL."""
-    std = F.softplus(rho)
-    var_ratio = prior_precision * std**2
-    return std**2, 0.5 * (var_ratio + prior_precision * mean**2 - 1 - torch.log(var_ratio)).sum()

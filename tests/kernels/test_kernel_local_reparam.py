@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_references import local_linear_reference
 from torch import Tensor
 from torch.testing import assert_close
 
-from bdl_bench.kernels.local_reparam import StackedLocalLinear, local_linear, local_linear_reference
+from bdl_bench.kernels.local_reparam import StackedLocalLinear, local_linear
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -7,17 +7,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _kernel_references import mean_field_variance_and_kl
 from _vi_helpers import make_method, make_problem, plain_local_outputs
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.diag_vi import diag_kl, prior_quadratic
 from bdl_bench.kernels.local_reparam import local_linear
-from bdl_bench.kernels.mean_field import (
-    MeanFieldScratch,
-    mean_field_terms,
-    mean_field_variance_and_kl,
-)
+from bdl_bench.kernels.mean_field import MeanFieldScratch, mean_field_terms
 from bdl_bench.likelihoods import Gaussian
 from bdl_bench.methods._diag_vi import (
     kl_diag_to_prior,
