@@ -62,7 +62,8 @@ def local_reparam_linear(
     ``(..., in)`` (Kingma, Salimans & Welling 2015, Sec. 2.3): given the input it is Gaussian with mean
     :math:`a \mu_W^\top + \mu_b` and variance :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`. Any ``product``
     ``(input, weight, bias)`` linear in the weight is sampled likewise, per output element (a convolution:
-    mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b`, variance :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`)."""
+    mean :math:`\operatorname{conv}(a, \mu_W) + \mu_b`, variance
+    :math:`\operatorname{conv}(a^2, \sigma_W^2) + \sigma_b^2`)."""
     mean = product(a, weight_mean, bias_mean)
     var = product(a * a, weight_var, bias_var)
     eps = standard_normal(tuple(mean.shape), generator, mean)

@@ -33,10 +33,8 @@ minibatch. The padding row of an ``nn.Embedding`` (the deterministic model's con
 at its mean. ``predict`` always draws whole parameter vectors, so the S output samples are S networks.
 
 Subclasses say how :math:`q_l` is parameterised (:meth:`_step_terms`, with the KL; :meth:`_local_preactivation`;
-:meth:`_sample_params`) and which tensors' gradient SNR is tracked. With ``snr_window`` W > 0 that SNR
-(:mod:`bdl_bench.methods._grad_snr`) over windows of W steps enters the history as ``train/grad_snr``,
-``train/grad_snr_l<i>`` (i-th parametrised layer) and their medians ``train/grad_snr_median[_l<i>]``; with
-``record_every`` > 0 the validation -ELBO and SNR go to ``steps.csv`` (:mod:`bdl_bench.methods._step_records`).
+:meth:`_sample_params`) and which tensors' gradient SNR (:mod:`bdl_bench.methods._grad_snr`) ``snr_window`` tracks
+per layer; ``record_every`` writes ``steps.csv`` (:mod:`bdl_bench.methods._step_records`).
 """
 
 from __future__ import annotations

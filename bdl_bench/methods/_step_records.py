@@ -1,14 +1,9 @@
 r"""Validation negative ELBO and gradient SNR at given training steps (Swiatkowski et al. 2020, Fig. 6 right and
-Fig. 7 read them at steps 1000, 5000 and 9000, inside epochs).
-
-A layer-wise VI method with ``record_every`` R > 0 records after every R-th step t a row of ``steps.csv``:
-
-- ``val_nll``: :math:`\frac1S \sum_s \frac1{N_{val}} \sum_{i \in val} -\log p(y_i \mid x_i, \theta_s)`, S networks
-  drawn from q (``n_samples``);
-- ``kl``: :math:`\mathrm{KL}(q_t \,\|\, p) / N`, N the number of training examples;
-- ``val_neg_elbo``: ``val_nll + kl``, with the full KL (not the annealed :math:`\beta_t`, recorded as
-  ``kl_weight``), so at initialisation it is dominated by the KL (the paper's -ELBO starts near 42 nats on MNIST);
-- ``grad_snr_<group>`` and ``grad_snr_median_<group>``: the SNR of the last completed window, at ``snr_step``.
+Fig. 7 read them at steps 1000, 5000 and 9000, inside epochs): with ``record_every`` R > 0 a layer-wise VI method
+writes a row of ``steps.csv`` after every R-th step t (its columns: docs/running.md). ``val_nll`` is
+:math:`\frac1S \sum_s \frac1{N_{val}} \sum_{i \in val} -\log p(y_i \mid x_i, \theta_s)` over S networks drawn
+from q, ``val_neg_elbo`` that plus :math:`\mathrm{KL}(q_t \,\|\, p) / N` (the full KL, not the annealed
+:math:`\beta_t`, so at initialisation the KL dominates it).
 
 The networks are drawn with a generator seeded from the method's seed and t, so recording never moves the
 training stream. The rows are part of the checkpoint and the file is rewritten whole after each record, so a

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from bdl_bench.errors import ConfigError, DivergenceError
 from bdl_bench.likelihoods import Likelihood
+from bdl_bench.models.params import flat_params
 from bdl_bench.optim import load_adam_state
 from bdl_bench.progress import delayed_bar
 from bdl_bench.ranges import Range, out_of_range
@@ -319,6 +320,12 @@ class StackedMethod(Method):
     def n_copies(self) -> int:
         return len(self._replica_problems)
 
+    def stacked_start(self) -> tuple[Tensor, Tensor]:
+        """Every copy's starting point, the model's flat parameters, and its prior precision: ``(R, D)`` each."""
+        start = flat_params(self.problem.model)
+        priors = torch.stack([p.prior_precision for p in self._replica_problems]).to(start)
+        return start.expand(self.n_copies, -1).clone(), priors
+
     @abstractmethod
     def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the
@@ -381,11 +388,6 @@ def _copy_of(value: Any, index: int) -> Any:
     if isinstance(value, dict):
         return {k: _copy_of(v, index) for k, v in value.items()}
     return value
-
-
-def stacked_prior(problems: Sequence[Problem]) -> Tensor:
-    """The copies' prior precisions, ``(R, D)``."""
-    return torch.stack([p.prior_precision for p in problems])
 
 
 def _check_losses(

@@ -23,11 +23,8 @@ closed form (:func:`~bdl_bench.methods._diag_vi.kl_diag_to_prior`). Two gradient
   :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`. Needs an ``nn.Sequential`` of ``nn.Linear`` layers and
   parameter-free modules.
 
-``predict`` always samples whole weight vectors (so the S output samples are S networks).
-
-Initialisation: :math:`\mu` is the model's current parameters; :math:`\sigma = ` ``init_std`` everywhere
-(``conf/method/bbb.yaml``: 0.01, well below PyTorch's default weight scale, so the first steps fit a nearly
-deterministic network while Adam grows :math:`\sigma` within a few hundred steps).
+``predict`` always samples whole weight vectors (so the S output samples are S networks). Initially
+:math:`\mu` is the model's parameters and :math:`\sigma = ` ``init_std`` everywhere.
 """
 
 from __future__ import annotations
@@ -46,8 +43,8 @@ from bdl_bench.kernels.local_reparam import StackedLocalLinear
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, standard_normal
 from bdl_bench.methods._shared import parse_choice
-from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
-from bdl_bench.models.params import flat_params, forward_with, unflatten_stacked
+from bdl_bench.methods.base import Problem, StackedMethod, register_method
+from bdl_bench.models.params import forward_with, unflatten_stacked
 from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE
 
@@ -83,9 +80,8 @@ class BayesByBackprop(StackedMethod):
             raise ConfigError("bbb: the model contains dropout layers; build it with dropout=0")
         if self.estimator is Estimator.LOCAL_REPARAM:
             _check_linear_sequential(model)
-        mean = flat_params(model)
-        self.prior_precision = stacked_prior(problems).to(mean)  # (R, D): each copy its own
-        self.mean = mean.expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)  mu
+        self.mean, self.prior_precision = self.stacked_start()  # (R, D)  mu, and each copy's prior precision
+        self.mean.requires_grad_(True)
         init = torch.full_like(self.mean, float(self.init_std))
         self.rho = softplus_inverse(init).requires_grad_(True)  # (R, D)  sigma = softplus(rho)
         self.optimizer = adam([self.mean, self.rho], self.lr)

@@ -20,10 +20,8 @@ Objective per training example, on a minibatch B of size M with S = ``n_train_mc
 
 with :math:`\lambda` = ``problem.prior_precision``. For a Gaussian likelihood of precision :math:`\tau` this
 is Gal & Ghahramani's objective (2016, Eq. 1 and Sec. 4) times :math:`\tau`: their weight decay
-:math:`\lambda_{wd} = l^2 (1 - p) / (2 N \tau)` corresponds to :math:`\lambda_d = l^2 (1 - p)`. Their UCI code
-(Keras' MSE without the 1/2, :math:`\tau` in original target units, weights only) is reproduced by
-:math:`\lambda_d = l^2 (1 - p)\, s_y^2 / 2` on weights (l = 0.01, :math:`s_y` the training-target std) and a
-negligible bias precision. ``predict`` averages over stochastic forward passes with fresh masks.
+:math:`\lambda_{wd} = l^2 (1 - p) / (2 N \tau)` corresponds to :math:`\lambda_d = l^2 (1 - p)` (their UCI code's
+setting: docs/running.md). ``predict`` averages over stochastic forward passes with fresh masks.
 
 **Stacked copies**: ``theta`` ``(R, D)`` under one Adam. Every mask is drawn once, with a single run's shape,
 and shared by the copies, copy r keeping the units whose uniform draw is at least its own rate (the trials
@@ -46,8 +44,8 @@ from bdl_bench.curvature.products import stacked_linear
 from bdl_bench.errors import ConfigError
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._shared import add_prior_term
-from bdl_bench.methods.base import CannotStack, Problem, StackedMethod, register_method, stacked_prior
-from bdl_bench.models.params import flat_params, unflatten, unflatten_stacked
+from bdl_bench.methods.base import CannotStack, Problem, StackedMethod, register_method
+from bdl_bench.models.params import unflatten, unflatten_stacked
 from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE, UNIT_OPEN
 
@@ -92,10 +90,9 @@ class MCDropout(StackedMethod):
         rates = [float(p) for p in self.replica_option("dropout_rate")]
         if not all(0 < p < 1 for p in rates):
             raise ConfigError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
-        theta = flat_params(model)
-        self._per_copy(rates, theta)
-        self._prior = stacked_prior(problems).to(theta)  # (R, D)
-        self.theta = theta.detach().expand(len(problems), -1).clone().requires_grad_(True)  # (R, D)
+        self.theta, self._prior = self.stacked_start()  # (R, D) each
+        self.theta.requires_grad_(True)
+        self._per_copy(rates, self.theta)
         self.optimizer = adam([self.theta], self.lr)
 
     def _per_copy(self, rates: list[float], like: Tensor) -> None:

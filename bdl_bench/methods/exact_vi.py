@@ -101,8 +101,8 @@ def logistic_elbo_from_scale(
     \mathcal N(0, \operatorname{diag}(\lambda)^{-1}))\big)/N`, for :math:`q = \mathcal N(\mu, AA^\top)` given by
     ``mean`` and ``scale`` A: lower triangular ``(D, D)`` (entries above the diagonal ignored), or the standard
     deviations ``(D,)`` of a diagonal Σ; ``x`` the design matrix ``(N, D)`` (:func:`logistic_design`), ``y``
-    labels in {0, 1}. The objective ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`, :math:`\Sigma_{jj} = \sum_k A_{jk}^2`,
-    :math:`\log|\Sigma| = 2\sum_j\log|A_{jj}|`.
+    labels in {0, 1}. The objective ``exact_vi`` optimises: :math:`x_i^\top\Sigma x_i = \|A^\top x_i\|^2`,
+    :math:`\Sigma_{jj} = \sum_k A_{jk}^2`, :math:`\log|\Sigma| = 2\sum_j\log|A_{jj}|`.
     """
     if scale.ndim == 2:
         scale = torch.tril(scale)

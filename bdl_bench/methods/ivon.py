@@ -22,9 +22,10 @@ Algorithm 1, per step t = 1, 2, ... on a minibatch (:math:`\bar\ell` its mean ne
     m &\leftarrow m - \alpha_t \operatorname{clip}\bigl((\bar g + \delta m) / (h + \delta), \xi\bigr) \\
     \sigma &= 1 / \sqrt{\lambda (h + \delta)}
 
-starting from m = the network's weights, :math:`h = h_0` (``hess_init``), g = 0. :math:`\hat h` is the
-reparameterisation-trick estimate of the expected Hessian's diagonal (Stein's lemma:
-:math:`\mathbb E_q[\nabla^2\bar\ell] = \mathbb E_q[\nabla\bar\ell \, (\theta - m)^\top] \Sigma^{-1}`); since
+(:math:`\beta_1, \beta_2` = ``beta1``, ``beta2``) starting from m = the network's weights, :math:`h = h_0`
+(``hess_init``), g = 0. :math:`\hat h` is the reparameterisation-trick estimate of the expected Hessian's
+diagonal (Stein's lemma: :math:`\mathbb E_q[\nabla^2\bar\ell] = \mathbb E_q[\nabla\bar\ell \, (\theta - m)^\top]
+\Sigma^{-1}`); since
 :math:`(\theta_s - m)/\sigma^2 = \epsilon_s / \sigma`, it costs one product with the gradients and needs no
 per-example gradient. The third term of the h update keeps :math:`h + \delta` positive whatever :math:`\hat h`'s
 sign: with :math:`a = h + \delta`, :math:`u = (h - \hat h)/a` and :math:`c = 1 - \beta_2` the new
@@ -57,8 +58,8 @@ from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._shared import decayed_rate
-from bdl_bench.methods.base import Problem, StackedMethod, register_method, stacked_prior
-from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.methods.base import Problem, StackedMethod, register_method
+from bdl_bench.models.params import forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -79,9 +80,7 @@ def _kl_from_precision(
 
 @register_method("ivon")
 class IVON(StackedMethod):
-    """IVON (Shen et al. 2024, Algorithm 1; see the module docstring): ``lr`` :math:`\\alpha`, ``beta1``
-    :math:`\\beta_1`, ``beta2`` :math:`\\beta_2`, ``hess_init`` :math:`h_0`, ``n_train_mc_samples`` S,
-    ``clip_radius`` :math:`\\xi` (``None``: no clipping), ``decay`` :math:`\\gamma`."""
+    """IVON (Shen et al. 2024, Algorithm 1; the module docstring names the options), ``n_train_mc_samples`` S."""
 
     option_ranges = MappingProxyType(
         {
@@ -116,12 +115,9 @@ class IVON(StackedMethod):
         model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
             raise ConfigError("ivon: the model contains dropout layers; build it with dropout=0")
-        start = flat_params(model)
-        n_copies = len(problems)
-        self.mean = start.expand(n_copies, -1).clone()  # (R, D)  m
+        self.mean, self.prior = self.stacked_start()  # (R, D)  m, lambda_0
         self.hess = torch.full_like(self.mean, self.hess_init)  # (R, D)  h
         self.momentum = torch.zeros_like(self.mean)  # (R, D)  g
-        self.prior = stacked_prior(problems).to(self.mean)  # (R, D)  lambda_0
         self.step = 0  # t of the last update
         self._workspace: dict[str, Tensor] = {}  # the step's (R, D) scratch buffers, reused from step to step
 

@@ -31,10 +31,7 @@ options of the authors' code ``lib/optimizers/slang.py``):
    d_{t+1})^{-1}(\hat m_t + \lambda\circ\mu_t)`. ``momentum`` :math:`\rho = 0` is the paper's eq. (11).
 
 Initialisation (authors' code): :math:`\mu_0` = the model's parameters, :math:`U_0 = 0`,
-:math:`d_0` = ``init_prec_diag`` (their ``s_init``; 1 in all their experiments) in every coordinate.
-Their UCI setting ("Adam-like", Table 2): :math:`\alpha = 0.01`, :math:`\beta = 0.01` (``beta = 1 - lr``
-in their code is the weight of the old precision), :math:`\rho = 0.9`, no decay; logistic regression
-(Table 1): :math:`\alpha = \beta = 0.05`, :math:`\gamma = 0.51`.
+:math:`d_0` = ``init_prec_diag`` (their ``s_init``) in every coordinate.
 
 Implementation: the step is written once for R stacked copies (one per data split): the mean is ``(R, D)``,
 U ``(R, D, L)`` stored column-major (each column contiguous, for :mod:`bdl_bench.curvature.gram`), and a single
@@ -70,8 +67,8 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods._diag_vi import sum_log, uniform_value
 from bdl_bench.methods._shared import decayed_rate
-from bdl_bench.methods.base import NonFiniteLossError, Problem, StackedMethod, register_method, stacked_prior
-from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.methods.base import NonFiniteLossError, Problem, StackedMethod, register_method
+from bdl_bench.models.params import forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 _PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
@@ -231,20 +228,17 @@ class Slang(StackedMethod):
             raise ConfigError(
                 f"slang: rank L={self.rank} must satisfy 1 <= L < D={n_params} (D = number of model parameters)"
             )
-        mean = flat_params(self.problem.model)
         for p in problems:
-            if p.prior_precision.shape != mean.shape or not bool((p.prior_precision > 0).all()):
+            if p.prior_precision.shape != (n_params,) or not bool((p.prior_precision > 0).all()):
                 raise ConfigError(
                     f"slang: prior_precision must be positive with shape ({n_params},),"
                     f" got {tuple(p.prior_precision.shape)}"
                 )
-        prior = problems[0].prior_precision[None] if len(problems) == 1 else stacked_prior(problems)
-        self.prior_precision = prior.to(mean)  # (R, D); a single run's is its problem's (never written)
+        mean, self.prior_precision = self.stacked_start()  # (R, D) each
         shared = uniform_value(self.prior_precision)  # one number when all entries share it: fewer passes
         self._shared_prior = shared if isinstance(shared, float) else None
         self._log_prior_det = self.prior_precision.log().sum(-1)  # (R,)
         n_copies = len(problems)
-        mean = mean.expand(n_copies, n_params).clone()
         self.state = SlangState(
             mean=mean,
             prec_factor=mean.new_zeros(n_copies, self.rank, n_params).mT,  # column-major
@@ -379,6 +373,3 @@ class Slang(StackedMethod):
         self.cache = (
             None if saved is None else PrecisionCache(**{k: read(v).to(like, copy=True) for k, v in saved.items()})
         )
-
-
-__all__ = ["NonFiniteGradientError", "Slang", "SlangState", "decayed_rate", "slang_update"]

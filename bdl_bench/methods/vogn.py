@@ -67,9 +67,8 @@ from bdl_bench.methods.base import (
     Problem,
     StackedMethod,
     register_method,
-    stacked_prior,
 )
-from bdl_bench.models.params import flat_params, forward_with
+from bdl_bench.models.params import forward_with, n_params
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 MAX_FULL_PARAMS = 5000
@@ -275,8 +274,7 @@ class VOGN(StackedMethod):
     def setup_replicas(self, problems: Sequence[Problem]) -> None:
         """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked."""
         super().setup_replicas(problems)
-        mean = flat_params(self.problem.model)
-        n = mean.numel()
+        n = n_params(self.problem.model)
         for problem in problems:
             if problem.prior_precision.shape != (n,):
                 raise ValueError(
@@ -293,10 +291,10 @@ class VOGN(StackedMethod):
             self._layout = None  # not a Sequential of Linear layers: the torch.func path, one copy
         if self._layout is None and len(problems) > 1:
             raise CannotStack("method 'vogn' stacks splits only for networks of nn.Linear layers (logreg, mlp)")
-        self._prior = stacked_prior(problems).to(mean)
+        mean, self._prior = self.stacked_start()
         prec_diag = self._prior + self.init_prec
         precision = torch.diag_embed(prec_diag) if self._full else prec_diag
-        self.state = VognState(mean=mean.expand(len(problems), n).clone(), precision=precision, step=0)
+        self.state = VognState(mean=mean, precision=precision, step=0)
 
     def _sampling_cholesky(self) -> Tensor | None:
         """The Cholesky factors of a full precision (the ones the state carries, else computed); ``None`` for diag."""

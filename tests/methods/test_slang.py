@@ -18,8 +18,9 @@ from bdl_bench.curvature.stacked import StackedFactors, stacked_factors
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, LowRankPlusDiagGaussian, kl, sym_kl
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods import build_method
+from bdl_bench.methods._shared import decayed_rate
 from bdl_bench.methods.base import Problem
-from bdl_bench.methods.slang import NonFiniteGradientError, Slang, SlangState, decayed_rate, slang_update
+from bdl_bench.methods.slang import NonFiniteGradientError, Slang, SlangState, slang_update
 from bdl_bench.models.mlp import logistic_regression, mlp
 
 F64 = torch.float64
