@@ -209,7 +209,9 @@ class Method(ABC):
             totals: dict[str, float | Tensor] = {}
             losses: list[float | Tensor] = []
             try:
-                for idx in _step_bar(_minibatches(n, batch_size, data_generator, x.device), epoch, self.step_progress):
+                batches = _minibatches(n, batch_size, data_generator, x.device)
+                bar = delayed_bar(batches, desc=f"epoch {epoch + 1}", unit="step", enabled=self.step_progress)
+                for idx in bar:
                     out = step(idx)
                     loss = out["loss"]
                     losses.append(loss)
@@ -409,10 +411,6 @@ def _rows(values: Sequence[float | Tensor]) -> list[list[float]]:
     tensors = [v.detach().reshape(1, -1) for v in values if isinstance(v, Tensor)]
     read = iter(torch.cat(tensors).tolist() if tensors else [])
     return [next(read) if isinstance(v, Tensor) else [float(v)] for v in values]
-
-
-def _step_bar(batches: list[Tensor], epoch: int, enabled: bool) -> Any:
-    return delayed_bar(batches, desc=f"epoch {epoch + 1}", unit="step", enabled=enabled, total=len(batches))
 
 
 def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: torch.device) -> list[Tensor]:

@@ -183,8 +183,10 @@ class MCDropout(StackedMethod):
         n_samples = self.n_train_mc_samples
         if self._linear_only:
             f = self._outputs(x, n_samples)  # (R, S·M, out)
-        else:  # a single run (setup_replicas)
-            f = self._outputs_module_wise(self.theta.view(-1), x[0], n_samples).flatten(0, 1).unsqueeze(0)
+        else:  # a single run (setup_replicas), module by module
+            params = self._module_params(self.theta.view(-1))
+            f = self._stochastic_part(params, self._deterministic_part(params, x[0]), n_samples)
+            f = f.flatten(0, 1).unsqueeze(0)
         y = y if n_samples == 1 else y.repeat(1, n_samples)  # (R, S·M): the targets of each draw's outputs
         nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=1)  # (R,)
         nll.backward(self._ones)  # the gradient of the copies' sum: each copy's is its own objective's
@@ -250,11 +252,6 @@ class MCDropout(StackedMethod):
         return torch.cat(chunks, dim=1)
 
     # ------------------------------------------------------------------ module-wise path (conv models, R = 1)
-    def _outputs_module_wise(self, theta: Tensor, x: Tensor, n_samples: int) -> Tensor:
-        """Network outputs at ``theta`` ``(D,)`` under ``n_samples`` independent mask draws: ``(S, N, out)``."""
-        params = self._module_params(theta)
-        return self._stochastic_part(params, self._deterministic_part(params, x), n_samples)
-
     def _module_params(self, theta: Tensor) -> list[dict[str, Tensor]]:
         """``theta`` split per top-level module, keyed by the module's own parameter names."""
         params = unflatten(self.problem.model, theta)

@@ -125,7 +125,6 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             )
         g, K = self.problem.generator, self.rank
         means = self.split_params(self.mean.detach())
-        self._flat_prior: dict[int, Tensor | float] = {}  # lambda per parameter position: flat, or one number
         tensors: dict[str, Tensor] = {}
         for layer in self.layers:
             scale = 0.5 * float(means[layer.weight_param].std(correction=0)) / math.sqrt(K)
@@ -134,11 +133,9 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
             if layer.bias_param is not None:
                 shape_b = (K, layer.out_features)
                 tensors[f"v_bias{layer.index}"] = _BIAS_FACTOR_SCALE * standard_normal(shape_b, g, self.mean)
-            # per parameter tensor: one number when the prior precision is constant on it (the usual case)
-            for index in (layer.weight_param, layer.bias_param):
-                if index is not None:
-                    lam = self.split_params(self.prior_precision)[index]
-                    self._flat_prior[index] = uniform_value(lam.flatten())
+        # lambda per parameter position, flat, or one number where it is constant on the parameter (the usual case)
+        lam = self.split_params(self.prior_precision)
+        self._flat_prior = {i: uniform_value(lam[i].flatten()) for layer in self.layers for i in layer.params.values()}
         if self.learn_diag:
             tensors["rho"] = softplus_inverse(torch.full_like(self.mean, self.init_std))
         for t in tensors.values():

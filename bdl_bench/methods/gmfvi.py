@@ -65,10 +65,6 @@ class GaussianMeanFieldVI(LayerwiseVI):
         self._scratch = MeanFieldScratch.like(self.mean)  # the training step's buffers (mean_field_terms)
         return {"rho": self.rho}
 
-    def std(self) -> Tensor:
-        """:math:`\\sigma = \\operatorname{softplus}(\\rho)`, ``(D,)``, detached."""
-        return F.softplus(self.rho.detach())
-
     def _step_terms(self, with_kl: bool) -> _Terms:
         if not with_kl:
             var = F.softplus(self.rho).square()
@@ -109,14 +105,7 @@ class GaussianMeanFieldVI(LayerwiseVI):
         parts = self.split_params(grad)
         return [parts[i] for _, i in layer.weight_matrices]
 
-    def weight_stds(self) -> list[Tensor]:
-        """Every weight's matrix of standard deviations, layer by layer (detached): ``(out, in)`` for
-        ``nn.Linear``, ``(C_out, C_in·kh·kw)`` for ``nn.Conv2d``, ``(4H, in)`` and ``(4H, H)`` for an
-        ``nn.LSTM`` layer, ``(vocabulary, dim)`` for ``nn.Embedding``."""
-        parts = self.split_params(self.std())
-        return [parts[i].flatten(1) for layer in self.layers for _, i in layer.weight_matrices]
-
     @torch.no_grad()
     def posterior(self) -> DiagGaussian:
         """:math:`q = \\mathcal N(\\mu, \\operatorname{diag}\\sigma^2)` as precision :math:`1/\\sigma^2`."""
-        return DiagGaussian(mean=self.mean.detach().clone(), prec_diag=self.std().pow(-2))
+        return DiagGaussian(mean=self.mean.detach().clone(), prec_diag=F.softplus(self.rho).pow(-2))

@@ -246,14 +246,6 @@ class KTiedNormalVI(LayerwiseVI):
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
 
     @torch.no_grad()
-    def weight_stds(self) -> list[Tensor]:
-        """Every weight's matrix of standard deviations (:math:`VU^\\top` where tied), layer by layer:
-        ``(out, in)`` for ``nn.Linear``, ``(C_out, C_in·kh·kw)`` for ``nn.Conv2d``, ``(4H, in)`` and
-        ``(4H, H)`` for an ``nn.LSTM`` layer, ``(vocabulary, dim)`` for ``nn.Embedding``."""
-        terms = self._step_terms(with_kl=False)
-        return [self._param_std(terms, pos).flatten(1) for layer in self.layers for _, pos in layer.weight_matrices]
-
-    @torch.no_grad()
     def posterior(self) -> DiagGaussian:
         """The k-tied Normal as a diagonal Gaussian over the flat parameters (precision :math:`1/\\sigma^2`)."""
         return DiagGaussian(mean=self.mean.detach().clone(), prec_diag=self.flat_std().pow(-2))

@@ -27,6 +27,15 @@ def make_method(kind: str, **overrides: object) -> Method:
     return build_method({**CONFIGS[kind], **overrides})
 
 
+@torch.no_grad()
+def weight_stds(method: Method) -> list[Tensor]:
+    """Every weight's matrix of standard deviations of a set-up ``gmfvi`` or ``ktied``, layer by layer:
+    ``(out, in)`` for ``nn.Linear``, ``(C_out, C_in·kh·kw)`` for ``nn.Conv2d``, ``(4H, in)`` and ``(4H, H)``
+    for an ``nn.LSTM`` layer, ``(vocabulary, dim)`` for ``nn.Embedding``."""
+    terms = method._step_terms(with_kl=False)
+    return [method._param_std(terms, pos).flatten(1) for layer in method.layers for _, pos in layer.weight_matrices]
+
+
 def init_(model: nn.Module, generator: torch.Generator) -> nn.Module:
     """PyTorch's default Linear initialisation, drawn from ``generator`` (no global seeding)."""
     for m in model.modules():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _kernel_references import mean_field_variance_and_kl
-from _vi_helpers import make_method, make_problem, plain_local_outputs
+from _vi_helpers import make_method, make_problem, plain_local_outputs, weight_stds
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
@@ -77,7 +77,7 @@ def test_starts_at_init_std_and_reports_a_diagonal_posterior() -> None:
     assert_close(q.mean, torch.nn.utils.parameters_to_vector(problem.model.parameters()).detach())
     assert_close(q.prec_diag, torch.full_like(q.mean, 0.05**-2))
     assert_close(method.kl_to_prior(), kl_diag_to_prior(q.mean, q.variance().sqrt(), problem.prior_precision))
-    assert [s.shape for s in method.weight_stds()] == [(24, 1), (24, 24), (1, 24)]
+    assert [s.shape for s in weight_stds(method)] == [(24, 1), (24, 24), (1, 24)]
     assert method.n_variational_params() == 2 * q.dim
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _vi_helpers import make_method, make_problem
+from _vi_helpers import make_method, make_problem, weight_stds
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
@@ -32,7 +32,7 @@ def test_std_matrix_is_the_product_of_positive_factors() -> None:
     problem = make_problem(3, Gaussian(noise_precision=1.0), seed=0)  # 3 → 24 → 24 → 1
     method = make_method("ktied", k=2, init_std=0.05)
     method.setup(problem)
-    stds = method.weight_stds()
+    stds = weight_stds(method)
     assert [s.shape for s in stds] == [(24, 3), (24, 24), (1, 24)]
     for layer, std in zip(method.layers, stds):
         u = F.softplus(method.variational[f"u{layer.index}"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _archives import write_tar_gz
-from _vi_helpers import make_method
+from _vi_helpers import make_method, weight_stds
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.testing import assert_close
@@ -203,7 +203,7 @@ def test_ktied_conv_kernels_are_positive_products_reshaped() -> None:
     q = method.posterior()
     parts = method.split_params(q.variance().sqrt())
     conv_layers = [layer for layer in method.layers if isinstance(layer.module, nn.Conv2d)]
-    stds = method.weight_stds()
+    stds = weight_stds(method)
     for layer, std in zip(conv_layers, stds):
         weight = layer.module.weight  # (C_out, C_in, 5, 5)
         u = F.softplus(method.variational[f"u{layer.index}"])  # U^T (k, C_in·25)
