@@ -5,6 +5,7 @@ reused buffers) and its dense layers' sample of Lemma 1 (:class:`LowRankLocalLin
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,7 @@ class StepBuffers:
     std: Tensor | None = None  # sigma of the learned diagonal, from a forward to its backward
     var: Tensor | None = None  # sigma^2, likewise
     work: Tensor | None = None  # scratch
-    temps: dict[tuple[int, str], Tensor] = field(default_factory=dict)  # LowRankLocalLinear's, by layer (temp)
-
-    def temp(self, key: tuple[int, str], shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """A reused tensor of ``shape`` (contents undefined); a new one when the shape changes (a smaller
-        last minibatch)."""
-        t = self.temps.get(key)
-        if t is None or t.shape != shape or t.dtype != like.dtype or t.device != like.device:
-            t = self.temps[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return t
+    temps: dict[str, Tensor] = field(default_factory=dict)  # LowRankLocalLinear's, a workspace_buffer's dict
 
 
 @dataclass(frozen=True)
@@ -179,7 +172,7 @@ class LowRankLocalLinear(torch.autograd.Function):
         eps: Tensor,
         const_var: float | None,
         into: tuple[Tensor | None, ...],
-        temps: tuple[Tensor, Tensor],
+        temps: Sequence[Tensor],
     ) -> Tensor:
         rank, n_out, n_in = v_weight.shape
         a2d = a.reshape(-1, n_in)

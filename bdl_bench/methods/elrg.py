@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bdl_bench.curvature.gram import workspace_buffer
 from bdl_bench.errors import ConfigError
 from bdl_bench.kernels.buffers import reusable_grad_buffer
 from bdl_bench.kernels.elrg_kl import elrg_kl_blocks
@@ -244,8 +245,8 @@ class EfficientLowRankGaussianVI(LayerwiseVI):
                 a, weight_mean, bias_mean, v_weight, v_bias, w_var, b_var, const_var, eps_k, eps, self.alpha
             )
         v_weight, v_bias = terms.factors[layer.index]
-        rows = a.numel() // a.shape[-1]
-        temps = tuple(self._buffers.temp((layer.index, role), (rows, K * out), a) for role in ("low", "g_low"))
+        shape = (a.numel() // a.shape[-1], K * out)  # (rows, K·out)
+        temps = [workspace_buffer(self._buffers.temps, f"{r}{layer.index}", shape, a) for r in ("low", "grad")]
         coef = math.sqrt(self.alpha) * eps_k
         return LowRankLocalLinear.apply(
             a, weight_mean, bias_mean, v_weight, v_bias, w_var, b_var, coef, eps, const_var,
