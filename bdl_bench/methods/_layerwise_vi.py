@@ -214,19 +214,9 @@ def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def base_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``options`` (a family's constructor's ``locals()``) that :class:`LayerwiseVI` takes."""
-    return {key: options[key] for key in _BASE_OPTIONS if key in options}
-
-
-_BASE_OPTIONS = (
-    "lr",
-    "n_train_mc_samples",
-    "init_std",
-    "kl_annealing_steps",
-    "snr_window",
-    "conv_estimator",
-    "record_every",
-)
+    """The entries of ``options`` (a family's constructor's ``locals()``) that :class:`LayerwiseVI` takes: its
+    ranged options and ``conv_estimator``."""
+    return {k: v for k, v in options.items() if k in LayerwiseVI.option_ranges or k == "conv_estimator"}
 
 
 class LayerwiseVI(Method):
