@@ -81,11 +81,6 @@ def logistic_design(model: nn.Module, x: Tensor) -> Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
 
 
-def _signed(y: Tensor, like: Tensor) -> Tensor:
-    """``2 y - 1`` in ``like``'s dtype: the sign that turns log p(y | f) into log σ(s f)."""
-    return 2.0 * y.to(like) - 1.0
-
-
 def logistic_elbo_from_scale(
     mean: Tensor,
     scale: Tensor,
@@ -110,7 +105,8 @@ def logistic_elbo_from_scale(
     else:
         var_f = x.square() @ scale.square()
     mean_f = x @ mean
-    ell = expected_log_sigmoid_with(_signed(y, mean_f) * mean_f, var_f, expectation=expectation, n_points=n_points)
+    signed = (2.0 * y.to(mean_f) - 1.0) * mean_f  # s_i x_i^T mu: log p(y | f) = log sigmoid(s f)
+    ell = expected_log_sigmoid_with(signed, var_f, expectation=expectation, n_points=n_points)
     return (ell.sum() - _kl_from_scale(mean, scale, prior_precision.to(mean))) / x.shape[0]
 
 
