@@ -325,7 +325,14 @@ class StackedMethod(Method):
     def stacked_start(self) -> tuple[Tensor, Tensor]:
         """Every copy's starting point, the model's flat parameters, and its prior precision: ``(R, D)`` each."""
         start = flat_params(self.problem.model)
-        priors = torch.stack([p.prior_precision for p in self._replica_problems]).to(start)
+        problems = self._replica_problems
+        # one copy: a view of its problem's prior (never written), not a second (D,) tensor
+        priors = (
+            problems[0].prior_precision[None]
+            if len(problems) == 1
+            else torch.stack([p.prior_precision for p in problems])
+        )
+        priors = priors.to(start)
         return start.expand(self.n_copies, -1).clone(), priors
 
     @abstractmethod
