@@ -37,6 +37,7 @@ from bdl_bench.models.params import flat_params
 from bdl_bench.optim import load_adam_state
 from bdl_bench.progress import delayed_bar
 from bdl_bench.ranges import Range, out_of_range
+from bdl_bench.registry import import_submodules, lookup, registrar
 
 
 @dataclass(frozen=True)
@@ -427,27 +428,21 @@ def _minibatches(n: int, batch_size: int, generator: torch.Generator, device: to
 
 
 METHODS: dict[str, type[Method]] = {}
+_register = registrar(METHODS, "method")
 
 
 def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
     """Register a method class under the name users type after ``method=``."""
 
     def add(cls: type[Method]) -> type[Method]:
-        if name in METHODS:
-            raise ValueError(f"method name {name!r} is registered twice")
         cls.name = name
-        METHODS[name] = cls
-        return cls
+        return _register(name)(cls)
 
     return add
 
 
 def build_method(cfg: Mapping[str, Any]) -> Method:
     """Instantiate ``cfg['name']`` with the remaining keys as keyword arguments."""
-    from bdl_bench.methods import import_all
-
-    import_all()
-    name = cfg["name"]
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name](**{k: v for k, v in cfg.items() if k != "name"})
+    import_submodules("bdl_bench.methods")
+    cls = lookup(METHODS, cfg["name"], "method")
+    return cls(**{k: v for k, v in cfg.items() if k != "name"})
