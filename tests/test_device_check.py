@@ -305,11 +305,11 @@ def test_stacked_training_steps_do_not_wait_for_the_device(method: str, compose_
     with fake_device() as check:
         single, x, y = _device_problem(config)
         stacked = build_method(config)
-        stacked.setup_replicas([single.problem, single.problem])
+        stacked.setup_stack([single.problem, single.problem])
         xs, ys = torch.stack([x, x.flip(0)]), torch.stack([y, y.flip(0)])
-        stacked.train_step_replicas(xs[:, :10], ys[:, :10])
+        stacked.stack_step(xs[:, :10], ys[:, :10])
         check.syncs = 0
-        out = stacked.train_step_replicas(xs[:, 10:20], ys[:, 10:20])
+        out = stacked.stack_step(xs[:, 10:20], ys[:, 10:20])
         assert check.syncs == 0 and out["loss"].shape == (2,) and out["loss"].device == DEVICE
 
 
@@ -318,11 +318,11 @@ def test_a_diverging_stacked_copy_is_named(compose_cfg) -> None:
     with fake_device():
         single, x, y = _device_problem(_method_config("vogn", compose_cfg))
         stacked = build_method(_method_config("vogn", compose_cfg))
-        stacked.setup_replicas([single.problem, single.problem])
+        stacked.setup_stack([single.problem, single.problem])
         poisoned = x.clone()
         poisoned[:, 0] = float("nan")
         with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan in stacked copy 1 at epoch 1, step 1"):
-            stacked.fit_replicas(
+            stacked.fit_stack(
                 torch.stack([x, poisoned]),
                 torch.stack([y, y]),
                 n_epochs=1,

@@ -1,4 +1,4 @@
-"""Hyperparameter search as stacked replicas (bdl_bench/orchestration/search.py): batched BO, Gal's dropout protocol and
+"""Hyperparameter search as stacked copies (bdl_bench/orchestration/search.py): batched BO, Gal's dropout protocol and
 grid on tiny problems (yacht, 2 splits, 2 epochs), resuming after a kill, failed trials, bad input."""
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ def test_batched_search_beats_the_default_and_resumes_after_a_kill(tmp_path: Pat
 def test_dropout_grid_picks_the_best_validation_cell_and_a_diverging_trial_fails(
     tmp_path: Path, compose_cfg, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    step = MCDropout.train_step_replicas
+    step = MCDropout.stack_step
 
     def diverge_at_rate_01(self, x, y):  # every trial with dropout rate 0.1 diverges
         out = step(self, x, y)
         out["loss"] = torch.where(self._rate_tensor == 0.1, torch.nan, out["loss"])
         return out
 
-    monkeypatch.setattr(MCDropout, "train_step_replicas", diverge_at_rate_01)
+    monkeypatch.setattr(MCDropout, "stack_step", diverge_at_rate_01)
     run_job(_cfg(compose_cfg, "dropout", "~search.method_settings", GRID), tmp_path / "job")  # 2 epochs, not Gal's
     trials = _trials(tmp_path / "job")
     assert len(trials) == 2 * 4 * 3  # 2 splits x Gal's 4 rates x 3 taus for yacht
@@ -106,7 +106,7 @@ def test_a_diverging_trial_alone_in_its_round_fails_alone(tmp_path: Path, compos
     stacked copy: it is still that trial's failure, and the search goes on."""
     from bdl_bench.methods.bbb import BayesByBackprop
 
-    step, calls = BayesByBackprop.train_step_replicas, []
+    step, calls = BayesByBackprop.stack_step, []
 
     def diverge_in_round_1(self, x, y):
         calls.append(self.n_copies)
@@ -114,7 +114,7 @@ def test_a_diverging_trial_alone_in_its_round_fails_alone(tmp_path: Path, compos
         out["loss"] = out["loss"] * torch.nan if len(calls) == 1 else out["loss"]
         return out
 
-    monkeypatch.setattr(BayesByBackprop, "train_step_replicas", diverge_in_round_1)
+    monkeypatch.setattr(BayesByBackprop, "stack_step", diverge_in_round_1)
     overrides = ["method=bbb", "data=uci/yacht", "data.split=[0]", "tune=slang_table2", "trainer.n_epochs=1"]
     run_job(compose_cfg([*overrides, "search.n_random=1", "search.n_guided=1", "search.round_size=1"]), tmp_path)
     trials = _trials(tmp_path)

@@ -72,16 +72,16 @@ SPLITS = (0, 3, 7)
 
 
 def test_every_stacking_method_has_a_stacked_equals_single_config() -> None:
-    """The registry says which methods stack (``supports_replicas``); each is in METHODS above, so a new
+    """The registry says which methods stack (``stacks``); each is in METHODS above, so a new
     stacking method cannot skip the stacked-equals-single test."""
     from bdl_bench.methods import METHODS as REGISTERED
     from bdl_bench.methods import import_all
 
     import_all()
 
-    stacking = {name for name, cls in REGISTERED.items() if cls.supports_replicas}
+    stacking = {name for name, cls in REGISTERED.items() if cls.stacks}
     assert stacking == {config["name"] for config in METHODS.values()}
-    overriding = {name for name, cls in REGISTERED.items() if cls.setup_replicas is not Method.setup_replicas}
+    overriding = {name for name, cls in REGISTERED.items() if cls.setup_stack is not Method.setup_stack}
     assert overriding == stacking  # the flag says what the class does
 
 
@@ -141,8 +141,8 @@ def test_stacked_fit_equals_single_fits(name: str, device: str) -> None:
     model, generator = _model(device), torch.Generator(device).manual_seed(1)
     problems, datasets = zip(*(_problem(split, model, generator) for split in SPLITS))
     stacked = build_method(METHODS[name])
-    stacked.setup_replicas(list(problems))
-    stacked.fit_replicas(
+    stacked.setup_stack(list(problems))
+    stacked.fit_stack(
         torch.stack([d.x_train for d in datasets]),
         torch.stack([d.y_train for d in datasets]),
         n_epochs=2,
@@ -156,7 +156,7 @@ def test_stacked_fit_equals_single_fits(name: str, device: str) -> None:
     # epochs; on an H200 its copies differed by 1.9e-5): there it agrees to 1e-4, a wrong copy differs by > 1e-3
     tolerance = 1e-4 if (name, device) == ("vogn_full_ef", "cuda") else 1e-6
     for r, single in enumerate(singles):
-        copy = stacked.replica(r)
+        copy = stacked.copy_at(r)
         assert copy.problem.likelihood is problems[r].likelihood
         for key, value in _state(single).items():
             assert value.device.type == _state(copy)[key].device.type == device
@@ -182,9 +182,9 @@ def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: s
     model, generator = _model(), torch.Generator().manual_seed(1)
     problems, datasets = zip(*(_problem(s, model, generator, n, p) for s, n, p, _ in TRIALS))
     stacked = build_method(METHODS[name])
-    stacked.configure_replicas([{k: v for k, v in o.items() if k != "name"} for o in options])
-    stacked.setup_replicas(list(problems))
-    stacked.fit_replicas(
+    stacked.configure_stack([{k: v for k, v in o.items() if k != "name"} for o in options])
+    stacked.setup_stack(list(problems))
+    stacked.fit_stack(
         torch.stack([d.x_train for d in datasets]),
         torch.stack([d.y_train for d in datasets]),
         n_epochs=2,
@@ -192,7 +192,7 @@ def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: s
         data_generator=torch.Generator().manual_seed(2),
     )
     for r, single in enumerate(singles):
-        copy = stacked.replica(r)
+        copy = stacked.copy_at(r)
         for key, value in _state(single).items():
             error = (_state(copy)[key] - value).norm() / value.norm()
             assert error < 1e-6, f"{name} trial {r}: {key} differs by {float(error):.2e} (relative, Frobenius)"
@@ -201,14 +201,14 @@ def test_stacked_trials_with_their_own_hyperparameters_equal_single_fits(name: s
     assert (_state(singles[0])[key] - _state(singles[1])[key]).norm() > 1e-3 * _state(singles[0])[key].norm()
 
 
-def test_only_replica_options_may_differ_between_copies() -> None:
+def test_only_copy_options_may_differ_between_copies() -> None:
     from bdl_bench.methods.base import CannotStack
 
     method = build_method(METHODS["slang"])
     with pytest.raises(CannotStack, match="method.rank"):
-        method.configure_replicas([{"rank": 2}, {"rank": 3}])
+        method.configure_stack([{"rank": 2}, {"rank": 3}])
     dropout = build_method(METHODS["dropout"])
-    dropout.configure_replicas([{"dropout_rate": 0.1}, {"dropout_rate": 0.2}])  # allowed
+    dropout.configure_stack([{"dropout_rate": 0.1}, {"dropout_rate": 0.2}])  # allowed
 
 
 @pytest.mark.parametrize("precisions", [(0.5, 3.0), (2.0,)])  # several copies, and a single run's one
@@ -273,14 +273,14 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
     if group_elements is not None:
         monkeypatch.setattr(runner.SharedPredictions, "PREDICTION_ELEMENTS", group_elements)
     calls = []
-    original = MCDropout.predict_replicas
+    original = MCDropout.predict_stack
 
     def recorded(self: MCDropout, *args: object) -> torch.Tensor:
-        if self.n_copies > 1:  # the stack's shared predictions (a replica's own predict is a stack of one)
+        if self.n_copies > 1:  # the stack's shared predictions (a single copy's own predict is a stack of one)
             calls.append(args[2])
         return original(self, *args)
 
-    monkeypatch.setattr(MCDropout, "predict_replicas", recorded)
+    monkeypatch.setattr(MCDropout, "predict_stack", recorded)
     common = ["method=dropout", "data=uci/yacht", "data.val_fraction=0.2", "trainer.n_test_mc_samples=70"]
     job = run_job(compose_cfg([*common, "data.split=[1,4,6]"]), tmp_path / "stack")
     assert not job.skipped
@@ -562,9 +562,9 @@ def test_stacked_logistic_regression_merges_samples(n_examples: int, monkeypatch
     def fit_stacked() -> object:
         generator = torch.Generator().manual_seed(1)
         method = build_method(cfg)
-        method.setup_replicas([problem(d, generator) for d in datasets])
+        method.setup_stack([problem(d, generator) for d in datasets])
         for _ in range(4):
-            method.train_step_replicas(x, y)
+            method.stack_step(x, y)
         return method
 
     merged = fit_stacked()
@@ -576,8 +576,8 @@ def test_stacked_logistic_regression_merges_samples(n_examples: int, monkeypatch
         single.setup(problem(datasets[r], torch.Generator().manual_seed(1)))
         for _ in range(4):
             single.train_step(x[r], y[r])
-        for other in (unmerged.replica(r), single):
+        for other in (unmerged.copy_at(r), single):
             for key in ("mean", "prec_factor", "prec_diag"):
                 torch.testing.assert_close(
-                    getattr(merged.replica(r).state, key), getattr(other.state, key), rtol=1e-7, atol=1e-9
+                    getattr(merged.copy_at(r).state, key), getattr(other.state, key), rtol=1e-7, atol=1e-9
                 )

@@ -8,12 +8,12 @@ returns the Gaussian over the flat parameters where there is one, and ``point_es
 runner saves (``params.pt``).
 
 **Stacked splits.** A :class:`StackedMethod` fits R independent copies at once, one per data split
-(:mod:`bdl_bench.orchestration.stacked`); its single run is the stack of one copy. ``setup_replicas``
+(:mod:`bdl_bench.orchestration.stacked`); its single run is the stack of one copy. ``setup_stack``
 receives one problem per split (same model and N; own likelihood and prior precision, so copies can be
-trials of a search), ``train_step_replicas`` takes minibatches ``(R, M, ...)`` and ``replica(r)`` returns
+trials of a search), ``stack_step`` takes minibatches ``(R, M, ...)`` and ``copy_at(r)`` returns
 copy r alone. Copy r draws exactly the noise a single run of the same seed draws (one draw broadcast over
-the copies), so a stacked fit equals R single runs up to rounding. Options in ``replica_options``
-(dropout's ``dropout_rate``) may differ between copies (:meth:`Method.configure_replicas`).
+the copies), so a stacked fit equals R single runs up to rounding. Options in ``per_copy_options``
+(dropout's ``dropout_rate``) may differ between copies (:meth:`Method.configure_stack`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CannotStack(NotImplementedError):
 
 
 EpochCallback = Callable[[int, Mapping[str, float]], None]
-ReplicaEpochCallback = Callable[[int, Sequence[Mapping[str, float]]], None]
+StackEpochCallback = Callable[[int, Sequence[Mapping[str, float]]], None]
 
 
 class Method(ABC):
@@ -72,9 +72,9 @@ class Method(ABC):
     name: ClassVar[str]
     option_ranges: ClassVar[Mapping[str, Range]] = MappingProxyType({})
     """Each numeric option's range, for :meth:`check_options` and :func:`bdl_bench.config_checks.check_config`."""
-    supports_replicas: ClassVar[bool] = False
-    replica_options: ClassVar[tuple[str, ...]] = ()
-    """Constructor options whose value may differ between stacked copies (:meth:`configure_replicas`)."""
+    stacks: ClassVar[bool] = False
+    per_copy_options: ClassVar[tuple[str, ...]] = ()
+    """Constructor options whose value may differ between stacked copies (:meth:`configure_stack`)."""
     problem: Problem
     extra_metrics: Mapping[str, float] = MappingProxyType({})
     """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ))."""
@@ -198,10 +198,10 @@ class Method(ABC):
         n_epochs: int,
         batch_size: int,
         data_generator: torch.Generator,
-        on_epoch_end: ReplicaEpochCallback | None,
+        on_epoch_end: StackEpochCallback | None,
         start_epoch: int = 0,
     ) -> None:
-        """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_replicas` (``x`` ``(R, N, ...)``): epochs
+        """The loop of :meth:`fit` (``n_copies`` ``None``) and :meth:`fit_stack` (``x`` ``(R, N, ...)``): epochs
         ``start_epoch + 1 .. n_epochs`` of ``step`` on a fresh permutation's minibatches, each epoch's losses
         checked and the steps' mean statistics passed on, one mapping per copy."""
         n = x.shape[0 if n_copies is None else 1]
@@ -230,22 +230,22 @@ class Method(ABC):
                 on_epoch_end(epoch + 1, [{f"train/{k}": v[r] / n_batches for k, v in means.items()} for r in copies])
 
     # ------------------------------------------------------------------ stacked splits (module docstring)
-    def configure_replicas(self, options: Sequence[Mapping[str, Any]]) -> None:
-        """Give the next :meth:`setup_replicas` each copy's method options; only ``replica_options`` may differ.
+    def configure_stack(self, options: Sequence[Mapping[str, Any]]) -> None:
+        """Give the next :meth:`setup_stack` each copy's method options; only ``per_copy_options`` may differ.
 
         Raises:
             CannotStack: naming an option that differs between copies but cannot.
         """
         keys = {k for o in options for k in o}
         differing = sorted(k for k in keys if len({repr(o.get(k)) for o in options}) > 1)
-        fixed = [k for k in differing if k not in self.replica_options]
+        fixed = [k for k in differing if k not in self.per_copy_options]
         if fixed:
             raise CannotStack(
                 f"method {self.name!r}: stacked copies must share {', '.join(f'method.{k}' for k in fixed)}"
             )
-        self._replica_options = [dict(o) for o in options]
+        self._copy_options = [dict(o) for o in options]
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """Create the fitting state of ``len(problems)`` independent copies (one per split)."""
         raise CannotStack(f"method {self.name!r} cannot fit several splits at once")
 
@@ -300,33 +300,33 @@ class StackedMethod(Method):
     """A method written once, for R stacked copies (leading dimension R of every state tensor); a single run
     is the stack of one copy, so the step's maths exists once.
 
-    A subclass writes :meth:`setup_replicas` (calling this one first), :meth:`train_step_replicas`, and its
+    A subclass writes :meth:`setup_stack` (calling this one first), :meth:`stack_step`, and its
     evaluation for a one-copy state (reading copy 0 through :meth:`only_copy`). ``copy_state`` names the
-    attributes holding ``(R, ...)`` tensors (or dataclasses, lists, dicts of them), which :meth:`replica`
-    slices. A config that cannot stack raises :class:`CannotStack` from :meth:`setup_replicas` only when R > 1.
+    attributes holding ``(R, ...)`` tensors (or dataclasses, lists, dicts of them), which :meth:`copy_at`
+    slices. A config that cannot stack raises :class:`CannotStack` from :meth:`setup_stack` only when R > 1.
     """
 
-    supports_replicas = True
+    stacks = True
     copy_state: ClassVar[tuple[str, ...]] = ()
 
     def setup(self, problem: Problem) -> None:
-        self.setup_replicas([problem])
+        self.setup_stack([problem])
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """Record the copies' problems (``self.problem`` is the first: the shared model, N and generator)."""
         if not problems:
             raise ValueError(f"method {self.name!r}: a stack needs at least one copy")
         self.problem = problems[0]
-        self._replica_problems = list(problems)
+        self._copy_problems = list(problems)
 
     @property
     def n_copies(self) -> int:
-        return len(self._replica_problems)
+        return len(self._copy_problems)
 
     def stacked_start(self) -> tuple[Tensor, Tensor]:
         """Every copy's starting point, the model's flat parameters, and its prior precision: ``(R, D)`` each."""
         start = flat_params(self.problem.model)
-        problems = self._replica_problems
+        problems = self._copy_problems
         # one copy: a view of its problem's prior (never written), not a second (D,) tensor
         priors = (
             problems[0].prior_precision[None]
@@ -337,42 +337,40 @@ class StackedMethod(Method):
         return start.expand(self.n_copies, -1).clone(), priors
 
     @abstractmethod
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One update of every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; the
         statistics of :meth:`train_step`, each as an ``(R,)`` tensor."""
 
     def train_step(self, x: Tensor, y: Tensor) -> dict[str, float | Tensor]:
-        """:meth:`train_step_replicas` of the one copy on ``(x, y)``."""
-        out = self.train_step_replicas(x.unsqueeze(0), y.unsqueeze(0))
+        """:meth:`stack_step` of the one copy on ``(x, y)``."""
+        out = self.stack_step(x.unsqueeze(0), y.unsqueeze(0))
         return {k: v[0] for k, v in out.items()}
 
-    def fit_replicas(
-        self, x: Tensor, y: Tensor, *, on_epoch_end: ReplicaEpochCallback | None = None, **loop: Any
-    ) -> None:
+    def fit_stack(self, x: Tensor, y: Tensor, *, on_epoch_end: StackEpochCallback | None = None, **loop: Any) -> None:
         """:meth:`fit`'s loop for stacked copies, ``x`` ``(R, N, ...)``, ``y`` ``(R, N)``: every copy sees its own
         data in the order a single run of the same seed uses (one permutation for all); a non-finite loss is
         reported naming its copy."""
 
         def step(idx: Tensor) -> Mapping[str, Tensor]:
-            return self.train_step_replicas(x.index_select(1, idx), y.index_select(1, idx))
+            return self.stack_step(x.index_select(1, idx), y.index_select(1, idx))
 
         self._epochs(step, x, x.shape[0], on_epoch_end=on_epoch_end, **loop)
 
-    def replica_option(self, key: str) -> list[Any]:
-        """Each copy's value of option ``key`` (this method's own where :meth:`configure_replicas` gave none)."""
-        options = getattr(self, "_replica_options", None) or [{}] * self.n_copies
+    def copy_values(self, key: str) -> list[Any]:
+        """Each copy's value of option ``key`` (this method's own where :meth:`configure_stack` gave none)."""
+        options = getattr(self, "_copy_options", None) or [{}] * self.n_copies
         if len(options) != self.n_copies:
-            raise ValueError(f"configure_replicas got {len(options)} option sets for {self.n_copies} copies")
+            raise ValueError(f"configure_stack got {len(options)} option sets for {self.n_copies} copies")
         return [o.get(key, getattr(self, key)) for o in options]
 
-    def replica(self, index: int) -> Method:
+    def copy_at(self, index: int) -> Method:
         """Copy ``index`` as an ordinary, set-up method: a stack of one, for evaluation (its own problem; state
         copied, not shared; its optimiser, if any, still holds the stack's tensors)."""
-        options = {key: self.replica_option(key)[index] for key in self.replica_options}
+        options = {key: self.copy_values(key)[index] for key in self.per_copy_options}
         single = copy.copy(self)
-        single.problem = self._replica_problems[index]
-        single._replica_problems = [single.problem]
-        single._replica_options = None
+        single.problem = self._copy_problems[index]
+        single._copy_problems = [single.problem]
+        single._copy_options = None
         for name in self.copy_state:
             setattr(single, name, _copy_of(getattr(self, name), index))
         for key, value in options.items():
@@ -380,9 +378,9 @@ class StackedMethod(Method):
         return single
 
     def only_copy(self, tensor: Tensor) -> Tensor:
-        """``tensor[0]`` of a one-copy state; a stack of several copies raises (evaluate ``replica(r)``)."""
+        """``tensor[0]`` of a one-copy state; a stack of several copies raises (evaluate ``copy_at(r)``)."""
         if tensor.shape[0] != 1:
-            raise RuntimeError(f"method {self.name!r} holds {tensor.shape[0]} stacked copies: evaluate replica(r)")
+            raise RuntimeError(f"method {self.name!r} holds {tensor.shape[0]} stacked copies: evaluate copy_at(r)")
         return tensor[0]
 
 

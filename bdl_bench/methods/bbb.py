@@ -71,10 +71,10 @@ class BayesByBackprop(StackedMethod):
         self.keep_options(locals())
         self.estimator = parse_choice(Estimator, estimator, "estimator", "bbb")
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         r"""Every copy starts from :math:`\mu` = the model's parameters, :math:`\sigma` = ``init_std``; a model
         with dropout is refused (its noise would not come from the generator)."""
-        super().setup_replicas(problems)
+        super().setup_stack(problems)
         model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
             raise ConfigError("bbb: the model contains dropout layers; build it with dropout=0")
@@ -120,9 +120,9 @@ class BayesByBackprop(StackedMethod):
             h = StackedLocalLinear.apply(h, weight_mean, bias_mean, weight_var, bias_var, eps.flatten(0, 1))
         return h.view(n_copies, n_samples, n_examples, -1)
 
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
-        likelihoods = [p.likelihood for p in self._replica_problems]
+        likelihoods = [p.likelihood for p in self._copy_problems]
         self.optimizer.zero_grad(set_to_none=True)
         if self.estimator is Estimator.LOCAL_REPARAM:
             f = self._outputs_local(x, self.n_train_mc_samples)

@@ -59,7 +59,7 @@ _PREFIX_ROWS = 1024  # module-wise path: examples per pass through the determini
 class MCDropout(StackedMethod):
     """MC dropout trained with Adam (see the module docstring)."""
 
-    replica_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
+    per_copy_options = ("dropout_rate",)  # stacked trials of Gal's grid: one rate per copy
     option_ranges = MappingProxyType({"lr": POSITIVE, "dropout_rate": UNIT_OPEN, "n_train_mc_samples": COUNT})
     copy_state = ("theta",)
     adam_leaves = ("theta",)
@@ -70,10 +70,10 @@ class MCDropout(StackedMethod):
             raise ConfigError(f"dropout: dropout_inputs must be true or false, got {dropout_inputs!r}")
         self.dropout_inputs = dropout_inputs
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """R copies from the model's parameters: ``theta`` ``(R, D)``, one Adam over it (an ``nn.Sequential``
         model; :class:`CannotStack` for R > 1 copies of one with layers other than ``nn.Linear``)."""
-        super().setup_replicas(problems)
+        super().setup_stack(problems)
         model = self.problem.model
         if not isinstance(model, nn.Sequential):
             raise ConfigError(f"dropout: needs an nn.Sequential model, got {type(model).__name__}")
@@ -87,7 +87,7 @@ class MCDropout(StackedMethod):
             self._check_dropout_modules(model, others[0])
             if len(problems) > 1:
                 raise CannotStack("dropout: stacked splits need a model of nn.Linear layers")
-        rates = [float(p) for p in self.replica_option("dropout_rate")]
+        rates = [float(p) for p in self.copy_values("dropout_rate")]
         if not all(0 < p < 1 for p in rates):
             raise ConfigError(f"dropout: dropout_rate must satisfy 0 < p < 1, got {rates}")
         self.theta, self._prior = self.stacked_start()  # (R, D) each
@@ -103,8 +103,8 @@ class MCDropout(StackedMethod):
         self._rate_tensor = torch.tensor(rates, dtype=like.dtype, device=like.device)
         self._ones = torch.ones(len(rates), dtype=like.dtype, device=like.device)
 
-    def replica(self, index: int) -> MCDropout:
-        single: MCDropout = super().replica(index)  # type: ignore[assignment]
+    def copy_at(self, index: int) -> MCDropout:
+        single: MCDropout = super().copy_at(index)  # type: ignore[assignment]
         single._per_copy([single.dropout_rate], single.theta)
         single._prior = self._prior[index : index + 1]
         return single
@@ -177,18 +177,18 @@ class MCDropout(StackedMethod):
                 h = module(h)
         return h
 
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Adam on the sum of the copies' objectives (each copy's gradient is its own objective's)."""
         self.optimizer.zero_grad(set_to_none=True)
         n_samples = self.n_train_mc_samples
         if self._linear_only:
             f = self._outputs(x, n_samples)  # (R, S·M, out)
-        else:  # a single run (setup_replicas), module by module
+        else:  # a single run (setup_stack), module by module
             params = self._module_params(self.theta.view(-1))
             f = self._stochastic_part(params, self._deterministic_part(params, x[0]), n_samples)
             f = f.flatten(0, 1).unsqueeze(0)
         y = y if n_samples == 1 else y.repeat(1, n_samples)  # (R, S·M): the targets of each draw's outputs
-        nll = stacked_nll([q.likelihood for q in self._replica_problems], f, y).mean(dim=1)  # (R,)
+        nll = stacked_nll([q.likelihood for q in self._copy_problems], f, y).mean(dim=1)  # (R,)
         nll.backward(self._ones)  # the gradient of the copies' sum: each copy's is its own objective's
         penalty = add_prior_term(self.theta, self._prior, self.problem.n_data)  # (R,)
         self.optimizer.step()
@@ -201,12 +201,12 @@ class MCDropout(StackedMethod):
         theta = self.only_copy(self.theta.detach())
         if not self._linear_only:
             return self._predict_module_wise(theta, x, n_samples)
-        return self.predict_replicas(x.unsqueeze(0), n_samples, [0])[0]
+        return self.predict_stack(x.unsqueeze(0), n_samples, [0])[0]
 
     @torch.no_grad()
-    def predict_replicas(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
+    def predict_stack(self, x: Tensor, n_samples: int, copies: Sequence[int]) -> Tensor:
         """:meth:`predict` of the stacked copies ``copies`` on their inputs ``x`` ``(len(copies), N, in)``:
-        ``(len(copies), S, N, out)``, copy r's slice what ``self.replica(r).predict(x[r], S)`` returns (the
+        ``(len(copies), S, N, out)``, copy r's slice what ``self.copy_at(r).predict(x[r], S)`` returns (the
         generator left where that call leaves it). A single run's masks are drawn once per chunk and shared by
         the copies (one per distinct rate); each copy then runs a slice of the chunk at a time (in cache)."""
         if not self._linear_only:

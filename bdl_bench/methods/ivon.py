@@ -108,10 +108,10 @@ class IVON(StackedMethod):
     ) -> None:
         self.keep_options(locals())
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """R copies starting from the model's weights: m ``(R, D)``, h = ``hess_init``, g = 0, and each copy's
         prior precision ``(R, D)``; a model with dropout is refused (its noise would not come from the generator)."""
-        super().setup_replicas(problems)
+        super().setup_stack(problems)
         model = self.problem.model
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
             raise ConfigError("ivon: the model contains dropout layers; build it with dropout=0")
@@ -127,10 +127,10 @@ class IVON(StackedMethod):
         out = workspace_buffer(workspace, "precision", self.hess.shape, self.hess)
         return torch.add(self.prior, self.hess, alpha=self.problem.n_data, out=out)
 
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One step of Algorithm 1 for every copy on its minibatch ``x`` ``(R, M, ...)``, ``y`` ``(R, M)``; its
         ``(R, D)`` temporaries live in reused buffers (a fresh large tensor costs page faults at first touch)."""
-        likelihoods = [p.likelihood for p in self._replica_problems]
+        likelihoods = [p.likelihood for p in self._copy_problems]
         model = self.problem.model
         ws = self._workspace
         n_copies, dim = self.mean.shape

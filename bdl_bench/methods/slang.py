@@ -212,7 +212,7 @@ class Slang(StackedMethod):
         self.keep_options(locals())
 
     # ------------------------------------------------------------------------------ set-up
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """Start every copy from :math:`\\mu_0` = the model's parameters, :math:`U_0 = 0`, :math:`d_0` =
         ``init_prec_diag``.
 
@@ -221,7 +221,7 @@ class Slang(StackedMethod):
                 modules, if the rank L is not in 1 <= L < D, or if a prior precision is not ``(D,)``
                 and positive.
         """
-        super().setup_replicas(problems)
+        super().setup_stack(problems)
         self.layout: LinearLayout = linear_layout(self.problem.model)
         n_params = self.layout.n_params
         if not 1 <= self.rank < n_params:
@@ -257,7 +257,7 @@ class Slang(StackedMethod):
 
     # ---------------------------------------------------------------------------- fitting
     @torch.no_grad()
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One update of every copy on its minibatch (``x`` ``(R, M, in)``, ``y`` ``(R, M)``; module docstring),
         in place; the reported losses are ``(R,)`` tensors on the parameters' device.
 
@@ -273,7 +273,7 @@ class Slang(StackedMethod):
             state.prec_factor, state.prec_diag, cache, self.n_train_mc_samples, problem.generator, work
         )
         thetas = torch.add(state.mean[:, None], noise, out=workspace_buffer(work, "slang_thetas", noise.shape, like))
-        likelihoods = [p.likelihood for p in self._replica_problems]
+        likelihoods = [p.likelihood for p in self._copy_problems]
         factors = stacked_factors(problem.model, self.layout, thetas, x, y, likelihoods, share_first_input=True)
         # Per-example negative ELBO of q_t: nll + KL/N, the KL's trace term estimated by the samples.
         n_copies = like.shape[0]

@@ -271,9 +271,9 @@ class VOGN(StackedMethod):
     def _full(self) -> bool:
         return self.covariance is Covariance.FULL
 
-    def setup_replicas(self, problems: Sequence[Problem]) -> None:
+    def setup_stack(self, problems: Sequence[Problem]) -> None:
         """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked."""
-        super().setup_replicas(problems)
+        super().setup_stack(problems)
         n = n_params(self.problem.model)
         for problem in problems:
             if problem.prior_precision.shape != (n,):
@@ -319,12 +319,12 @@ class VOGN(StackedMethod):
     def _terms(self, thetas: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`factored_terms`, or for a model outside the linear layout (one copy) the torch.func path."""
         if self._layout is not None:
-            likelihoods = [q.likelihood for q in self._replica_problems]
+            likelihoods = [q.likelihood for q in self._copy_problems]
             model = self.problem.model
             return factored_terms(
                 model, self._layout, likelihoods, thetas, x, y, curvature=self.curvature, full=self._full
             )
-        p, (samples,), (x, y) = self.problem, thetas, (x[0], y[0])  # setup_replicas allows one copy here
+        p, (samples,), (x, y) = self.problem, thetas, (x[0], y[0])  # setup_stack allows one copy here
         nll_sum = torch.zeros((), dtype=samples.dtype, device=samples.device)
         g_sum = torch.zeros_like(samples[0])
         h_sum = torch.zeros_like(self.state.precision[0])
@@ -338,7 +338,7 @@ class VOGN(StackedMethod):
         return (nll_sum / samples.shape[0])[None], g_sum[None], h_sum[None]
 
     @torch.no_grad()
-    def train_step_replicas(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    def stack_step(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """One natural-gradient step of every copy on its minibatch (module docstring), ``x`` ``(R, M, ...)``,
         ``y`` ``(R, M)``.
 

@@ -187,7 +187,7 @@ def epoch_row(
 
 class SharedPredictions:
     """The final test and validation predictions of a stack's copies, made together where the method can
-    (``predict_replicas``: MC dropout draws each mask once for all copies) and every copy would make them
+    (``predict_stack``: MC dropout draws each mask once for all copies) and every copy would make them
     alike: several copies, all evaluation generators in one state and every split's parts of one shape. Copies
     are predicted in groups of at most ``PREDICTION_ELEMENTS`` outputs per part; each group replays the shared
     generator state, and each copy's generator is then left where its own ``predict`` calls would leave it,
@@ -203,7 +203,7 @@ class SharedPredictions:
         states = [g.get_state() for g in self.generators]
         self.enabled = (
             len(self.datasets) > 1
-            and callable(getattr(method, "predict_replicas", None))
+            and callable(getattr(method, "predict_stack", None))
             and all(torch.equal(s, states[0]) for s in states)
             and all(self._shapes(d) == self._shapes(self.datasets[0]) for d in self.datasets)
         )
@@ -225,7 +225,7 @@ class SharedPredictions:
             self._group = list(range(r, min(r + size, len(self.datasets))))  # copy r's generator is still at the start
             with swap_generator(self.method, self.generators[r]):
                 self._outputs = {
-                    p: self.method.predict_replicas(
+                    p: self.method.predict_stack(
                         torch.stack([getattr(self.datasets[c], f"x_{p}") for c in self._group]), n_samples, self._group
                     )
                     for p in self._parts()

@@ -120,9 +120,9 @@ def fit_job(
     """The one training loop: fit ``cfg``'s method on R members at once and write each member's run folder.
 
     A member differs from ``cfg`` only where copies of a method may (the split, the precisions, the method's
-    ``replica_options``). One member is fitted through the method's single-run API (``setup``, ``fit``), so a
+    ``per_copy_options``). One member is fitted through the method's single-run API (``setup``, ``fit``), so a
     stack of one equals that member's single run bit for bit; several through the stacked one
-    (``setup_replicas``, ``fit_replicas``, ``replica(r)``; :class:`~bdl_bench.methods.base.CannotStack` for a
+    (``setup_stack``, ``fit_stack``, ``copy_at(r)``; :class:`~bdl_bench.methods.base.CannotStack` for a
     method that cannot). The job checkpoints into ``job_dir``; with ``single`` (one member whose folder is
     ``job_dir``) the checkpoint is a single run's and one of another config is refused, otherwise one of another
     set of members is discarded with a warning and each member's metrics say ``stack_size``. ``train_time_s``
@@ -178,7 +178,7 @@ def _fit_job(
     options = [configs[k]["method"] for k in keys]  # type: ignore[index]
     method = build_method(options[0])  # type: ignore[arg-type]
     if any(o != options[0] for o in options):
-        method.configure_replicas(options)  # type: ignore[arg-type]
+        method.configure_stack(options)  # type: ignore[arg-type]
     method_generator = torch.Generator(device=device).manual_seed(seed + 1)
     data_generator = torch.Generator().manual_seed(seed + 2)
     eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in keys}
@@ -197,11 +197,11 @@ def _fit_job(
         method.setup(problems[0])
         method.use_validation(first.x_val, first.y_val, dirs[keys[0]])
     else:
-        method.setup_replicas(problems)  # a method that cannot stack says how to run the members instead
+        method.setup_stack(problems)  # a method that cannot stack says how to run the members instead
     method.step_progress = bool(trainer.progress)
 
     def copy_of(r: int) -> Method:
-        return method if one else method.replica(r)
+        return method if one else method.copy_at(r)
 
     generators = {"method": method_generator, "data": data_generator}
     if single:
@@ -272,7 +272,7 @@ def _fit_job(
                 **fit_options,
             )
         else:
-            method.fit_replicas(
+            method.fit_stack(
                 torch.stack([datasets[k].x_train for k in keys]),
                 torch.stack([datasets[k].y_train for k in keys]),
                 data_generator=data_generator,

@@ -1,4 +1,4 @@
-"""Hyperparameter search as stacked replicas: the trials of every split of a stacked job train as one stack.
+"""Hyperparameter search as stacked copies: the trials of every split of a stacked job train as one stack.
 
 As in SLANG Table 2 (Mishkin et al. 2018, App. F.3), one Optuna study per split (multivariate TPE on a log scale,
 with the constant liar) searches ``search.params`` on a validation part of the split's training rows; all trials

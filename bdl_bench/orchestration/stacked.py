@@ -51,7 +51,7 @@ def run_stack(
 ) -> dict[Hashable, RunResult]:
     """Fit ``cfg``'s method on the members ``member_dirs`` names (member → run folder), stacked, with the stack's
     checkpoint in ``stack_dir``. A member's config (``member_configs``: a split's, a search's trial, a tuned test
-    run) may differ from ``cfg`` in its precisions and the method's ``replica_options``; all else is ``cfg``'s."""
+    run) may differ from ``cfg`` in its precisions and the method's ``per_copy_options``; all else is ``cfg``'s."""
     members = {k: member_configs[k] for k in member_dirs}
     for member in (cfg, *members.values()):
         check_config(member)

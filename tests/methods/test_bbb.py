@@ -248,5 +248,5 @@ def test_fused_adam_single_and_stacked_steps_equal_the_plain_adam_and_survive_a_
     resumed.load_state_dict(plain.state_dict())  # a checkpoint of the plain kernel
     assert resumed.optimizer.param_groups[0]["fused"]
     stacked = make_bbb()
-    stacked.setup_replicas([make_problem(1, likelihood, seed=1) for _ in range(2)])
+    stacked.setup_stack([make_problem(1, likelihood, seed=1) for _ in range(2)])
     assert stacked.optimizer.param_groups[0]["fused"]

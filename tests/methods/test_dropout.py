@@ -292,10 +292,10 @@ def test_conv_model_runs_alone_but_does_not_stack() -> None:
     """The stacked step is written for nn.Linear layers: a LeNet is a single run (a stack of one) only."""
     problem, x, y = lenet_problem(0.5)
     with pytest.raises(CannotStack, match="nn.Linear"):
-        make_dropout(dropout_rate=0.5).setup_replicas([problem, problem])
+        make_dropout(dropout_rate=0.5).setup_stack([problem, problem])
     single = make_dropout(dropout_rate=0.5)
-    single.setup_replicas([problem])
-    assert torch.isfinite(single.train_step_replicas(x[None], y[None])["loss"]).all()
+    single.setup_stack([problem])
+    assert torch.isfinite(single.stack_step(x[None], y[None])["loss"]).all()
 
 
 def test_conv_model_without_dropout_modules_or_with_another_rate_is_refused() -> None:
@@ -325,9 +325,9 @@ def test_def_table1_mc_dropout_variant_builds_a_lenet_with_matching_rates() -> N
 
 
 @pytest.mark.parametrize("dropout_inputs", [True, False])
-def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_predict_stack_equals_each_single_copy_predict(dropout_inputs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stacked copies with their own rates (a grid's trials), predicted together with shared masks: each
-    copy's outputs are bit for bit its replica's ``predict`` from the same generator state, in slices
+    copy's outputs are bit for bit its single copy's ``predict`` from the same generator state, in slices
     of a chunk too, and the generator ends where that ``predict`` leaves it; and they are the slow twin's
     forward passes, chunk by chunk of ``_PREDICT_CHUNK`` mask draws, with the copy's weights and rate."""
     import bdl_bench.methods.dropout as dropout_module
@@ -339,20 +339,20 @@ def test_predict_replicas_equals_each_replicas_predict(dropout_inputs: bool, mon
     ]
     rates = (0.1, 0.3, 0.1)
     method = make_dropout(dropout_inputs=dropout_inputs)
-    method.configure_replicas([{"dropout_rate": r} for r in rates])
-    method.setup_replicas(problems)
+    method.configure_stack([{"dropout_rate": r} for r in rates])
+    method.setup_stack(problems)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(3, 40, 3, generator=g), torch.randn(3, 40, generator=g)
     for _ in range(3):
-        method.train_step_replicas(x, y)  # the copies' weights now differ
+        method.stack_step(x, y)  # the copies' weights now differ
     n_samples = 70  # more than one chunk of mask draws, and a partial last one
 
     shared = torch.Generator().manual_seed(9)
     method.problem = dataclasses.replace(method.problem, generator=shared)
-    outputs = method.predict_replicas(x[[2, 0, 1]], n_samples, [2, 0, 1])
+    outputs = method.predict_stack(x[[2, 0, 1]], n_samples, [2, 0, 1])
     assert outputs.shape == (3, n_samples, 40, 1)
     for position, r in enumerate((2, 0, 1)):
-        single = method.replica(r)
+        single = method.copy_at(r)
         own = torch.Generator().manual_seed(9)
         single.problem = dataclasses.replace(single.problem, generator=own)
         assert single.dropout_rate == rates[r]

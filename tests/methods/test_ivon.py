@@ -353,9 +353,9 @@ def test_state_dict_is_a_copy_and_resumes_the_next_step() -> None:
 def test_a_stack_cannot_be_evaluated_as_one_copy() -> None:
     problems = [make_problem(0), make_problem(0)]
     method = make_ivon()
-    method.setup_replicas(problems)
-    with pytest.raises(RuntimeError, match="replica"):
+    method.setup_stack(problems)
+    with pytest.raises(RuntimeError, match="copy_at"):
         method.posterior()
-    copy = method.replica(1)
+    copy = method.copy_at(1)
     assert copy.mean.shape == (1, method.mean.shape[1]) and isinstance(copy.posterior(), DiagGaussian)
     assert isinstance(problems[0].model, nn.Module)

@@ -282,7 +282,7 @@ def test_models_outside_the_linear_layout_take_the_torch_func_path() -> None:
         states.append(method.state)
         if wrap:  # a single run only: several copies of it cannot be stacked
             with pytest.raises(CannotStack, match="networks of nn.Linear layers"):
-                make_vogn(n_train_mc_samples=3).setup_replicas([problem, problem])
+                make_vogn(n_train_mc_samples=3).setup_stack([problem, problem])
     assert_close(states[0].mean, states[1].mean)
     assert_close(states[0].precision, states[1].precision)
 
@@ -390,13 +390,13 @@ def test_full_covariance_divergence_names_the_step_and_the_copy(n_copies: int) -
     from bdl_bench.methods.vogn import _cholesky
 
     method = make_vogn(covariance="full")
-    method.setup_replicas([make_problem()] * n_copies)
+    method.setup_stack([make_problem()] * n_copies)
     x, y, _, _ = logistic_data()
     xs, ys = torch.stack([x[:20]] * n_copies), torch.stack([y[:20]] * n_copies)
     xs[-1, 3, 0] = float("nan")
     where = " in stacked copy 1" if n_copies == 2 else ""
     with pytest.raises(NonFiniteLossError, match=rf"'vogn': non-finite precision or gradient{where} at step 1$"):
-        method.train_step_replicas(xs, ys)
+        method.stack_step(xs, ys)
     eye = torch.eye(3, dtype=F64)
     precisions = torch.stack([eye, -eye][-n_copies:]) if n_copies == 2 else -eye[None]
     which = " of stacked copy 1" if n_copies == 2 else ""
@@ -410,16 +410,16 @@ def test_a_stacks_checkpoint_resumes_every_copy_and_a_single_runs_old_one_loads(
     x, y, _, _ = logistic_data()
     xs, ys = torch.stack([x[:20], x[20:40]]), torch.stack([y[:20], y[20:40]])
     method = make_vogn(covariance="full")
-    method.setup_replicas([make_problem(), make_problem()])
-    method.train_step_replicas(xs, ys)
+    method.setup_stack([make_problem(), make_problem()])
+    method.stack_step(xs, ys)
     saved = method.state_dict()
     assert saved["mean"].shape == (2, 3) and saved["precision"].shape == (2, 3, 3)
     resumed = make_vogn(covariance="full")
-    resumed.setup_replicas([make_problem(), make_problem()])
+    resumed.setup_stack([make_problem(), make_problem()])
     resumed.load_state_dict(saved)
     resumed.problem.generator.set_state(method.problem.generator.get_state())
-    method.train_step_replicas(xs, ys)
-    resumed.train_step_replicas(xs, ys)
+    method.stack_step(xs, ys)
+    resumed.stack_step(xs, ys)
     assert_close(resumed.state.mean, method.state.mean)
     assert_close(resumed.state.precision, method.state.precision)
     single = make_vogn(covariance="full")
