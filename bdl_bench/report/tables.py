@@ -290,4 +290,5 @@ def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[st
     if chosen:
         headers.append("chosen on validation")
     title = f"Paper table: {spec.name}\n\n" if spec else ""
-    return title + markdown(headers, body)
+    remarks = "".join(f"\n\nOn the paper's numbers: {r}." for r in spec.remarks) if spec else ""
+    return title + markdown(headers, body) + remarks

@@ -56,6 +56,7 @@ def test_def_table1_puts_each_variant_beside_the_papers_mnist_column(tmp_path: P
     assert math.isnan(frame.loc["diag", "paper_accuracy_se"])  # the paper prints no standard errors
     assert "Paper table: def_table1" in table.markdown
     assert "| mnist | def | 2 | 0.991 ± 0.001 | 0.993 |" in table.markdown
+    assert "On the paper's numbers: the paper's MNIST NN ECE of 0.395 cannot be right" in table.markdown
 
 
 def test_def_table1_has_no_value_where_the_paper_has_none() -> None:
