@@ -20,6 +20,7 @@ KINDS = (
     "def_toy",
     "frobenius",
     "def_ranks",
+    "hessian_blocks",
     "std_spectra",
     "weight_samples",
     "step_records",
@@ -76,6 +77,17 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
 
         table, text = def_ranks_table(folder, str(spec.get("in_domain", "mnist")))
         return Drawn(None, spec, table, text)
+    if kind == "hessian_blocks":  # DEF Fig. 9
+        from bdl_bench.report.def_hessian import plot_runs as plot_blocks
+
+        png, table, text = plot_blocks(
+            folder,
+            out,
+            method=str(spec.get("method", "map")),
+            layer=int(spec.get("layer", 0)),
+            curvature=str(spec.get("curvature", "ggn")),
+        )
+        return Drawn(png, spec, table, text)
     if kind == "frobenius":
         from bdl_bench.report.frobenius import markdown_table
         from bdl_bench.report.frobenius import plot_runs as plot_frobenius

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -15,7 +16,9 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from bdl_bench.checkpoint import load_params
+from bdl_bench.curvature.exact import exact_blocks
 from bdl_bench.curvature.frobenius import ERRORS, layer_approximations
+from bdl_bench.curvature.pseudo_grads import pseudo_grads
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, run_configs
@@ -24,11 +27,9 @@ from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
 
-def run_errors(
-    run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16
-) -> tuple[pd.DataFrame, Tensor, dict]:
-    """:func:`~bdl_bench.curvature.frobenius.layer_approximations` at one finished run's parameters, on its
-    training set (rebuilt from its ``config.yaml``): (table, eigenvalues of the exact block, the run's config)."""
+def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, Any, Any, dict]:
+    """One finished run's model, parameters, data, likelihood and config, rebuilt from its ``config.yaml`` and
+    ``params.pt`` in double precision, with ``layer`` checked against its weight layers."""
     from bdl_bench.data import build_dataset
     from bdl_bench.likelihoods import build_likelihood
     from bdl_bench.models import build_model
@@ -43,8 +44,19 @@ def run_errors(
     if not 0 <= layer < n_layers:
         raise ResultsError(f"layer {layer}: the model of {run_dir} has weight layers 0 … {n_layers - 1}")
     theta = load_params(run_dir / PARAMS_FILE)["theta"].double()
-    likelihood = build_likelihood(data, config.get("noise_precision"))
-    seed = int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET
+    return model, theta, data, build_likelihood(data, config.get("noise_precision")), config
+
+
+def _fisher_generator(config: dict) -> torch.Generator:
+    return torch.Generator().manual_seed(int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET)
+
+
+def run_errors(
+    run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16
+) -> tuple[pd.DataFrame, Tensor, dict]:
+    """:func:`~bdl_bench.curvature.frobenius.layer_approximations` at one finished run's parameters, on its
+    training set (rebuilt from its ``config.yaml``): (table, eigenvalues of the exact block, the run's config)."""
+    model, theta, data, likelihood, config = _run_problem(run_dir, layer)
     table, eigenvalues = layer_approximations(
         model,
         theta,
@@ -54,9 +66,26 @@ def run_errors(
         layer=layer,
         kind=curvature,
         n_samples=n_samples,
-        generator=torch.Generator().manual_seed(seed),
+        generator=_fisher_generator(config),
     )
     return table, eigenvalues, config
+
+
+def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16) -> tuple[Tensor, dict]:
+    """The exact information block of weight layer ``layer`` (weights and biases) at one finished run's
+    parameters, on its training set: (the ``(P, P)`` block, the run's config)."""
+    model, theta, data, likelihood, config = _run_problem(run_dir, layer)
+    batch = pseudo_grads(
+        model,
+        theta,
+        data.x_train.double(),
+        data.y_train,
+        likelihood,
+        kind=curvature,
+        n_samples=n_samples,
+        generator=_fisher_generator(config),
+    )
+    return exact_blocks([batch])[layer], config
 
 
 def errors_from_runs(
