@@ -21,6 +21,7 @@ KINDS = (
     "frobenius",
     "def_ranks",
     "hessian_blocks",
+    "laplace_search",
     "std_spectra",
     "weight_samples",
     "step_records",
@@ -87,6 +88,12 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
             layer=int(spec.get("layer", 0)),
             curvature=str(spec.get("curvature", "ggn")),
         )
+        return Drawn(png, spec, table, text)
+    if kind == "laplace_search":  # DEF Fig. 10
+        from bdl_bench.report.def_search import plot_runs as plot_search
+
+        structures = [str(s) for s in spec.get("structures", ("diag", "kfac"))]
+        png, table, text = plot_search(folder, out, structures)
         return Drawn(png, spec, table, text)
     if kind == "frobenius":
         from bdl_bench.report.frobenius import markdown_table
