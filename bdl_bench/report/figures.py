@@ -22,6 +22,7 @@ KINDS = (
     "def_ranks",
     "hessian_blocks",
     "laplace_search",
+    "layer_covariance",
     "std_spectra",
     "weight_samples",
     "step_records",
@@ -94,6 +95,11 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
 
         structures = [str(s) for s in spec.get("structures", ("diag", "kfac"))]
         png, table, text = plot_search(folder, out, structures)
+        return Drawn(png, spec, table, text)
+    if kind == "layer_covariance":  # DEF Fig. 8
+        from bdl_bench.report.layer_covariance import plot_runs as plot_layer_covariance
+
+        png, table, text = plot_layer_covariance(folder, out, methods or ["kfac", "kfac_okf"])
         return Drawn(png, spec, table, text)
     if kind == "frobenius":
         from bdl_bench.report.frobenius import markdown_table

@@ -40,6 +40,7 @@ LABELS = {
     "map": "MAP (deterministic)",
     "diag": "Diag Laplace",
     "kfac": "KFAC Laplace",
+    "kfac_okf": "OKF Laplace (KFAC without eq. 3)",
     "efb": "EFB Laplace",
     "block": "FB Laplace (exact blocks)",
     "def": "DEF Laplace (full rank)",
@@ -180,12 +181,14 @@ def label_of(variant: str) -> str:
 
 
 def variant_of(config: dict) -> str:
-    """The def_toy variant name of a run's config: the method's name, a Laplace run's structure, ``def_rank<K>``
-    for DEF with a rank."""
+    """The def_toy variant name of a run's config: the method's name, a Laplace run's structure, ``kfac_okf`` for
+    KFAC with the exact Kronecker prior (``kfac_prior: exact``), ``def_rank<K>`` for DEF with a rank."""
     method = config.get("method") or {}
     if method.get("name") != "laplace":
         return str(method.get("name"))
     structure = str(method.get("structure"))
+    if structure == "kfac" and method.get("kfac_prior") == "exact":
+        return "kfac_okf"
     if structure == "def" and method.get("rank") is not None:
         return f"def_rank{method['rank']}"
     return structure
