@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from bdl_bench.errors import ResultsError
+from bdl_bench.report.tables import markdown
 
 KINDS = (
     "convergence",
@@ -62,12 +63,12 @@ def draw_figure(spec: Mapping[str, Any], folder: Path, out_dir: Path) -> Drawn:
     if kind == "convergence":
         return Drawn(plots.plot_convergence(folder, out, methods), spec)
     if kind == "covariance":
-        return Drawn(
-            plots.plot_covariance(
-                folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))
-            ),
-            spec,
+        png, table = plots.plot_covariance(
+            folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))
         )
+        cells = [[row[0], *(f"{v:.3f}" for v in row[1:])] for row in table.itertuples(index=False)]
+        text = markdown(["method", "off-diagonal error", "mean error", "variance ratio", "variance corr."], cells)
+        return Drawn(png, spec, table, text)
     if kind == "def_toy":
         from bdl_bench.studies.def_toy import plot_runs
 

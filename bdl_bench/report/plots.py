@@ -18,6 +18,7 @@ import torch
 from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
+from bdl_bench.gaussians import FullGaussian
 from bdl_bench.gaussians.io import load_gaussian
 from bdl_bench.report.paper import dataset_short_name, get_paper_table
 from bdl_bench.report.tables import setting_labels
@@ -100,8 +101,9 @@ def plot_covariance(
     split: int = 0,
     methods: list[str] | None = None,
     max_dim: int = 64,
-) -> Path:
-    """Fig. 1: off-diagonal posterior correlations of each method (first ``max_dim`` parameters)."""
+) -> tuple[Path, pd.DataFrame]:
+    """Fig. 1: off-diagonal posterior correlations of each method (first ``max_dim`` parameters); returns the
+    PNG and :func:`covariance_agreement` of every method against the first one (the full Gaussian in Fig. 1)."""
     runs = _labelled_runs(folder)
     runs = runs[runs["data.split"] == split]
     dataset = dataset or sorted(runs["dataset"].unique())[0]
@@ -133,7 +135,32 @@ def plot_covariance(
     n_dim = corrs[0].shape[0]
     shown = f"all {n_dim} parameters" if n_dim == gaussians[0].mean.numel() else f"first {n_dim} parameters"
     fig.suptitle(f"{dataset}, split {split}: posterior correlations (off-diagonal, {shown})")
-    return save_figure(fig, out)
+    return save_figure(fig, out), covariance_agreement(dict(zip(runs["label"].astype(str), gaussians)))
+
+
+def covariance_agreement(gaussians: dict[str, FullGaussian]) -> pd.DataFrame:
+    r"""How closely each Gaussian matches the first (the reference), by what SLANG's Fig. 1 shows (Sec. 4.1): the
+    error of the off-diagonal correlations the figure draws, :math:`\|\mathrm{off}(C - C_{ref})\|_F /
+    \|\mathrm{off}(C_{ref})\|_F` ("more accurate as the rank is increased"; mean field's is 1), the relative
+    error of the mean ("the means match closely"), the median ratio of the marginal variances to the reference's
+    ("heavily underestimated by the mean-field method") and their correlation with the reference's (negative for
+    the "trend reversal" of mean field)."""
+    reference = next(iter(gaussians.values()))
+    ref_corr, ref_var = _correlation(reference.covariance.double()), reference.covariance.double().diagonal()
+    off = ~torch.eye(ref_corr.shape[0], dtype=torch.bool)
+    rows = []
+    for label, gaussian in gaussians.items():
+        corr, var = _correlation(gaussian.covariance.double()), gaussian.covariance.double().diagonal()
+        rows.append(
+            {
+                "method": label,
+                "offdiag_error": float((corr - ref_corr)[off].norm() / ref_corr[off].norm()),
+                "mean_error": float((gaussian.mean - reference.mean).norm() / reference.mean.norm()),
+                "variance_ratio": float((var / ref_var).median()),
+                "variance_corr": float(torch.corrcoef(torch.stack([var, ref_var]))[0, 1]),
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 def main(args: list[str]) -> None:
@@ -161,5 +188,5 @@ def main(args: list[str]) -> None:
 
         plot_runs(ns.folder, out)
     else:
-        plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)
+        print(plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)[1].to_string(index=False))
     print(f"wrote {out}")

@@ -37,11 +37,20 @@ def test_covariance_figure_has_a_panel_per_requested_method(tmp_path: Path) -> N
         {"name": "exact_vi", "covariance": "diag"},
         DiagGaussian(torch.zeros(6, dtype=torch.float64), precision.diagonal().clone()),
     )
-    out = plot_covariance(
+    out, table = plot_covariance(
         tmp_path, tmp_path / "fig.png", methods=["exact_vi covariance=full", "exact_vi covariance=diag"]
     )
     image = matplotlib.image.imread(out)
     assert image.shape[0] > 100 and image.shape[1] > 2.5 * image.shape[0]  # one row of 3 panels (2 maps + std)
+    # against the first method, the full Gaussian: itself exactly; the diagonal one (variances 1 / diag(precision))
+    # has no off-diagonal covariance at all (error 1) and the variances of the precision's diagonal
+    full = torch.linalg.inv(precision)
+    assert list(table["method"]) == ["exact_vi covariance=full", "exact_vi covariance=diag"]
+    assert table.iloc[0][["offdiag_error", "variance_ratio", "variance_corr"]].tolist() == pytest.approx([0, 1, 1])
+    assert table["offdiag_error"].iloc[1] == pytest.approx(1.0)
+    ratio = (1 / precision.diagonal()) / full.diagonal()
+    assert table["variance_ratio"].iloc[1] == pytest.approx(float(ratio.median()))
+    assert table["variance_ratio"].iloc[1] < 1  # mean field underestimates the variances (Fig. 1)
     with pytest.raises(ValueError, match="no runs with posterior.pt"):
         plot_covariance(tmp_path, tmp_path / "none.png", dataset="australian")
 
