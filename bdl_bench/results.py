@@ -33,6 +33,7 @@ from packaging.version import Version
 from bdl_bench.errors import ResultsError
 
 METRICS_FILE = "metrics.json"
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML was built with it
 CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "history.csv"
 RUN_RECORD_FILE = "run.json"
@@ -234,12 +235,18 @@ def config_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def read_config(path: Path) -> dict[str, Any]:
+    """The ``config.yaml`` at ``path`` as a dict (empty for an empty file), parsed with libyaml's safe loader where
+    PyYAML has it: reading a results folder's thousands of run configs is most of ``bdl-bench table``'s work."""
+    return yaml.load(Path(path).read_text(), Loader=_YAML_LOADER) or {}
+
+
 def stored_config_hash(run_dir: Path) -> str | None:
     """The config hash of the ``config.yaml`` in ``run_dir``, or ``None`` when there is none."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.exists():
         return None
-    return config_hash(yaml.safe_load(path.read_text()) or {})
+    return config_hash(read_config(path))
 
 
 def code_version(repo: Path | None = None) -> str:
@@ -327,7 +334,7 @@ def load_runs(root: Path, *, strict: bool = False) -> pd.DataFrame:
         if not (run_dir / METRICS_FILE).exists():
             continue
         try:
-            config = _read_mapping(run_dir / CONFIG_FILE, yaml.safe_load)
+            config = _read_mapping(run_dir / CONFIG_FILE, lambda text: yaml.load(text, Loader=_YAML_LOADER))
             metrics = _read_mapping(run_dir / METRICS_FILE, json.loads)
         except _Unreadable as error:
             if strict:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from bdl_bench.errors import ConfigError, DataFileError
 from bdl_bench.methods.base import CannotStack, NonFiniteLossError
 from bdl_bench.orchestration.stacked import member_config, run_stack
-from bdl_bench.results import METRICS_FILE, append_whole, atomic_write_text, read_csv_exact
+from bdl_bench.results import METRICS_FILE, append_whole, atomic_write_text, read_config, read_csv_exact
 
 SEARCH_DIR = ".search"
 JOURNAL_FILE = "journal.jsonl"
@@ -403,7 +403,6 @@ def write_split_trials(job_dir: Path, member_dirs: Mapping[int, Path]) -> None:
 def search_summary(folder: Path) -> pd.DataFrame:
     """One row per tuned run below ``folder`` (a ``search.csv`` beside its ``metrics.json``): dataset, method,
     split, the values its search chose, their validation score, and how many trials ran and failed."""
-    import yaml
 
     from bdl_bench.results import find_run_dirs
 
@@ -412,7 +411,7 @@ def search_summary(folder: Path) -> pd.DataFrame:
         path = run_dir / SPLIT_TRIALS_FILE
         if not path.exists():
             continue
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        config = read_config(run_dir / "config.yaml")
         trials = read_csv_exact(path)
         chosen = _chosen(trials) or {}
         rows.append(

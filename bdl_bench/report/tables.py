@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from bdl_bench.errors import ConfigError, ResultsError
 from bdl_bench.report.paper import PaperTable, PaperValue, Selection, dataset_short_name, get_paper_table
-from bdl_bench.results import CONFIG_FILE, HASH_EXCLUDED_KEYS, find_run_dirs, load_runs
+from bdl_bench.results import CONFIG_FILE, HASH_EXCLUDED_KEYS, find_run_dirs, load_runs, read_config
 
 DEFAULT_METRICS = ("rmse", "test_ll", "test_ll_joint", "nll", "accuracy", "error", "ece", "brier", "elbo", "sym_kl")
 
@@ -52,9 +51,7 @@ def run_configs(folder: Path, *files: str) -> list[tuple[Path, dict]]:
     """(run folder, its ``config.yaml``) of every run below ``folder`` that holds each of ``files``, in folder
     order: what the figures and computed tables read their runs with."""
     return [
-        (d, yaml.safe_load((d / CONFIG_FILE).read_text()) or {})
-        for d in find_run_dirs(folder)
-        if all((d / name).exists() for name in files)
+        (d, read_config(d / CONFIG_FILE)) for d in find_run_dirs(folder) if all((d / name).exists() for name in files)
     ]
 
 
