@@ -109,8 +109,13 @@ def plot_covariance(
     dataset = dataset or sorted(runs["dataset"].unique())[0]
     runs = runs[runs["dataset"] == dataset]
     runs = runs[runs["run_dir"].map(lambda d: (Path(d) / "posterior.pt").exists()).astype(bool)]
-    if methods:  # in the order given; a method without runs is left out
+    if methods:  # in the order given; a method without runs is left out, except the first (the reference)
         runs = runs[runs["label"].isin(methods)].set_index("label")
+        if not runs.empty and methods[0] not in runs.index:
+            raise ResultsError(
+                f"no {methods[0]} run with posterior.pt for dataset {dataset!r}, split {split} "
+                f"below {folder}: the other methods are compared with it"
+            )
         runs = runs.loc[[m for m in methods if m in runs.index]].reset_index()
     if runs.empty:
         raise ResultsError(f"no runs with posterior.pt for dataset {dataset!r}, split {split} below {folder}")

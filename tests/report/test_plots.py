@@ -90,3 +90,14 @@ def test_covariance_figure_of_a_dataset_without_runs_says_so(tmp_path: Path) -> 
     _run(tmp_path, "diag", {"name": "exact_vi", "covariance": "diag"}, DiagGaussian(torch.zeros(3), torch.ones(3)))
     with pytest.raises(ValueError, match="no runs with posterior.pt for dataset 'australian'"):
         plot_covariance(tmp_path, tmp_path / "fig.png", dataset="australian", methods=["exact_vi covariance=diag"])
+
+
+def test_covariance_figure_without_its_reference_run_says_so(tmp_path: Path) -> None:
+    """The first method is the one the others are compared with: without its run the figure is not drawn (a
+    reproduction still running would otherwise compare with whichever method finished first)."""
+    _run(tmp_path, "diag", {"name": "exact_vi", "covariance": "diag"}, DiagGaussian(torch.zeros(3), torch.ones(3)))
+    _run(tmp_path, "other", {"name": "exact_vi", "covariance": "kron"}, DiagGaussian(torch.zeros(3), torch.ones(3)))
+    with pytest.raises(ValueError, match="no exact_vi covariance=full run .* the other methods are compared with it"):
+        plot_covariance(
+            tmp_path, tmp_path / "fig.png", methods=["exact_vi covariance=full", "exact_vi covariance=diag"]
+        )
