@@ -110,6 +110,14 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["noise_precision"] == best["noise_precision"] and config["data"]["val_fraction"] == 0.0
 
+    # another piece of the same experiment in the same folder (split 2) is not in this sweep's table
+    main([a.replace("data.split=0", "data.split=2") for a in args])
+    assert "| boston | bbb | 1 |" in capsys.readouterr().out
+    main(args)
+    out = capsys.readouterr().out
+    assert "| boston | bbb | 1 |" in out and "0 ran, 1 skipped" in out  # split 0's run alone, not split 2's beside it
+    assert "| boston | bbb | 1 |" in (runs / "reproduce.md").read_text()
+
     # a finished run outside this sweep whose config today's code no longer reproduces
     foreign = runs / f"data.split=1,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
     shutil.copytree(run_dir, foreign)

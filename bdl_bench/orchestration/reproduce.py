@@ -318,17 +318,18 @@ def machine_description() -> str:
     return f"{_default_jobs()} usable CPU cores, {gpu}{load}"
 
 
-def cost_table(folder: Path, paper: str | None) -> str:
-    """The cost of each row's runs (mean ± SE): training wall and CPU time and peak resident memory, as each
-    run's ``metrics.json`` records them; the columns older runs lack are left out."""
+def cost_table(folder: Path, paper: str | None, run_dirs: Sequence[Path]) -> str:
+    """The cost of each row's runs (``run_dirs``, mean ± SE): training wall and CPU time and peak resident memory,
+    as each run's ``metrics.json`` records them; the columns older runs lack are left out."""
     from bdl_bench.report.tables import build_table
     from bdl_bench.results import load_runs
 
     runs = load_runs(folder)
+    runs = runs[runs["run_dir"].isin({str(d) for d in run_dirs})] if not runs.empty else runs
     metrics = [m for m in COST_METRICS if m in runs.columns and runs[m].notna().any()]
     if not metrics:
         return ""
-    table = build_table(folder, paper=paper, metrics=metrics).markdown.split("\n\n", 1)[-1]
+    table = build_table(folder, paper=paper, metrics=metrics, run_dirs=run_dirs).markdown.split("\n\n", 1)[-1]
     return f"\n\nCost per run (training wall and CPU seconds, peak resident memory in MiB):\n\n{table}"
 
 
@@ -409,12 +410,12 @@ def main(args: list[str]) -> None:
         raise SystemExit(f"bdl-bench reproduce: no run of this sweep finished below {plan.sweep_dir}; no table")
     tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
     paper = plan.config.get("paper_table")
-    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None)
+    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None, run_dirs=expected)
     frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
     text = markdown(frame, tolerance)  # type: ignore[arg-type]
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
-    text += cost_table(plan.sweep_dir, str(paper) if paper else None)
+    text += cost_table(plan.sweep_dir, str(paper) if paper else None, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
     own = [d for d in figures if d.is_table]

@@ -10,7 +10,7 @@ shows paired differences to one method's run on the same split and seed (``docs/
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,12 +191,16 @@ def build_table(
     metrics: Sequence[str] | None = None,
     relative_to: str | None = None,
     strict: bool = False,
+    run_dirs: Collection[Path] | None = None,
 ) -> Table:
     """Summarise every finished run below ``folder`` against the ``paper`` table (default: the runs'
     ``paper_table`` key). ``metrics``: default those of the paper table that the runs have, else every known key
     present; ``relative_to``: a method label to show differences to (module docstring); ``strict``: refuse an
-    unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning."""
+    unreadable ``metrics.json``/``config.yaml`` instead of skipping it with a warning; ``run_dirs``: only these
+    runs (a reproduction's own, not the other pieces that share its folder)."""
     runs = load_runs(folder, strict=strict)
+    if run_dirs is not None and not runs.empty:
+        runs = runs[runs["run_dir"].isin({str(Path(d)) for d in run_dirs})]
     if runs.empty:
         raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")
     if paper is None and "paper_table" in runs.columns:
