@@ -271,3 +271,22 @@ def test_quick_reproduce_of_ktied_fig6_records_the_paper_steps(tmp_path: Path, m
     d, biases = 784 * 8 + 8 * 8 + 8 * 10 + 8 + 8 + 10, 8 + 8 + 10
     assert left.loc["mean_field", "n_variational_params"] == 2 * d
     assert left.loc["2_tied", "n_variational_params"] == d + biases + 2 * (8 + 784 + 8 + 8 + 10 + 8)
+
+
+def test_a_tolerance_keyed_by_a_name_the_paper_table_lacks_is_refused() -> None:
+    """slang_table1 once keyed its 2 % criterion by our metric keys (elbo_no_bias_logdet, nll), which the
+    agreement never looked up: the two-SE rule applied instead, silently."""
+    from bdl_bench.errors import ConfigError
+    from bdl_bench.orchestration.reproduce import check_tolerance
+
+    with pytest.raises(
+        ConfigError, match="elbo_no_bias_logdet is not a metric of the paper table 'slang_table1'.*neg_elbo_per_example"
+    ):
+        check_tolerance({"elbo_no_bias_logdet": "2%"}, "slang_table1")
+    check_tolerance({"neg_elbo_per_example": "2%", "test_nll": "2%"}, "slang_table1")
+    for path in sorted(
+        (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")
+    ):  # every experiment's stated criterion applies
+        config = yaml.safe_load(path.read_text()) or {}
+        if config.get("tolerance"):
+            check_tolerance(config["tolerance"], config.get("paper_table"))

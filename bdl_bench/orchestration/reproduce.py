@@ -247,6 +247,22 @@ def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) 
     return frame
 
 
+def check_tolerance(tolerance: Mapping[str, Any] | None, paper: str | None) -> None:
+    """Refuse an experiment ``tolerance`` keyed by a name the paper table does not print (such a key was
+    silently ignored, and the two-SE rule applied instead of the stated criterion)."""
+    if not tolerance:
+        return
+    from bdl_bench.report.paper import get_paper_table
+
+    names = sorted(name for name, _ in get_paper_table(paper).metrics.values()) if paper else []
+    unknown = sorted(set(tolerance) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"tolerance: {', '.join(unknown)} is not a metric of the paper table {paper!r}; "
+            f"key it by one of {', '.join(names) or '(none: the experiment has no paper_table)'}"
+        )
+
+
 def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> str:
     """The table with, per paper metric, ours, the paper's and whether they agree."""
     metrics = [c.removeprefix("agrees_") for c in frame.columns if c.startswith("agrees_")]
@@ -410,6 +426,7 @@ def main(args: list[str]) -> None:
         raise SystemExit(f"bdl-bench reproduce: no run of this sweep finished below {plan.sweep_dir}; no table")
     tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
     paper = plan.config.get("paper_table")
+    check_tolerance(tolerance, str(paper) if paper else None)
     table = build_table(plan.sweep_dir, paper=str(paper) if paper else None, run_dirs=expected)
     frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
     text = markdown(frame, tolerance)  # type: ignore[arg-type]

@@ -132,19 +132,20 @@ def _table1_column(run: Mapping[str, Any]) -> str:
 
 
 def _grid_lookup(frame: pd.DataFrame) -> Callable[[str, str, str], PaperValue | None]:
-    """The lookup of a table printed as one row per (dataset, metric) and one column per method (no SEs)."""
+    """The lookup of a table printed as one row per (dataset, metric) and one column per method (no SEs), from
+    its cells as printed (``read_paper_csv(..., printed=True)``), so that each value carries its rounding."""
 
     def lookup(dataset: str, column: str, metric: str) -> PaperValue | None:
         if (dataset, metric) not in frame.index or column not in frame.columns:
             return None
-        value = frame.loc[(dataset, metric), column]
-        return None if pd.isna(value) else PaperValue(float(value))
+        printed = str(frame.loc[(dataset, metric), column]).strip()
+        return PaperValue(float(printed), rounding=half_unit(printed)) if printed else None
 
     return lookup
 
 
 def _slang_table1() -> PaperTable:
-    frame = read_paper_csv("slang_table1_logreg.csv").set_index(["dataset", "metric"])
+    frame = read_paper_csv("slang_table1_logreg.csv", printed=True).set_index(["dataset", "metric"])
 
     def scale(dataset: str, metric: str) -> float:
         return float(frame.loc[(dataset, metric), "scale"]) if (dataset, metric) in frame.index else 1.0
@@ -211,7 +212,7 @@ def _def_table1() -> PaperTable:
     """DEF Laplace Table 1 (Lee et al. 2020): accuracy, ECE and the normalised predictive entropy on the
     out-of-distribution set (mean and its spread over the OOD images) of a MNIST LeNet (OOD: notMNIST) and a
     CIFAR-10 CNN (OOD: SVHN). The paper gives one number per cell, no standard error."""
-    frame = read_paper_csv("def_table1_classification.csv").set_index(["in_domain", "metric"])
+    frame = read_paper_csv("def_table1_classification.csv", printed=True).set_index(["in_domain", "metric"])
     return PaperTable(
         name="def_table1",
         metrics={

@@ -104,3 +104,15 @@ def test_experiment_yamls_name_their_paper_tables() -> None:
     for name in ("def_table1", "ktied_fig6"):
         assert OmegaConf.load(conf / f"{name}.yaml").paper_table == name
         get_paper_table(name)
+
+
+def test_a_grid_tables_values_carry_their_printed_rounding() -> None:
+    """SLANG Table 1 and DEF Table 1 print no SEs, so a cell's agreement band is its rounding: a1a's one split
+    with its printed 0.369 stands for [0.3685, 0.3695]."""
+    from bdl_bench.report.paper import get_paper_table
+
+    value = get_paper_table("slang_table1").lookup("a1a", "full_ef", "neg_elbo_per_example")
+    assert value.value == pytest.approx(0.369) and value.rounding == pytest.approx(0.0005)
+    assert value.band(float("nan")) == pytest.approx(0.0005)
+    ece = get_paper_table("def_table1").lookup("mnist", "diag", "ece")
+    assert ece.value == pytest.approx(0.0075) and ece.rounding == pytest.approx(0.00005)
