@@ -56,6 +56,7 @@ HASH_EXCLUDED_KEYS = (
     "data.protocol.gal_dropout",  # the inputs of tune=slang_table2's dropout protocol; what it sets is in the config
     "data.protocol.device",  # where it runs, like trainer.device
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
+    "relative_to",  # likewise: the paper column `reproduce` shows the gaps to
     "figures",  # what `reproduce` draws from the runs
     # how a tuned run's values were searched (bdl_bench.orchestration.search); the values it chose are in its config
     "search",

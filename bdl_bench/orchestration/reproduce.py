@@ -263,7 +263,7 @@ def check_tolerance(tolerance: Mapping[str, Any] | None, paper: str | None) -> N
         )
 
 
-def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> str:
+def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None, digits: int = 3) -> str:
     """The table with, per paper metric, ours, the paper's and whether they agree."""
     metrics = [c.removeprefix("agrees_") for c in frame.columns if c.startswith("agrees_")]
     if not metrics:
@@ -275,9 +275,9 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -
     for _, row in frame.iterrows():
         cells = [str(row["dataset"]), str(row["method"]), str(row["n_runs"])]
         for m in metrics:
-            cells.append(mean_se(row[m], row.get(f"{m}_se")))
+            cells.append(mean_se(row[m], row.get(f"{m}_se"), digits))
             if f"agrees_{m}" in frame:
-                verdict, paper = row[f"agrees_{m}"], mean_se(row[f"paper_{m}"], row.get(f"paper_{m}_se"))
+                verdict, paper = row[f"agrees_{m}"], mean_se(row[f"paper_{m}"], row.get(f"paper_{m}_se"), digits)
                 cells += [paper, "–" if verdict is None else ("yes" if verdict else "NO")]
         rows.append(cells)
     table = markdown_table(headers, rows)
@@ -427,9 +427,15 @@ def main(args: list[str]) -> None:
     tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
     paper = plan.config.get("paper_table")
     check_tolerance(tolerance, str(paper) if paper else None)
-    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None, run_dirs=expected)
+    relative_to = plan.config.get("relative_to")  # the paper's gaps to one column, paired by split
+    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None, run_dirs=expected, relative_to=relative_to)
     frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
-    text = markdown(frame, tolerance)  # type: ignore[arg-type]
+    text = markdown(frame, tolerance, digits=3 if relative_to is None else 4)  # type: ignore[arg-type]
+    if relative_to is not None:
+        text = (
+            f"Each column as its difference to {relative_to} on the same split (paired standard errors), beside the "
+            f"same difference of the paper's printed values.\n\n{text}"
+        )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
     text += cost_table(plan.sweep_dir, str(paper) if paper else None, expected)
