@@ -55,6 +55,8 @@ HASH_EXCLUDED_KEYS = (
     "data.protocol.search",
     "data.protocol.gal_dropout",  # the inputs of tune=slang_table2's dropout protocol; what it sets is in the config
     "data.protocol.device",  # where it runs, like trainer.device
+    "data.root",  # where the data files are cached and where they are fetched from: the files are checked by
+    "data.mirror",  # SHA-256, so the same data wherever they come from
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
     "relative_to",  # likewise: the paper column `reproduce` shows the gaps to
     "figures",  # what `reproduce` draws from the runs

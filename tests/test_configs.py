@@ -144,3 +144,14 @@ def test_runs_stored_with_the_removed_tuned_from_key_keep_their_hash(compose_cfg
     assert "tuned_from" not in today
     stored = {**copy.deepcopy(today), "tuned_from": None}
     assert config_hash(stored) == config_hash(today)
+
+
+def test_where_the_data_files_live_names_no_run_folder_and_no_hash(compose_cfg) -> None:
+    """``data.mirror`` and ``data.root`` are paths to SHA-256-checked files: a sweep with a mirror must not nest
+    its run folders under the path, and a run resumed with the files elsewhere is the same run."""
+    here = OmegaConf.to_container(compose_cfg(["data=vision/mnist", "data.mirror=/a/mnist"]), resolve=True)
+    there = OmegaConf.to_container(compose_cfg(["data=vision/mnist", "data.mirror=/b/m", "data.root=/c"]), resolve=True)
+    assert config_hash(here) == config_hash(there)
+    assert config_hash(here) != config_hash({**here, "data": {**here["data"], "n_val": 5000}})
+    excluded = OmegaConf.load(Path(__file__).parents[1] / "conf" / "config.yaml").hydra.job.config.override_dirname
+    assert {"data.mirror", "data.root"} <= set(excluded.exclude_keys)
