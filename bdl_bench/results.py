@@ -55,8 +55,6 @@ HASH_EXCLUDED_KEYS = (
     "data.protocol.search",
     "data.protocol.gal_dropout",  # the inputs of tune=slang_table2's dropout protocol; what it sets is in the config
     "data.protocol.device",  # where it runs, like trainer.device
-    "data.root",  # where the data files are cached and where they are fetched from: the files are checked by
-    "data.mirror",  # SHA-256, so the same data wherever they come from
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
     "relative_to",  # likewise: the paper column `reproduce` shows the gaps to
     "figures",  # what `reproduce` draws from the runs
@@ -64,6 +62,9 @@ HASH_EXCLUDED_KEYS = (
     "search",
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
+HASHED_AS_NULL = ("data.root", "data.mirror")
+"""Where the data files are cached and fetched from (SHA-256-checked, so the same data wherever they come from):
+hashed as null whatever their value, so that a run's hash is the one it had before these were set or moved."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -231,9 +232,12 @@ def find_run_dirs(root: Path) -> list[Path]:
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
-    """16 hex digits of SHA-256 over the flattened config, less :data:`HASH_EXCLUDED_KEYS`."""
+    """16 hex digits of SHA-256 over the flattened config, less :data:`HASH_EXCLUDED_KEYS`, with
+    :data:`HASHED_AS_NULL` as null."""
     flat = {
-        k: v for k, v in flatten(config).items() if not any(k == x or k.startswith(f"{x}.") for x in HASH_EXCLUDED_KEYS)
+        k: None if k in HASHED_AS_NULL else v
+        for k, v in flatten(config).items()
+        if not any(k == x or k.startswith(f"{x}.") for x in HASH_EXCLUDED_KEYS)
     }
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

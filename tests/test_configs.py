@@ -153,5 +153,10 @@ def test_where_the_data_files_live_names_no_run_folder_and_no_hash(compose_cfg) 
     there = OmegaConf.to_container(compose_cfg(["data=vision/mnist", "data.mirror=/b/m", "data.root=/c"]), resolve=True)
     assert config_hash(here) == config_hash(there)
     assert config_hash(here) != config_hash({**here, "data": {**here["data"], "n_val": 5000}})
+    # hashed as null, not dropped: a run made before (data.mirror: null in its config) keeps its hash
+    unset = {**here, "data": {**here["data"], "mirror": None, "root": None}}
+    assert config_hash(unset) == config_hash(here)
+    dropped = {**here, "data": {k: v for k, v in here["data"].items() if k not in ("mirror", "root")}}
+    assert config_hash(dropped) != config_hash(here)
     excluded = OmegaConf.load(Path(__file__).parents[1] / "conf" / "config.yaml").hydra.job.config.override_dirname
     assert {"data.mirror", "data.root"} <= set(excluded.exclude_keys)
