@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from bdl_bench.orchestration.reproduce import _expand, agreement, main, make_plan, markdown
@@ -186,6 +187,40 @@ def test_quick_reproduce_of_def_toy_draws_fig4_from_the_runs(tmp_path: Path, mon
     assert all((std == 0).all() == ("map" in name) for name, std in stds.items())  # only the MAP has no spread
     only = plot_runs(folder, tmp_path / "only_map.png", ["map"])
     assert only.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_map_trains_the_map_once_and_fits_the_post_hoc_column_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An experiment's ``shared_map``: the ``to`` column is not trained but fitted on the ``from`` run's MAP (its
+    ``method.map_dir``), which reproduce runs first even when the sweep leaves it out; the table holds the sweep's
+    own column only."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
+    shared = "+shared_map={from:def_toy/map,to:[def_toy/def]}"
+    main(
+        [
+            "def_toy",
+            "--quick",
+            "--jobs",
+            "1",
+            "hydra/launcher=basic",
+            f"results_root={tmp_path}",
+            shared,
+            "variant=def_toy/def",
+        ]
+    )
+    folder = tmp_path / "def_toy_quick"
+    map_run, def_run = (
+        folder / "trainer.n_epochs=3,variant=def_toy/map",
+        folder / "trainer.n_epochs=3,variant=def_toy/def",
+    )
+    config = yaml.safe_load((def_run / "config.yaml").read_text())
+    assert config["method"]["map_dir"] == str(map_run)
+    assert len(pd.read_csv(def_run / "history.csv")) == 1  # no training epochs: the posterior's one row
+    map_theta = torch.load(map_run / "params.pt", weights_only=True)["theta"]
+    assert torch.equal(torch.load(def_run / "params.pt", weights_only=True)["theta"], map_theta)  # the mean: the MAP
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    assert list(table["method"]) == ["laplace"]
 
 
 def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(

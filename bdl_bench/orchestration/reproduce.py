@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import itertools
 import os
@@ -164,6 +165,30 @@ def _task_container(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
+    """The plan's jobs as Hydra sweeps (:func:`run_sweeps`). With the experiment's ``shared_map`` (``from``: the
+    variant whose run trains the MAP; ``to``: the post-hoc variants that would train the same MAP), the ``to``
+    jobs run last, each on its ``from`` run's MAP (``method.map_dir``), so the MAP is trained once."""
+    shared = plan.config.get("shared_map")
+    if not shared or "variant" not in plan.keys:
+        run_sweeps(plan, launcher, force=force)
+        return
+    source, targets = f"variant={shared['from']}", {f"variant={v}" for v in shared["to"]}
+    fitted = [job for job in plan.jobs if targets & set(job)]
+    map_jobs = {tuple(source if o.startswith("variant=") else o for o in job) for job in fitted}
+    first = [job for job in plan.jobs if job not in fitted]
+    first += [list(job) for job in sorted(map_jobs) if list(job) not in first]
+    run_sweeps(dataclasses.replace(plan, jobs=first), launcher, force=force)
+    for map_job in sorted(map_jobs):
+        map_dir = plan.sweep_dir / plan.job_folder(map_job)
+        jobs = [job for job in fitted if tuple(source if o.startswith("variant=") else o for o in job) == map_job]
+        if not (map_dir / METRICS_FILE).exists():
+            print(f"note: {map_dir} has not finished, so its {len(jobs)} post-hoc job(s) wait for it", flush=True)
+            continue
+        fixed = [*plan.fixed, f"method.map_dir='{map_dir}'"]
+        run_sweeps(dataclasses.replace(plan, jobs=jobs, fixed=fixed), launcher, force=force)
+
+
+def run_sweeps(plan: Plan, launcher: list[str], *, force: bool) -> None:
     """The plan's jobs as Hydra sweeps (skipping finished runs, resuming killed ones): one per group of
     datasets whose other sweep values are the same, so that the launcher's workers share all their jobs."""
     by_data: dict[str, list[list[str]]] = {}

@@ -60,11 +60,11 @@ def plot_runs(folder: Path, out: Path, variants: Sequence[str] = ("kfac", "kfac_
     """Fig. 8's covariance panels from the runs below ``folder`` into ``out`` (one shared colour scale), and a
     table per variant: the layer's covariance trace and largest entry, and the mean standard deviation of the
     network output inside and outside the training range (from ``predictive.npz``); returns (png, table, text)."""
-    from bdl_bench.studies.def_toy import _raw_data, label_of, read_runs
+    from bdl_bench.studies.def_toy import label_of, raw_data, read_runs
 
     covariances = layer_covariances(folder, variants)
     predictions, data_cfg = read_runs(folder, variants)
-    grid = _raw_data(data_cfg)[2]
+    grid = raw_data(data_cfg)[2]
     inside = grid.abs() <= float(data_cfg.get("train_bound", 4.0))
     rows = []
     for variant, cov in covariances.items():

@@ -71,7 +71,7 @@ def run_study(out: Path, variants: Sequence[str] = VARIANTS, overrides: Sequence
         run(cfg, out / variant)
     found, data_cfg = read_runs(out, variants)
     predictions = {variant: found[variant] for variant in variants}
-    x_train, y_train, x_grid = _raw_data(data_cfg)
+    x_train, y_train, x_grid = raw_data(data_cfg)
     png = _plot(out / "def_toy.png", predictions, x_train, y_train, x_grid)
     csv = out / "def_toy.csv"
     _table(predictions, x_grid, float(data_cfg.get("train_bound", 4.0))).to_csv(csv, index=False)
@@ -194,7 +194,7 @@ def variant_of(config: dict) -> str:
     return structure
 
 
-def _raw_data(data_cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
+def raw_data(data_cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
     """The training points and the test grid in original units, redrawn from a run's ``data`` config."""
     params = {k: v for k, v in data_cfg.items() if k not in ("name", "split", "val_fraction", "protocol")}
     x_tr, y_tr, x_te, _ = make_cubic(**params)
@@ -232,7 +232,7 @@ def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) ->
     """Fig. 4 from the finished runs below ``folder`` (:func:`read_runs`); the training points are redrawn from
     the runs' ``data`` config."""
     predictions, data_cfg = read_runs(folder, variants)
-    return _plot(out, predictions, *_raw_data(data_cfg))
+    return _plot(out, predictions, *raw_data(data_cfg))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
