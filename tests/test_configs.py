@@ -103,6 +103,15 @@ def test_ktied_table2_trains_standard_gmfvi_without_annealing() -> None:
     assert cfg.trainer.n_epochs == 300 and cfg.trainer.batch_size == 128 and cfg.trainer.save_posterior
 
 
+@pytest.mark.parametrize(("variant", "samples"), [("ensemble", 15), ("diag", 1000), ("mc_dropout", 1000)])
+def test_def_table1_tests_with_the_papers_samples_and_the_ensembles_members(variant: str, samples: int) -> None:
+    """App. E.3's 1,000 test samples; the ensemble's predictive is its 15 members, each once; the Laplace search
+    scores all 10,000 validation images."""
+    cfg = _compose(["experiment=def_table1", f"variant=def_table1/{variant}"])
+    assert cfg.trainer.n_test_mc_samples == samples
+    assert cfg.laplace_search.max_val_examples == cfg.data.n_val == 10000
+
+
 def test_epochs_to_steps_refuses_bad_values() -> None:
     from bdl_bench.resolvers import epochs_to_steps
 

@@ -172,15 +172,18 @@ def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
     if not shared or "variant" not in plan.keys:
         run_sweeps(plan, launcher, force=force)
         return
-    source, targets = f"variant={shared['from']}", {f"variant={v}" for v in shared["to"]}
-    fitted = [job for job in plan.jobs if targets & set(job)]
-    map_jobs = {tuple(source if o.startswith("variant=") else o for o in job) for job in fitted}
+    targets = {f"variant={v}" for v in shared["to"]}
+    by_map: dict[tuple[str, ...], list[list[str]]] = {}  # the job training the MAP -> the jobs fitted on it
+    for job in plan.jobs:
+        if targets & set(job):
+            map_job = tuple(f"variant={shared['from']}" if o.startswith("variant=") else o for o in job)
+            by_map.setdefault(map_job, []).append(job)
+    fitted = [job for jobs in by_map.values() for job in jobs]
     first = [job for job in plan.jobs if job not in fitted]
-    first += [list(job) for job in sorted(map_jobs) if list(job) not in first]
+    first += [list(job) for job in by_map if list(job) not in first]
     run_sweeps(dataclasses.replace(plan, jobs=first), launcher, force=force)
-    for map_job in sorted(map_jobs):
+    for map_job, jobs in by_map.items():
         map_dir = plan.sweep_dir / plan.job_folder(map_job)
-        jobs = [job for job in fitted if tuple(source if o.startswith("variant=") else o for o in job) == map_job]
         if not (map_dir / METRICS_FILE).exists():
             print(f"note: {map_dir} has not finished, so its {len(jobs)} post-hoc job(s) wait for it", flush=True)
             continue
