@@ -128,186 +128,174 @@ def fit_job(
     set of members is discarded with a warning and each member's metrics say ``stack_size``. ``train_time_s``
     and ``cpu_time_s`` are the job's divided by R.
     """
+    job_dir = Path(job_dir)
     checkpoint_every = int(OmegaConf.select(cfg, "trainer.checkpoint_every", default=0) or 0)
-    progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, Path(job_dir) / CHECKPOINT_FILE)
+    progress = EpochProgress(0, int(cfg.trainer.n_epochs), checkpoint_every, job_dir / CHECKPOINT_FILE)
     with stop_on_interrupt(progress):
-        return _fit_job(cfg, members, member_dirs, Path(job_dir), progress, single)
+        keys, dirs = list(members), {k: Path(member_dirs[k]) for k in members}
+        one = len(keys) == 1
+        trainer = cfg.trainer
+        if trainer.threads is not None:
+            set_threads(int(trainer.threads))
+        device = resolve_device(str(trainer.device))
+        use_deterministic(bool(OmegaConf.select(cfg, "trainer.deterministic", default=False)))
+        dtype, seed = resolve_dtype(str(trainer.dtype)), int(trainer.seed)
+        configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
+        hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
+        job_hash = hashes[keys[0]] if single else config_hash({"members": [hashes[k] for k in keys]})
+        job_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_path = job_dir / CHECKPOINT_FILE
+        checkpoint = job_checkpoint(checkpoint_path, job_hash, single, keys)
+        record = device_record(device)
+        for k in keys:
+            dirs[k].mkdir(parents=True, exist_ok=True)
+            write_config(dirs[k], configs[k])  # type: ignore[arg-type]
+            update_run_record(dirs[k], **record)
 
-
-def _fit_job(
-    cfg: DictConfig,
-    members: Mapping[Hashable, DictConfig],
-    member_dirs: Mapping[Hashable, Path],
-    job_dir: Path,
-    progress: EpochProgress,
-    single: bool,
-) -> dict[Hashable, RunResult]:
-    """:func:`fit_job`; ``progress`` follows the epochs (for Ctrl-C's line)."""
-    keys, dirs = list(members), {k: Path(member_dirs[k]) for k in members}
-    one = len(keys) == 1
-    trainer = cfg.trainer
-    if trainer.threads is not None:
-        set_threads(int(trainer.threads))
-    device = resolve_device(str(trainer.device))
-    use_deterministic(bool(OmegaConf.select(cfg, "trainer.deterministic", default=False)))
-    dtype, seed = resolve_dtype(str(trainer.dtype)), int(trainer.seed)
-    configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
-    hashes = {k: config_hash(c) for k, c in configs.items()}  # type: ignore[arg-type]
-    job_hash = hashes[keys[0]] if single else config_hash({"members": [hashes[k] for k in keys]})
-    job_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = job_dir / CHECKPOINT_FILE
-    checkpoint = job_checkpoint(checkpoint_path, job_hash, single, keys)
-    record = device_record(device)
-    for k in keys:
-        dirs[k].mkdir(parents=True, exist_ok=True)
-        write_config(dirs[k], configs[k])  # type: ignore[arg-type]
-        update_run_record(dirs[k], **record)
-
-    datasets = {k: load_dataset(configs[k]["data"], device, dtype) for k in keys}  # type: ignore[index]
-    if not one:
-        _check_stackable(datasets, cfg)
-    first = datasets[keys[0]]
-    torch.manual_seed(seed)  # the one global seed: nn.init of the model (every member's initial network)
-    model = build_model(
-        OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-        in_features=first.n_features,
-        out_features=first.n_outputs,
-    ).to(device, dtype)
-    likelihoods = {k: build_likelihood(datasets[k], OmegaConf.select(members[k], "noise_precision")) for k in keys}
-    priors = {k: run_prior(model, members[k], datasets[k]) for k in keys}
-    options = [configs[k]["method"] for k in keys]  # type: ignore[index]
-    method = build_method(options[0])  # type: ignore[arg-type]
-    if any(o != options[0] for o in options):
-        method.configure_stack(options)  # type: ignore[arg-type]
-    method_generator = torch.Generator(device=device).manual_seed(seed + 1)
-    data_generator = torch.Generator().manual_seed(seed + 2)
-    eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in keys}
-    problems = [
-        Problem(
-            model=model,
-            likelihood=likelihoods[k],
-            n_data=first.n_train,
-            prior_precision=priors[k],
-            generator=method_generator,
-            augmentation=datasets[k].augmentation,
-        )
-        for k in keys
-    ]
-    if one:
-        method.setup(problems[0])
-        method.use_validation(first.x_val, first.y_val, dirs[keys[0]])
-    else:
-        method.setup_stack(problems)  # a method that cannot stack says how to run the members instead
-    method.step_progress = bool(trainer.progress)
-
-    def copy_of(r: int) -> Method:
-        return method if one else method.copy_at(r)
-
-    generators = {"method": method_generator, "data": data_generator}
-    if single:
-        generators["eval"] = eval_generators[keys[0]]
-    else:
-        generators.update({f"eval_{k}": g for k, g in eval_generators.items()})
-    start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in keys]
-    if checkpoint is not None:
-        restore_checkpoint(checkpoint, method, generators, device)
-        start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
-        histories = checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
-        progress.done = start_epoch
-        print(f"{job_dir}: resuming from epoch {start_epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
-    writers = [HistoryWriter(dirs[k] / HISTORY_FILE, rows) for k, rows in zip(keys, histories)]
-    n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
-    checkpoint_every = progress.checkpoint_every
-    bar = tqdm(
-        total=n_epochs,
-        initial=start_epoch,
-        desc=f"{cfg.method.name} on {cfg.data.name}" + ("" if one else f", {len(keys)} splits stacked"),
-        unit="epoch",
-        disable=not trainer.progress,
-        leave=False,
-    )
-    start = time.perf_counter() - elapsed_before
-    cpu_start = time.process_time()
-
-    def save(epoch: int) -> None:
-        rows = [len(w.rows) for w in writers]
-        state = make_checkpoint(
-            epoch, job_hash, method, generators, device, rows[0] if single else rows, time.perf_counter() - start
-        )
-        save_checkpoint(checkpoint_path, state)
-
-    def on_epoch_end(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
-        evaluate_now = eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs)
-        for r, k in enumerate(keys):
-            row = epoch_row(
-                copy_of(r),
-                likelihoods[k],
-                datasets[k],
-                epoch,
-                stats[r],
-                elapsed=time.perf_counter() - start,
-                evaluate_now=evaluate_now,
-                n_eval_samples=int(trainer.n_eval_mc_samples),
-                eval_generator=eval_generators[k],
+        datasets = {k: load_dataset(configs[k]["data"], device, dtype) for k in keys}  # type: ignore[index]
+        if not one:
+            _check_stackable(datasets, cfg)
+        first = datasets[keys[0]]
+        torch.manual_seed(seed)  # the one global seed: nn.init of the model (every member's initial network)
+        model = build_model(
+            OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+            in_features=first.n_features,
+            out_features=first.n_outputs,
+        ).to(device, dtype)
+        likelihoods = {k: build_likelihood(datasets[k], OmegaConf.select(members[k], "noise_precision")) for k in keys}
+        priors = {k: run_prior(model, members[k], datasets[k]) for k in keys}
+        options = [configs[k]["method"] for k in keys]  # type: ignore[index]
+        method = build_method(options[0])  # type: ignore[arg-type]
+        if any(o != options[0] for o in options):
+            method.configure_stack(options)  # type: ignore[arg-type]
+        method_generator = torch.Generator(device=device).manual_seed(seed + 1)
+        data_generator = torch.Generator().manual_seed(seed + 2)
+        eval_generators = {k: torch.Generator(device=device).manual_seed(seed + 3) for k in keys}
+        problems = [
+            Problem(
+                model=model,
+                likelihood=likelihoods[k],
+                n_data=first.n_train,
+                prior_precision=priors[k],
+                generator=method_generator,
+                augmentation=datasets[k].augmentation,
             )
-            writers[r].append(row)
-        saved = checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs
-        if saved:
-            save(epoch)
-        bar.update(1)
+            for k in keys
+        ]
         if one:
-            bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
-        progress.done = epoch
-        stop_if_terminated(progress, epoch, save, saved)
-
-    progress.in_epochs = True
-    try:
-        fit_options = {"n_epochs": n_epochs, "batch_size": int(trainer.batch_size), "start_epoch": start_epoch}
-        if one:
-            method.fit(
-                first.x_train,
-                first.y_train,
-                data_generator=data_generator,
-                on_epoch_end=lambda epoch, stats: on_epoch_end(epoch, [stats]),
-                **fit_options,
-            )
+            method.setup(problems[0])
+            method.use_validation(first.x_val, first.y_val, dirs[keys[0]])
         else:
-            method.fit_stack(
-                torch.stack([datasets[k].x_train for k in keys]),
-                torch.stack([datasets[k].y_train for k in keys]),
-                data_generator=data_generator,
-                on_epoch_end=on_epoch_end,
-                **fit_options,
-            )
-    finally:
-        progress.in_epochs = False
-        bar.close()
-    if progress.stop_requested:  # a SIGTERM during work of the fit after its last epoch: stop now
-        raise Terminated()
-    train_time = (time.perf_counter() - start) / len(keys)
-    cpu_time = (time.process_time() - cpu_start) / len(keys)
-    progress.done = max(progress.done, n_epochs)
-    shared = SharedPredictions(method, list(datasets.values()), list(eval_generators.values()))
-    results = {}
-    for r, k in enumerate(keys):
-        fitted = copy_of(r)
-        results[k] = finish_run(
-            members[k],
-            dirs[k],
-            fitted,
-            # a method that fitted the noise (Laplace's method.search=marglik) is scored with it
-            likelihood=getattr(fitted, "fitted_likelihood", None) or likelihoods[k],
-            dataset=datasets[k],
-            prior=priors[k],
-            config_hash_=hashes[k],
-            train_time=train_time,
-            cpu_time=cpu_time,
-            eval_generator=eval_generators[k],
-            extra_metrics={**fitted.extra_metrics, **({} if single else {"stack_size": float(len(keys))})},
-            predictions=shared.of_copy(r, int(OmegaConf.select(members[k], "trainer.n_test_mc_samples"))),
+            method.setup_stack(problems)  # a method that cannot stack says how to run the members instead
+        method.step_progress = bool(trainer.progress)
+
+        def copy_of(r: int) -> Method:
+            return method if one else method.copy_at(r)
+
+        generators = {"method": method_generator, "data": data_generator}
+        if single:
+            generators["eval"] = eval_generators[keys[0]]
+        else:
+            generators.update({f"eval_{k}": g for k, g in eval_generators.items()})
+        start_epoch, elapsed_before, histories = 0, 0.0, [[] for _ in keys]
+        if checkpoint is not None:
+            restore_checkpoint(checkpoint, method, generators, device)
+            start_epoch, elapsed_before = checkpoint.epoch, checkpoint.elapsed_s
+            histories = checkpoint_histories(checkpoint, [dirs[k] / HISTORY_FILE for k in keys], single)
+            progress.done = start_epoch
+            print(f"{job_dir}: resuming from epoch {start_epoch} (its {CHECKPOINT_FILE})", file=sys.stderr, flush=True)
+        writers = [HistoryWriter(dirs[k] / HISTORY_FILE, rows) for k, rows in zip(keys, histories)]
+        n_epochs, eval_every = int(trainer.n_epochs), int(trainer.eval_every)
+        bar = tqdm(
+            total=n_epochs,
+            initial=start_epoch,
+            desc=f"{cfg.method.name} on {cfg.data.name}" + ("" if one else f", {len(keys)} splits stacked"),
+            unit="epoch",
+            disable=not trainer.progress,
+            leave=False,
         )
-    checkpoint_path.unlink(missing_ok=True)
-    return results
+        start = time.perf_counter() - elapsed_before
+        cpu_start = time.process_time()
+
+        def save(epoch: int) -> None:
+            rows = [len(w.rows) for w in writers]
+            state = make_checkpoint(
+                epoch, job_hash, method, generators, device, rows[0] if single else rows, time.perf_counter() - start
+            )
+            save_checkpoint(checkpoint_path, state)
+
+        def on_epoch_end(epoch: int, stats: Sequence[Mapping[str, float]]) -> None:
+            evaluate_now = eval_every > 0 and (epoch % eval_every == 0 or epoch == n_epochs)
+            for r, k in enumerate(keys):
+                row = epoch_row(
+                    copy_of(r),
+                    likelihoods[k],
+                    datasets[k],
+                    epoch,
+                    stats[r],
+                    elapsed=time.perf_counter() - start,
+                    evaluate_now=evaluate_now,
+                    n_eval_samples=int(trainer.n_eval_mc_samples),
+                    eval_generator=eval_generators[k],
+                )
+                writers[r].append(row)
+            saved = checkpoint_every > 0 and epoch % checkpoint_every == 0 and epoch < n_epochs
+            if saved:
+                save(epoch)
+            bar.update(1)
+            if one:
+                bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("train/loss", "test/rmse", "test/nll")})
+            progress.done = epoch
+            stop_if_terminated(progress, epoch, save, saved)
+
+        progress.in_epochs = True
+        try:
+            fit_options = {"n_epochs": n_epochs, "batch_size": int(trainer.batch_size), "start_epoch": start_epoch}
+            if one:
+                method.fit(
+                    first.x_train,
+                    first.y_train,
+                    data_generator=data_generator,
+                    on_epoch_end=lambda epoch, stats: on_epoch_end(epoch, [stats]),
+                    **fit_options,
+                )
+            else:
+                method.fit_stack(
+                    torch.stack([datasets[k].x_train for k in keys]),
+                    torch.stack([datasets[k].y_train for k in keys]),
+                    data_generator=data_generator,
+                    on_epoch_end=on_epoch_end,
+                    **fit_options,
+                )
+        finally:
+            progress.in_epochs = False
+            bar.close()
+        if progress.stop_requested:  # a SIGTERM during work of the fit after its last epoch: stop now
+            raise Terminated()
+        train_time = (time.perf_counter() - start) / len(keys)
+        cpu_time = (time.process_time() - cpu_start) / len(keys)
+        progress.done = max(progress.done, n_epochs)
+        shared = SharedPredictions(method, list(datasets.values()), list(eval_generators.values()))
+        results = {}
+        for r, k in enumerate(keys):
+            fitted = copy_of(r)
+            results[k] = finish_run(
+                members[k],
+                dirs[k],
+                fitted,
+                # a method that fitted the noise (Laplace's method.search=marglik) is scored with it
+                likelihood=getattr(fitted, "fitted_likelihood", None) or likelihoods[k],
+                dataset=datasets[k],
+                prior=priors[k],
+                config_hash_=hashes[k],
+                train_time=train_time,
+                cpu_time=cpu_time,
+                eval_generator=eval_generators[k],
+                extra_metrics={**fitted.extra_metrics, **({} if single else {"stack_size": float(len(keys))})},
+                predictions=shared.of_copy(r, int(OmegaConf.select(members[k], "trainer.n_test_mc_samples"))),
+            )
+        checkpoint_path.unlink(missing_ok=True)
+        return results
 
 
 def _check_stackable(datasets: Mapping[Hashable, Dataset], cfg: DictConfig) -> None:
