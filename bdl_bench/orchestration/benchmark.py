@@ -173,7 +173,6 @@ def _ktied_name(method: str, rank: Any) -> str:
 def ktied_table4(records: pd.DataFrame) -> pd.DataFrame:
     """Per model: the point estimate (the median of the SGD steps timed beside every method), then each method,
     with our step time, ratio to the point estimate and to GMFVI, and the paper's (empty where it has none)."""
-    paper = ktied_paper_ratios()
     rows = []
     for model, group in records.groupby("model", sort=False):
         gmfvi = group.loc[group["method"] == "gmfvi", "ratio_to_sgd"]
@@ -185,15 +184,10 @@ def ktied_table4(records: pd.DataFrame) -> pd.DataFrame:
             name, ratio = _ktied_name(r["method"], r["rank"]), r["ratio_to_sgd"]
             rows.append((name, model, r["step_ms"], ratio, ratio / gmfvi_ratio, r["flop_ratio"], r["peak_mem_mib"]))
     columns = ["method", "model", "step_ms", "ratio_to_point", "ratio_to_gmfvi", "flop_ratio", "peak_mem_mib"]
-    frame = pd.DataFrame(rows, columns=columns)
-    nan6 = (math.nan,) * 6
-    values = [paper.get(m, nan6) for m in frame["method"]]
-    for i, column in enumerate(
-        ["paper_step_ms", "paper_step_ms_se", "paper_ratio_to_point", "paper_ratio_to_point_se"]
-        + ["paper_ratio_to_gmfvi", "paper_ratio_to_gmfvi_se"]
-    ):
-        frame[column] = [v[i] for v in values]
-    return frame
+    paper_columns = ["paper_step_ms", "paper_step_ms_se", "paper_ratio_to_point", "paper_ratio_to_point_se"]
+    paper_columns += ["paper_ratio_to_gmfvi", "paper_ratio_to_gmfvi_se"]
+    paper = pd.DataFrame.from_dict(ktied_paper_ratios(), orient="index", columns=paper_columns)
+    return pd.DataFrame(rows, columns=columns).join(paper, on="method")
 
 
 # ------------------------------------------------------------------ ELRG-VI, Table 1

@@ -346,22 +346,22 @@ class Search:
 
     def trials(self) -> pd.DataFrame:
         """Every trial of every split: split, number, state, the searched values, the score, any error."""
-        rows = []
-        for k, study in self.studies.items():
-            best = _best_number(study)
-            for t in study.get_trials(deepcopy=False):
-                rows.append(
-                    {
-                        "split": k,
-                        "trial": t.number,
-                        "state": t.state.name,
-                        **t.params,
-                        self.spec.objective: t.value,
-                        "best": t.number == best,
-                        "error": t.user_attrs.get("error", ""),
-                    }
-                )
-        return pd.DataFrame(rows)
+        best = {k: _best_number(study) for k, study in self.studies.items()}
+        return pd.DataFrame(
+            [
+                {
+                    "split": k,
+                    "trial": t.number,
+                    "state": t.state.name,
+                    **t.params,
+                    self.spec.objective: t.value,
+                    "best": t.number == best[k],
+                    "error": t.user_attrs.get("error", ""),
+                }
+                for k, study in self.studies.items()
+                for t in study.get_trials(deepcopy=False)
+            ]
+        )
 
     def best(self) -> dict[int, dict[str, Any]]:
         best = {}

@@ -315,16 +315,13 @@ class SweepSummary:
     unfinished: list[Path] = field(default_factory=list)  # still running, or killed
     elsewhere: list[tuple[Path, str]] = field(default_factory=list)  # (run folder, its holder): another process's
 
-    @property
-    def n_runs(self) -> int:
-        return len(self.finished) + len(self.skipped) + len(self.failed) + len(self.unfinished) + len(self.elsewhere)
-
     def render(self, root: Path | None = None) -> str:
         def name(path: Path) -> str:
             return str(path.relative_to(root)) if root is not None and path.is_relative_to(root) else str(path)
 
+        n_runs = sum(map(len, (self.finished, self.skipped, self.failed, self.unfinished, self.elsewhere)))
         lines = [
-            f"sweep summary: {self.n_runs} runs: {len(self.finished)} ran, {len(self.skipped)} skipped "
+            f"sweep summary: {n_runs} runs: {len(self.finished)} ran, {len(self.skipped)} skipped "
             f"(finished earlier), {len(self.failed)} failed, {len(self.unfinished)} unfinished"
             + (f", {len(self.elsewhere)} running elsewhere" if self.elsewhere else "")
             + (f" (below {root})" if root is not None else "")
