@@ -52,6 +52,7 @@ errors: a mistake in the input (a config value, a data file, a diverging run, an
 
 def run_command(args: list[str]) -> None:
     """``bdl-bench run``; a sweep (-m) ends with a summary of its members and fails if any failed."""
+    from bdl_bench.orchestration import locking
     from bdl_bench.orchestration.sweep import check_output_folder, output_folder, summarise
 
     check_group_overrides([a for a in args if not a.startswith("-")])
@@ -60,7 +61,9 @@ def run_command(args: list[str]) -> None:
     if output is not None:
         check_output_folder(output)
         if sweep_dir is None:  # a held run folder: refused before Hydra writes its files into it
-            refuse_if_held(output)
+            state, holder = locking.lock_state(output)
+            if state == "held" and holder is not None:
+                raise locking.FolderInUse(locking.in_use_message(output, holder), holder)
     started = time.time()
     error = run_hydra(args)
     if sweep_dir is None:
@@ -76,15 +79,6 @@ def run_command(args: list[str]) -> None:
         raise SystemExit(1)
     if error is not None:
         raise error
-
-
-def refuse_if_held(folder: Path) -> None:
-    """Raise :class:`~bdl_bench.orchestration.locking.FolderInUse` when a live process holds ``folder``."""
-    from bdl_bench.orchestration import locking
-
-    state, holder = locking.lock_state(folder)
-    if state == "held" and holder is not None:
-        raise locking.FolderInUse(locking.in_use_message(folder, holder), holder)
 
 
 def table_command(args: list[str]) -> None:

@@ -137,12 +137,11 @@ def _create(path: Path, token: str) -> bool:
     except FileExistsError:
         return False
     try:
-        os.write(fd, json.dumps(record).encode())
+        with open(fd, "w") as file:
+            file.write(json.dumps(record))
     except OSError:
-        os.close(fd)
         path.unlink(missing_ok=True)
         raise
-    os.close(fd)
     return True
 
 
