@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import datetime
 import itertools
@@ -156,14 +155,6 @@ def _launcher_overrides(plan: Plan, jobs: int) -> list[str]:
     return ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={jobs}", *plan.launcher]
 
 
-def _task_container(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config without its Hydra node (what a job's ``config.yaml`` holds)."""
-    task = copy.deepcopy(cfg)
-    with open_dict(task):
-        del task["hydra"]
-    return OmegaConf.to_container(task, resolve=True)  # type: ignore[return-value]
-
-
 def run_tests(plan: Plan, launcher: list[str], *, force: bool) -> None:
     """The plan's jobs as Hydra sweeps (:func:`run_sweeps`). With the experiment's ``shared_map`` (``from``: the
     variant whose run trains the MAP; ``to``: the post-hoc variants that would train the same MAP), the ``to``
@@ -230,9 +221,10 @@ def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
             continue
         overrides = list(yaml.safe_load(stored.read_text()) or [])
         try:
-            cfg = load_config(overrides, multirun=False)
-            cfg = apply_searched(cfg, run_dir)
-            current = config_hash(_task_container(cfg))
+            cfg = apply_searched(load_config(overrides, multirun=False), run_dir)
+            with open_dict(cfg):
+                del cfg["hydra"]  # what a job's config.yaml holds: the resolved config without its Hydra node
+            current = config_hash(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
         except Exception as error:  # noqa: BLE001 - any failure to recompose means it cannot be vouched for
             found.append((run_dir, f"its overrides no longer compose ({type(error).__name__}: {error})"))
             continue
@@ -333,13 +325,18 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
     """Where a table came from, for the header of ``reproduce.md``/``.csv`` (the CSV's as ``# `` lines, read
     with ``pandas.read_csv(path, comment="#")``): the command, the code version, the date, the wall time of this
     invocation and the machine."""
+    import torch
+
     now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    # the load average when the table was written: a loaded machine stretches the wall times, not the CPU times
+    load = f"; load average {os.getloadavg()[1]:.1f} over the last 5 min" if hasattr(os, "getloadavg") else ""
     return {
         "command": shlex.join(["bdl-bench", "reproduce", *args]),
         "code": code_version(),
         "date": now.strftime("%Y-%m-%d %H:%M UTC"),
         "wall time": f"{wall_s:.0f} s (this invocation; runs reused from an earlier one not included)",
-        "machine": machine_description(),
+        "machine": f"{_default_jobs()} usable CPU cores, {gpu}{load}",
     }
 
 
@@ -350,16 +347,6 @@ def write_report(folder: Path, title: str, header: Mapping[str, str], text: str,
     atomic_write_text(folder / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
     csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
     atomic_write_text(folder / "reproduce.csv", csv_header + frame.to_csv(index=False))
-
-
-def machine_description() -> str:
-    """The cores, the GPU if any, and the load average when the table was written (a loaded machine stretches
-    the cost table's wall times, not its CPU times)."""
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    load = f"; load average {os.getloadavg()[1]:.1f} over the last 5 min" if hasattr(os, "getloadavg") else ""
-    return f"{_default_jobs()} usable CPU cores, {gpu}{load}"
 
 
 def cost_table(folder: Path, paper: str | None, run_dirs: Sequence[Path]) -> str:
@@ -453,10 +440,10 @@ def main(args: list[str]) -> None:
     if not any((d / METRICS_FILE).exists() for d in expected):
         raise SystemExit(f"bdl-bench reproduce: no run of this sweep finished below {plan.sweep_dir}; no table")
     tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
-    paper = plan.config.get("paper_table")
-    check_tolerance(tolerance, str(paper) if paper else None)
+    paper = str(plan.config.paper_table) if plan.config.get("paper_table") else None
+    check_tolerance(tolerance, paper)
     relative_to = plan.config.get("relative_to")  # the paper's gaps to one column, paired by split
-    table = build_table(plan.sweep_dir, paper=str(paper) if paper else None, run_dirs=expected, relative_to=relative_to)
+    table = build_table(plan.sweep_dir, paper=paper, run_dirs=expected, relative_to=relative_to)
     frame = agreement(table.frame, tolerance)  # type: ignore[arg-type]
     text = markdown(frame, tolerance, digits=3 if relative_to is None else 4)  # type: ignore[arg-type]
     if relative_to is not None:
@@ -466,7 +453,7 @@ def main(args: list[str]) -> None:
         )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     header = provenance(args, time.perf_counter() - started)
-    text += cost_table(plan.sweep_dir, str(paper) if paper else None, expected)
+    text += cost_table(plan.sweep_dir, paper, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
     own = [d for d in figures if d.is_table]
