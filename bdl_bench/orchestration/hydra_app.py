@@ -56,16 +56,15 @@ def load_config(overrides: Sequence[str], *, multirun: bool = True, config_name:
         return GlobalHydra.instance().config_loader().load_configuration(config_name, list(overrides), run_mode=mode)
 
 
-def override_dirname(
-    overrides: Sequence[str], exclude_keys: Sequence[str], item_sep: str = ",", kv_sep: str = "="
-) -> str:
-    """The folder name Hydra derives from ``overrides`` (``hydra.job.override_dirname``): the
-    overrides, less ``exclude_keys``, sorted and joined."""
+def override_dirname(overrides: Sequence[str], naming: Any) -> str:
+    """The folder name Hydra derives from ``overrides`` (``hydra.job.override_dirname``) under ``naming`` (the
+    config's ``hydra.job.config.override_dirname``): the overrides, less its ``exclude_keys``, sorted and joined."""
     from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return get_overrides_dirname(parsed, exclude_keys=list(exclude_keys), item_sep=item_sep, kv_sep=kv_sep)
+    exclude_keys, item_sep, kv_sep = list(naming.exclude_keys), str(naming.item_sep), str(naming.kv_sep)
+    return get_overrides_dirname(parsed, exclude_keys=exclude_keys, item_sep=item_sep, kv_sep=kv_sep)
 
 
 def check_group_overrides(overrides: list[str]) -> None:

@@ -63,8 +63,7 @@ class Plan:
     stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
     def job_folder(self, job: Sequence[str]) -> str:
-        naming = self.config.hydra.job.config.override_dirname
-        return override_dirname([*self.fixed, *job], naming.exclude_keys, str(naming.item_sep), str(naming.kv_sep))
+        return override_dirname([*self.fixed, *job], self.config.hydra.job.config.override_dirname)
 
 
 def _expand(key: str, value: str) -> list[str]:

@@ -216,11 +216,7 @@ def member_dirs(run_dir: Path, overrides: list[str], splits: list[int]) -> dict[
             f"cannot name the split folders of stacked job {run_dir}: its folder is not named by its overrides"
         )
     root = str(run_dir)[: len(str(run_dir)) - len(job_name)]
-    names = {
-        k: override_dirname(_with_split(overrides, k), naming.exclude_keys, naming.item_sep, naming.kv_sep)
-        for k in splits
-    }
-    return {k: Path(root + run_name(name)) for k, name in names.items()}
+    return {k: Path(root + run_name(override_dirname(_with_split(overrides, k), naming))) for k in splits}
 
 
 def _with_split(overrides: list[str], split: int) -> list[str]:
