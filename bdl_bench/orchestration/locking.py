@@ -63,7 +63,7 @@ class Holder:
         """Whether the holder is gone (module docstring)."""
         if self.host != socket.gethostname():
             return time.time() - self.heartbeat > STALE_AFTER_S
-        if (self.host, self.pid) == (socket.gethostname(), os.getpid()):
+        if self.pid == os.getpid():
             return all(token != self.token for token, _ in _held().values())  # an earlier process with our pid
         start = _pid_start(self.pid)
         if start is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -55,17 +54,10 @@ def run_stack(
     members = {k: member_configs[k] for k in member_dirs}
     for member in (cfg, *members.values()):
         check_config(member)
-    _check_shared(cfg, {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()})
-    return fit_job(cfg, members, member_dirs, Path(stack_dir))
-
-
-_SHARED = ("model", "trainer", "likelihood")  # what every member of a stack shares (one network, one loop)
-
-
-def _check_shared(cfg: DictConfig, configs: Mapping[Hashable, Any]) -> None:
-    """Refuse members that differ from ``cfg`` in what the stack shares, naming the key."""
+    configs = {k: OmegaConf.to_container(m, resolve=True) for k, m in members.items()}
     job = OmegaConf.to_container(cfg, resolve=True)
-    for key in _SHARED:
-        for member, config in configs.items():
+    for key in ("model", "trainer", "likelihood"):  # what every member of a stack shares (one network, one loop)
+        for k, config in configs.items():
             if config.get(key) != job.get(key):  # type: ignore[union-attr]
-                raise ValueError(f"stacked member {member}: its {key} differs from the job's; a stack shares {key}")
+                raise ValueError(f"stacked member {k}: its {key} differs from the job's; a stack shares {key}")
+    return fit_job(cfg, members, member_dirs, Path(stack_dir))
