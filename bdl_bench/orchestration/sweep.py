@@ -138,7 +138,7 @@ def _record_failure(run_dir: Path, error: BaseException, config: dict[str, Any],
             raise
         note = f"its failure record in {run_dir} could not be written either"
         if isinstance(failure, WriteError):
-            return failure.with_note(note)
+            return WriteError(f"{failure}; {note}")
         print(f"bdl-bench: {note} ({write_error(unwritten, run_dir)})", file=sys.stderr)
     return failure  # type: ignore[return-value]
 

@@ -25,9 +25,6 @@ CAUSES = {
 class WriteError(UserError, OSError):
     """A results folder that cannot be written to (the message names it, the cause and the free space)."""
 
-    def with_note(self, note: str) -> WriteError:
-        return WriteError(f"{self}; {note}")
-
 
 def _size(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
