@@ -18,6 +18,7 @@ from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import SEARCH_FILE, Laplace
 from bdl_bench.methods.laplace import search as search_module
+from bdl_bench.methods.laplace.structures import Diag
 from bdl_bench.models import build_model
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.orchestration.runner import run
@@ -96,14 +97,14 @@ def test_search_picks_the_min_ece_point_within_the_accuracy_tolerance(
         ]
     )
     seen: list[tuple[float, float]] = []
-    original = Laplace._assemble
+    original = Diag.assemble
 
-    def assemble(self: Laplace, theta: Tensor, curvature: dict, scale: float, tau: Tensor):
+    def assemble(self: Diag, theta: Tensor, curvature: dict, scale: float, tau: Tensor):
         seen.append((scale, float(tau[0])))
         return original(self, theta, curvature, scale, tau)
 
     monkeypatch.setattr(search_module, "predictive_metrics", lambda *args, **kwargs: next(table))
-    monkeypatch.setattr(Laplace, "_assemble", assemble)
+    monkeypatch.setattr(Diag, "assemble", assemble)
     search = {
         "dataset_scale": [1, 2, 3],
         "prior_precision": [1, 10],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -39,7 +38,7 @@ from bdl_bench.methods.laplace.search import (
 )
 from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE, STRUCTURES, KfacPrior, Structure
 from bdl_bench.models.params import flat_params, forward_with
-from bdl_bench.optim import adam, load_adam_state
+from bdl_bench.optim import adam
 from bdl_bench.progress import delayed_bar
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, Range
 from bdl_bench.results import atomic_write_text
@@ -55,6 +54,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
     ``fitted_likelihood`` (the Gaussian at the noise ``search=marglik`` chose, which the runner scores with) and
     ``last_evidence`` (marglik's objective)."""
 
+    adam_leaves = ("theta",)
     option_ranges = MappingProxyType(
         {
             "prior_precision": Range(0, low_open=True, nullable=True),  # null = the run's prior_precision
@@ -91,20 +91,12 @@ class Laplace(GaussianPredictive, PostHocMethod):
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
-        self.check_options(locals())
+        self.keep_options(locals())
         if curvature_dtype not in _CURVATURE_DTYPES:
             raise ConfigError(
                 f"laplace: unknown curvature_dtype {curvature_dtype!r}; choices: {', '.join(_CURVATURE_DTYPES)}"
             )
-        self.prior_precision = None if prior_precision is None else float(prior_precision)
-        self.dataset_scale = None if dataset_scale is None else float(dataset_scale)
-        self.rank = None if rank is None else int(rank)
-        self.n_curvature_samples = int(n_curvature_samples)
-        self.curvature_batch_size = int(curvature_batch_size)
         self.curvature_dtype = _CURVATURE_DTYPES[curvature_dtype]
-        self.curvature_subset = None if curvature_subset is None else int(curvature_subset)
-        self.curvature_cache_mib = int(curvature_cache_mib)
-        self.lr = lr
         self.map_dir = map_dir
         self.search = parse_search(search)
         self._posterior: StructuredGaussian | None = None
@@ -197,7 +189,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
             atomic_write_text(self._run_dir / DEF_RANKS_FILE, pd.DataFrame(ranks).to_csv(index=False))
         scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
         if self.search is None:
-            self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))
+            self._posterior = self._cast(self._structure.assemble(theta, curvature, scale, self._prior(theta)))
             return
         self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
         if isinstance(self.search, MarglikSettings):
@@ -226,9 +218,6 @@ class Laplace(GaussianPredictive, PostHocMethod):
         keep = keep.sort().values.to(x.device)
         return x[keep], y[keep]
 
-    def _assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        return self._structure.assemble(theta, curvature, scale, tau)
-
     def _cast(self, posterior: StructuredGaussian) -> StructuredGaussian:
         """``posterior`` with its floating tensors in the model's dtype."""
         fields = {f.name: getattr(posterior, f.name) for f in dataclasses.fields(posterior)}
@@ -256,7 +245,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
         result = grid_search(
             self.search,
             theta=theta,
-            assemble=lambda scale, tau: self._cast(self._assemble(theta, curvature, scale, tau)),
+            assemble=lambda scale, tau: self._cast(self._structure.assemble(theta, curvature, scale, tau)),
             outputs=self._val_outputs,
             likelihood=self.problem.likelihood,
             generator=self.problem.generator,
@@ -284,23 +273,19 @@ class Laplace(GaussianPredictive, PostHocMethod):
             rows = forward_rows(model, map_theta, x)
             f = torch.cat([forward_with(model, map_theta, xs) for xs in x.split(rows)]).double()
         groups = prior_groups(settings.prior, self._layout.slots, theta)
-        assemble = functools.partial(self._assemble, theta, curvature)
+        assemble = functools.partial(self._structure.assemble, theta, curvature)
         return LaplaceEvidence(assemble, theta, groups, f, y, self.problem.likelihood, scale)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "theta": self.theta.detach().clone(),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-        }
+        """The MAP and its Adam state (:class:`Method`'s), and the fitted posterior's fields."""
+        state = super().state_dict()
         if self._posterior is not None:
             for f in dataclasses.fields(self._posterior):
                 state[f"posterior.{f.name}"] = getattr(self._posterior, f.name).detach().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self.theta.copy_(state["theta"])
-        load_adam_state(self.optimizer, state["optimizer"])
+        super().load_state_dict(state)
         fields = {k.removeprefix("posterior."): v for k, v in state.items() if k.startswith("posterior.")}
         self._posterior = gaussian_class(set(fields))(**fields) if fields else None
