@@ -54,13 +54,13 @@ from torch import Tensor, nn
 from bdl_bench.errors import ConfigError
 from bdl_bench.methods._diag_vi import standard_normal
 from bdl_bench.methods._grad_snr import GradientSNR
+from bdl_bench.methods._shared import PREDICT_CHUNK, in_chunks
 from bdl_bench.methods._step_records import StepRecorder
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.models.params import flat_params, forward_with, param_layers, sequential_layers
 from bdl_bench.optim import adam, load_adam_state
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE
 
-_PREDICT_CHUNK = 64  # weight samples per batched forward pass in ``predict``
 CONV_ESTIMATORS = ("local", "reparam")
 LOCAL_LAYERS = (nn.Linear, nn.Conv2d)  # the layers whose outputs are sampled locally
 VARIATIONAL_LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LSTM)  # what gmfvi and ktied take
@@ -414,12 +414,8 @@ class LayerwiseVI(Method):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
         terms = self._step_terms(with_kl=False)
-        chunk = _PREDICT_CHUNK if self.dense else 1  # beyond dense networks, S whole parameter vectors
-        chunks = []
-        for start in range(0, n_samples, chunk):
-            thetas = self._draw_params(terms, min(chunk, n_samples - start))
-            chunks.append(self.forward_params(thetas, x))
-        return torch.cat(chunks)
+        chunk = PREDICT_CHUNK if self.dense else 1  # beyond dense networks, S whole parameter vectors
+        return in_chunks(n_samples, lambda count: self.forward_params(self._draw_params(terms, count), x), chunk)
 
     def forward_params(self, thetas: Tensor, x: Tensor) -> Tensor:
         """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x``: ``(S, N, out)``."""

@@ -1,5 +1,5 @@
 r"""Helpers several methods share (it registers no method): option parsing, the :class:`Covariance` choice,
-the SLANG authors' step-size schedule, and one Adam step on the per-example MAP objective
+``predict`` in chunks of samples, the SLANG authors' step-size schedule, and one Adam step on the per-example MAP objective
 
 .. math:: \frac1N\textstyle\sum_i -\log p(y_i\mid x_i,\theta) + \frac1{2N}\sum_d \lambda_d\theta_d^2,
 
@@ -8,6 +8,7 @@ estimated on a minibatch (``method=map``, and the MAP phase of ``laplace`` and `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -35,6 +36,15 @@ class Covariance(str, Enum):
     """Dense D x D precision ("Full-Gaussian" in SLANG Table 1)."""
     DIAG = "diag"
     """Diagonal precision ("Mean-Field" in SLANG Table 1)."""
+
+
+PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
+
+
+def in_chunks(n_samples: int, draw: Callable[[int], Tensor], chunk: int = PREDICT_CHUNK) -> Tensor:
+    """``draw(count)`` (``count`` output samples) for consecutive chunks of at most ``chunk`` of ``n_samples``,
+    concatenated along the first dimension."""
+    return torch.cat([draw(min(chunk, n_samples - start)) for start in range(0, n_samples, chunk)])
 
 
 def decayed_rate(rate: float, decay: float, step: int) -> float:

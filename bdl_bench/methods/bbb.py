@@ -42,13 +42,11 @@ from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.kernels.local_reparam import StackedLocalLinear
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, softplus_inverse, standard_normal
-from bdl_bench.methods._shared import parse_choice
+from bdl_bench.methods._shared import in_chunks, parse_choice
 from bdl_bench.methods.base import Problem, StackedMethod, register_method
 from bdl_bench.models.params import forward_with, unflatten_stacked
 from bdl_bench.optim import adam
 from bdl_bench.ranges import COUNT, POSITIVE
-
-_PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
 
 class Estimator(str, Enum):
@@ -139,10 +137,7 @@ class BayesByBackprop(StackedMethod):
     def predict(self, x: Tensor, n_samples: int) -> Tensor:
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
         self.only_copy(self.mean)
-        chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            chunks.append(self._outputs_reparam(x.unsqueeze(0), min(_PREDICT_CHUNK, n_samples - start))[0])
-        return torch.cat(chunks)
+        return in_chunks(n_samples, lambda count: self._outputs_reparam(x.unsqueeze(0), count)[0])
 
     def posterior(self) -> DiagGaussian:
         r""":math:`q = \mathcal N(\mu, \operatorname{diag}(\sigma^2))` as precision ``1/σ²``."""

@@ -30,12 +30,10 @@ import torch
 from torch import Tensor
 
 from bdl_bench.methods._diag_vi import standard_normal
-from bdl_bench.methods._shared import map_step
+from bdl_bench.methods._shared import PREDICT_CHUNK, map_step
 from bdl_bench.methods.base import PostHocMethod, Problem, register_method
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.ranges import COUNT, NON_NEGATIVE_INT, POSITIVE, UNIT_OPEN
-
-_PREDICT_CHUNK = 64
 
 
 class _DualAveraging:
@@ -182,8 +180,8 @@ class HMC(PostHocMethod):
             index = torch.arange(n_samples) % n_kept
         thetas = self.samples[index.to(self.samples.device)]
         chunks = [
-            torch.vmap(lambda th: forward_with(model, th, x))(thetas[s : s + _PREDICT_CHUNK])
-            for s in range(0, n_samples, _PREDICT_CHUNK)
+            torch.vmap(lambda th: forward_with(model, th, x))(thetas[s : s + PREDICT_CHUNK])
+            for s in range(0, n_samples, PREDICT_CHUNK)
         ]
         return torch.cat(chunks) if chunks else forward_with(model, self.theta.detach(), x)[None][:0]
 

@@ -57,12 +57,10 @@ from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import stacked_nll
 from bdl_bench.methods._diag_vi import standard_normal
-from bdl_bench.methods._shared import decayed_rate
+from bdl_bench.methods._shared import decayed_rate, in_chunks
 from bdl_bench.methods.base import Problem, StackedMethod, register_method
 from bdl_bench.models.params import forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
-
-_PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
 
 def _kl_from_precision(
@@ -194,12 +192,12 @@ class IVON(StackedMethod):
         """Outputs of ``n_samples`` networks drawn from q (whole weight vectors): ``(S, N, out)``."""
         mean, std = self.only_copy(self.mean), self.only_copy(self._precision()).rsqrt()
         model = self.problem.model
-        chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            eps = standard_normal((min(_PREDICT_CHUNK, n_samples - start), mean.numel()), self.problem.generator, mean)
-            thetas = torch.addcmul(mean, std, eps)
-            chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
-        return torch.cat(chunks)
+
+        def draw(count: int) -> Tensor:
+            thetas = torch.addcmul(mean, std, standard_normal((count, mean.numel()), self.problem.generator, mean))
+            return torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas)
+
+        return in_chunks(n_samples, draw)
 
     def posterior(self) -> DiagGaussian:
         """:math:`q = \\mathcal N(m, \\operatorname{diag}(N h + \\lambda_0)^{-1})`."""

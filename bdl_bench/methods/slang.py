@@ -66,12 +66,10 @@ from bdl_bench.curvature.stacked import StackedFactors, gradient_sum, stacked_fa
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, LowRankPlusDiagGaussian, kl
 from bdl_bench.methods._diag_vi import sum_log, uniform_value
-from bdl_bench.methods._shared import decayed_rate
+from bdl_bench.methods._shared import decayed_rate, in_chunks
 from bdl_bench.methods.base import NonFiniteLossError, Problem, StackedMethod, register_method
 from bdl_bench.models.params import forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
-
-_PREDICT_CHUNK = 64  # weight samples per vectorised forward pass in ``predict``
 
 
 class NonFiniteGradientError(NonFiniteLossError):
@@ -314,12 +312,12 @@ class Slang(StackedMethod):
         """Outputs of ``n_samples`` networks :math:`\\theta \\sim q`: ``(S, N, out)``."""
         model, s = self.problem.model, self.state
         mean = self.only_copy(s.mean)
-        chunks = []
-        for start in range(0, n_samples, _PREDICT_CHUNK):
-            count = min(_PREDICT_CHUNK, n_samples - start)
+
+        def draw(count: int) -> Tensor:
             thetas = mean + sample_noise(s.prec_factor, s.prec_diag, self._cache(), count, self.problem.generator)[0]
-            chunks.append(torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas))
-        return torch.cat(chunks)
+            return torch.func.vmap(lambda theta: forward_with(model, theta, x))(thetas)
+
+        return in_chunks(n_samples, draw)
 
     def posterior(self) -> LowRankPlusDiagGaussian:
         """:math:`q = \\mathcal N(\\mu, (UU^\\top + \\operatorname{diag} d)^{-1})` (a copy: training updates the state in place)."""
