@@ -199,18 +199,13 @@ def forward_flat_params(model: nn.Module, thetas: Tensor, x: Tensor) -> Tensor:
     for _, module, layer in sequential_layers(model):
         if isinstance(module, nn.Linear) and layer is not None:
             weight = thetas[:, layer.slices["weight"]].reshape(n_samples, *module.weight.shape)
-            bias = None if module.bias is None else thetas[:, layer.slices["bias"]]
-            h = batched_linear(h, weight, bias)
+            if module.bias is None:  # h[s] @ weight[s].T (+ bias[s]) for every sample s
+                h = torch.bmm(h, weight.transpose(1, 2))
+            else:
+                h = torch.baddbmm(thetas[:, layer.slices["bias"]].unsqueeze(1), h, weight.transpose(1, 2))
         else:
             h = module(h)
     return h
-
-
-def batched_linear(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``h[s] @ weight[s].T + bias[s]`` for every sample s: ``h (S, N, in)``, ``weight (S, out, in)``."""
-    if bias is None:
-        return torch.bmm(h, weight.transpose(1, 2))
-    return torch.baddbmm(bias.unsqueeze(1), h, weight.transpose(1, 2))
 
 
 def base_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -302,7 +302,7 @@ class StackedMethod(Method):
 
     A subclass writes :meth:`setup_stack` (calling this one first), :meth:`stack_step`, and its
     evaluation for a one-copy state (reading copy 0 through :meth:`only_copy`). ``copy_state`` names the
-    attributes holding ``(R, ...)`` tensors (or dataclasses, lists, dicts of them), which :meth:`copy_at`
+    attributes holding ``(R, ...)`` tensors (or dataclasses of them), which :meth:`copy_at`
     slices. A config that cannot stack raises :class:`CannotStack` from :meth:`setup_stack` only when R > 1.
     """
 
@@ -391,10 +391,6 @@ def _copy_of(value: Any, index: int) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _copy_of(getattr(value, f.name), index) for f in dataclasses.fields(value)}
         return dataclasses.replace(value, **fields)
-    if isinstance(value, list | tuple):
-        return type(value)(_copy_of(v, index) for v in value)
-    if isinstance(value, dict):
-        return {k: _copy_of(v, index) for k, v in value.items()}
     return value
 
 

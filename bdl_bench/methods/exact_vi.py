@@ -165,13 +165,6 @@ class ExactVI(PostHocMethod):
         """A from the unconstrained variables: strictly-lower part and log-diagonal, or log-std."""
         return torch.tril(raw, -1) + torch.diag(raw.diagonal().exp()) if self._full else raw.exp()
 
-    def _objective(self, mean: Tensor, raw: Tensor, x: Tensor, y: Tensor, lam: Tensor) -> Tensor:
-        """−ELBO/N at the unconstrained variables."""
-        scale = self._scale(raw)
-        return -logistic_elbo_from_scale(
-            mean, scale, x, y, lam, expectation=self.expectation, n_points=self.n_quadrature
-        )
-
     @property
     def posterior_fitted(self) -> bool:
         return self.state.n_iter > 0
@@ -210,7 +203,9 @@ class ExactVI(PostHocMethod):
 
         def closure() -> Tensor:
             optimizer.zero_grad(set_to_none=True)
-            loss = self._objective(mean, raw, design, labels, lam)
+            loss = -logistic_elbo_from_scale(  # −ELBO/N at the unconstrained variables
+                mean, self._scale(raw), design, labels, lam, expectation=self.expectation, n_points=self.n_quadrature
+            )
             loss.backward()
             return loss
 
