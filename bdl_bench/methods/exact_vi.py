@@ -151,10 +151,6 @@ class ExactVI(PostHocMethod):
         check_logistic_regression(problem.model, problem.likelihood)
         super().setup(problem)
         mean = flat_params(problem.model)
-        if problem.prior_precision.shape != mean.shape:
-            raise ValueError(
-                f"exact_vi: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected {tuple(mean.shape)}"
-            )
         std = problem.prior_precision.to(mean).rsqrt()
         self.state = ExactVIState(mean=mean, scale=torch.diag(std) if self._full else std, n_iter=0)
 

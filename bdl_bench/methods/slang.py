@@ -216,8 +216,7 @@ class Slang(StackedMethod):
 
         Raises:
             ValueError: if the model is not an ``nn.Sequential`` of ``nn.Linear`` and parameter-free
-                modules, if the rank L is not in 1 <= L < D, or if a prior precision is not ``(D,)``
-                and positive.
+                modules, or if the rank L is not in 1 <= L < D.
         """
         super().setup_stack(problems)
         self.layout: LinearLayout = linear_layout(self.problem.model)
@@ -226,12 +225,6 @@ class Slang(StackedMethod):
             raise ConfigError(
                 f"slang: rank L={self.rank} must satisfy 1 <= L < D={n_params} (D = number of model parameters)"
             )
-        for p in problems:
-            if p.prior_precision.shape != (n_params,) or not bool((p.prior_precision > 0).all()):
-                raise ConfigError(
-                    f"slang: prior_precision must be positive with shape ({n_params},),"
-                    f" got {tuple(p.prior_precision.shape)}"
-                )
         mean, self.prior_precision = self.stacked_start()  # (R, D) each
         shared = uniform_value(self.prior_precision)  # one number when all entries share it: fewer passes
         self._shared_prior = shared if isinstance(shared, float) else None

@@ -275,11 +275,6 @@ class VOGN(StackedMethod):
         """R copies of the initial state (the model's parameters, S_0 = diag(λ_r + init_prec)), stacked."""
         super().setup_stack(problems)
         n = n_params(self.problem.model)
-        for problem in problems:
-            if problem.prior_precision.shape != (n,):
-                raise ValueError(
-                    f"vogn: prior_precision has shape {tuple(problem.prior_precision.shape)}, expected ({n},)"
-                )
         if self._full and n > MAX_FULL_PARAMS:
             raise ConfigError(
                 f"vogn: covariance=full stores a D x D precision, but the model has D={n} parameters "
