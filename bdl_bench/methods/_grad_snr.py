@@ -54,12 +54,6 @@ def median_snr(snr: Tensor) -> float:
 
 
 @dataclass
-class _Window:
-    total: list[Tensor]
-    total_sq: list[Tensor]
-
-
-@dataclass
 class GradientSNR:
     """Running gradient sums per named group of tensors over windows of ``window`` steps. ``records`` holds
     ``(step, {key: snr})`` per completed window, the keys each group's name (its mean SNR), ``all`` (the mean
@@ -67,7 +61,7 @@ class GradientSNR:
 
     window: int
     records: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    _sums: dict[str, _Window] = field(default_factory=dict)
+    _sums: dict[str, tuple[list[Tensor], list[Tensor]]] = field(default_factory=dict)  # group: sums of g, g^2
     _count: int = 0
     _unread: int = 0  # records not yet returned by ``pop_means``
 
@@ -78,22 +72,18 @@ class GradientSNR:
     def update(self, step: int, grads: Mapping[str, Sequence[Tensor]]) -> None:
         """Add one step's gradients (``{group: [tensors]}``, the same groups and shapes every step)."""
         for name, tensors in grads.items():
-            sums = self._sums.get(name)
-            if sums is None:
+            if name not in self._sums:
                 # float64 sums: E[g^2] - E[g]^2 cancels badly in float32 when the SNR is large
-                sums = self._sums[name] = _Window(
-                    [torch.zeros_like(t, dtype=torch.float64) for t in tensors],
-                    [torch.zeros_like(t, dtype=torch.float64) for t in tensors],
-                )
-            torch._foreach_add_(sums.total, list(tensors))
-            torch._foreach_addcmul_(sums.total_sq, list(tensors), list(tensors))
+                zeros = [torch.zeros_like(t, dtype=torch.float64) for t in tensors]
+                self._sums[name] = (zeros, [z.clone() for z in zeros])
+            total, total_sq = self._sums[name]
+            torch._foreach_add_(total, list(tensors))
+            torch._foreach_addcmul_(total_sq, list(tensors), list(tensors))
         self._count += 1
         if self._count == self.window:
             values, every = {}, []
-            for name, sums in self._sums.items():
-                snr = torch.cat(
-                    [_snr_from_sums(t, s, self._count).flatten() for t, s in zip(sums.total, sums.total_sq)]
-                )
+            for name, (total, total_sq) in self._sums.items():
+                snr = torch.cat([_snr_from_sums(t, s, self._count).flatten() for t, s in zip(total, total_sq)])
                 values[name] = mean_snr(snr)
                 values[f"median_{name}"] = median_snr(snr)
                 every.append(snr)
@@ -114,7 +104,7 @@ class GradientSNR:
 
     def reset(self) -> None:
         """Start a new window (dropping a partial one, e.g. after restoring a checkpoint)."""
-        for sums in self._sums.values():
-            torch._foreach_zero_(sums.total)
-            torch._foreach_zero_(sums.total_sq)
+        for total, total_sq in self._sums.values():
+            torch._foreach_zero_(total)
+            torch._foreach_zero_(total_sq)
         self._count = 0

@@ -67,11 +67,12 @@ class GaussianPredictive(Method):
         r"""Outputs ``(n_samples, N, out)`` per set at ``n_samples`` draws of ``posterior`` from ``generator``
         (``None``: the MAP's outputs, repeated), drawn in chunks of at most ``_SAMPLE_BUDGET`` parameter entries,
         each evaluated on every set before the next is drawn, in forward passes of at most ``_PREDICT_BUDGET``
-        activation entries (on the CPU large fresh tensors cost page faults); images channels-last."""
+        activation entries (on the CPU large fresh tensors cost page faults); images channels-last (faster
+        convolutions)."""
         model, theta = self.problem.model, self.theta.detach()
         probe = next((x[:1] for x in sets.values() if x.shape[0] > 0), None)
         rows = 1 if probe is None else forward_rows(model, theta, probe)
-        sets = {name: _channels_last(x) for name, x in sets.items()}
+        sets = {name: x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x for name, x in sets.items()}
         if posterior is None or probe is None:
             maps = {
                 name: torch.cat([forward_with(model, theta, xs) for xs in x.split(rows)]) for name, x in sets.items()
@@ -165,8 +166,3 @@ def widest_activation(model: nn.Module, theta: Tensor, x: Tensor) -> int:
         for hook in hooks:
             hook.remove()
     return max(sizes)
-
-
-def _channels_last(x: Tensor) -> Tensor:
-    """Image batches ``(N, C, H, W)`` in the channels-last layout (faster convolutions); other inputs as they are."""
-    return x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x
