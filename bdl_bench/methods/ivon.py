@@ -62,6 +62,8 @@ from bdl_bench.methods.base import Problem, StackedMethod, register_method
 from bdl_bench.models.params import forward_with
 from bdl_bench.ranges import COUNT, POSITIVE, Range
 
+_STATE = ("mean", "hess", "momentum")  # the (R, D) tensors a checkpoint holds, with the step t
+
 
 def _kl_from_precision(
     mean: Tensor, precision: Tensor, prior_precision: Tensor, workspace: dict[str, Tensor] | None = None
@@ -208,14 +210,9 @@ class IVON(StackedMethod):
         return self.only_copy(_kl_from_precision(self.mean, self._precision(), self.prior))
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "mean": self.mean.clone(),
-            "hess": self.hess.clone(),
-            "momentum": self.momentum.clone(),
-            "step": self.step,
-        }
+        return {**{key: getattr(self, key).clone() for key in _STATE}, "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("mean", "hess", "momentum"):
+        for key in _STATE:
             getattr(self, key).copy_(state[key])
         self.step = int(state["step"])
