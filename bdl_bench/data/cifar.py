@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -103,30 +104,15 @@ def read_cifar_archive(archive: Path, layout: CifarLayout, label: str = "fine") 
 
 
 def _load(
-    layout: CifarLayout,
-    label: str,
-    n_val: int,
-    flatten: bool,
-    standardise: bool,
-    crop_padding: int,
-    horizontal_flip: bool,
-    ood: str | None,
-    root: str | Path | None,
-    mirror: str | Path | None,
+    layout: CifarLayout, label: str, ood: str | None, root: str | Path | None, mirror: str | Path | None, **options: Any
 ) -> Dataset:
+    """``layout``'s dataset with ``label``'s classes; ``options`` are :func:`image_dataset`'s."""
     ood = check_ood(ood, _OOD_CHOICES, layout.name)  # bad options fail before the download
     layout.label_index(label)
     train, test = read_cifar_archive(get_file(layout.key, root=root, mirror=mirror), layout, label)
+    n_classes = layout.n_classes[label]
     return image_dataset(
-        layout.name,
-        train=train,
-        test=test,
-        n_classes=layout.n_classes[label],
-        n_val=n_val,
-        flatten=flatten,
-        standardise=standardise,
-        ood=read_ood(ood, root, mirror),
-        augmentation=(crop_padding, horizontal_flip),
+        layout.name, train=train, test=test, n_classes=n_classes, ood=read_ood(ood, root, mirror), **options
     )
 
 
@@ -150,8 +136,8 @@ def load_cifar10(
     ``None``; ``root``: cache folder (default ``$BDL_BENCH_DATA`` or ``~/.cache/bdl-bench``); ``mirror``: folder
     or base URL holding the tarball, tried before the canonical URL.
     """
-    args = (n_val, flatten, standardise, crop_padding, horizontal_flip, ood, root, mirror)
-    return _load(CIFAR10, "fine", *args)
+    options = dict(n_val=n_val, flatten=flatten, standardise=standardise, augmentation=(crop_padding, horizontal_flip))
+    return _load(CIFAR10, "fine", ood, root, mirror, **options)
 
 
 @register_dataset("vision/cifar100")
@@ -169,8 +155,8 @@ def load_cifar100(
 ) -> Dataset:
     """CIFAR-100: 50k training images (k-tied: the last 10k for validation), 10k test; ``label`` is
     ``fine`` (100 classes) or ``coarse`` (20). Other options as :func:`load_cifar10`."""
-    args = (n_val, flatten, standardise, crop_padding, horizontal_flip, ood, root, mirror)
-    return _load(CIFAR100, label, *args)
+    options = dict(n_val=n_val, flatten=flatten, standardise=standardise, augmentation=(crop_padding, horizontal_flip))
+    return _load(CIFAR100, label, ood, root, mirror, **options)
 
 
 def _test_split(layout: CifarLayout, root: str | Path | None = None, mirror: str | Path | None = None) -> ImageArrays:
