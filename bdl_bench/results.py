@@ -130,14 +130,10 @@ def read_csv_exact(path: Any) -> pd.DataFrame:
     return pd.read_csv(path, **exact)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> None:
-    atomic_write_text(run_dir / METRICS_FILE, json.dumps({k: _json_safe(v) for k, v in metrics.items()}, indent=2))
+    """``metrics.json``, NaN and infinite values written as null (JSON has neither)."""
+    safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    atomic_write_text(run_dir / METRICS_FILE, json.dumps(safe, indent=2))
 
 
 def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:

@@ -152,8 +152,7 @@ def image_dataset(
 
 # --- OOD sets ----------------------------------------------------------------------------------------------
 
-OodReader = Callable[[str | Path | None, str | Path | None], ImageArrays]
-OOD_READERS: dict[str, OodReader] = {}
+OOD_READERS: dict[str, Callable[[str | Path | None, str | Path | None], ImageArrays]] = {}
 """Short OOD name (``notmnist``, ``svhn``, ...) → reader of its test images; filled by the modules below."""
 register_ood = registrar(OOD_READERS, "OOD set")
 

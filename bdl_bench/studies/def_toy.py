@@ -98,7 +98,6 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     ±3σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace variants on a
     squared error, with no noise model); HMC's ±3σ as dotted lines in the other panels, each of which also
     prints its :func:`spread_ratios` to HMC."""
-    n_sigma = N_SIGMA
     deterministic = predictions.get("map")
     panels = {k: v for k, v in predictions.items() if k != "map" or len(predictions) == 1}
     n = len(panels)
@@ -109,25 +108,25 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     x = torch.as_tensor(x_grid)
     reference = predictions.get("hmc")
     for ax, (variant, p) in zip(axes.flat, panels.items()):
-        for k in range(n_sigma, 0, -1):
+        for k in range(N_SIGMA, 0, -1):
             ax.fill_between(
                 x,
                 p.mean - k * p.epistemic_std,
                 p.mean + k * p.epistemic_std,
                 color="tab:blue",
-                alpha=0.12 + 0.1 * (n_sigma - k),
+                alpha=0.12 + 0.1 * (N_SIGMA - k),
                 lw=0,
-                label=f"±{n_sigma}σ … ±1σ" if k == n_sigma else None,
+                label=f"±{N_SIGMA}σ … ±1σ" if k == N_SIGMA else None,
             )
         if reference is not None and variant != "hmc":
             for sign in (-1, 1):
                 ax.plot(
                     x,
-                    reference.mean + sign * n_sigma * reference.epistemic_std,
+                    reference.mean + sign * N_SIGMA * reference.epistemic_std,
                     color="k",
                     lw=0.8,
                     ls=":",
-                    label=f"HMC ±{n_sigma}σ" if sign < 0 else None,
+                    label=f"HMC ±{N_SIGMA}σ" if sign < 0 else None,
                 )
         ax.plot(x, x**3, color="k", lw=1, label="x³")
         if deterministic is not None and variant != "map":
@@ -153,7 +152,7 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, loc="upper left")
     fig.suptitle(
-        f"Toy regression y = x³ + N(0, 3²), {len(x_train)} points: mean and up to ±{n_sigma}σ of the network output\n"
+        f"Toy regression y = x³ + N(0, 3²), {len(x_train)} points: mean and up to ±{N_SIGMA}σ of the network output\n"
         "(cf. Lee et al. 2020, Fig. 4; grey: outside the training range)",
         fontsize=10,
     )

@@ -147,12 +147,6 @@ def spectra(net: MeanFieldNetwork) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    sem = float(t.std(correction=1) / math.sqrt(len(t))) if len(t) > 1 else float("nan")
-    return float(t.mean()), sem
-
-
 @torch.no_grad()
 def weight_sample_metrics(
     net: MeanFieldNetwork,
@@ -199,7 +193,9 @@ def weight_sample_metrics(
                 per_sample.setdefault("rmse", []).append(float(err.pow(2).mean().sqrt()))
     out: dict[str, float] = {}
     for name, values in per_sample.items():
-        out[f"{name}_mean"], out[f"{name}_sem"] = _mean_sem(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        sem = float(t.std(correction=1) / math.sqrt(len(t))) if len(t) > 1 else float("nan")
+        out[f"{name}_mean"], out[f"{name}_sem"] = float(t.mean()), sem
     ensemble = predictive_metrics(
         likelihood, torch.cat(test_outputs), dataset.y_test, y_mean=dataset.y_mean, y_std=dataset.y_std
     )
