@@ -14,8 +14,8 @@ from bdl_bench.data.download import (
     RemoteFile,
     cache_path,
     cache_root,
+    checksum_problem,
     fetch,
-    verify_cached,
 )
 
 
@@ -108,8 +108,8 @@ def fetch_command(ns: argparse.Namespace) -> int:
 def verify_command(ns: argparse.Namespace) -> int:
     bad = 0
     for remote in resolve(ns.names or _all_names()):
-        state = verify_cached(remote, ns.root)
         path = cache_path(remote, ns.root)
+        state = checksum_problem(path, remote) if path.is_file() else "missing"
         if state is None:
             print(f"ok       {path}")
         elif state == "missing":

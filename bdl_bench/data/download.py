@@ -126,14 +126,6 @@ def checksum_problem(path: Path, remote: RemoteFile, *, use_sidecar: bool = True
     return None
 
 
-def verify_cached(remote: RemoteFile, root: str | Path | None = None) -> str | None:
-    """``None`` if the cached copy is good, ``"missing"`` if absent, else what is wrong with it."""
-    path = cache_path(remote, root)
-    if not path.is_file():
-        return "missing"
-    return checksum_problem(path, remote)
-
-
 # --- transfers ---------------------------------------------------------------------------------------------
 
 

@@ -71,13 +71,6 @@ DATASET_FILES: dict[str, tuple[str, ...]] = {
 """Dataset name → the cache keys it needs (``vision/svhn_extra``: only with ``data.use_extra=true``)."""
 
 
-def remote(key: str) -> RemoteFile:
-    """The registry entry for cache key ``key`` (a :class:`KeyError` lists the known keys)."""
-    if key not in FILES:
-        raise KeyError(f"no remote file {key!r}; known: {', '.join(sorted(FILES))}")
-    return FILES[key]
-
-
 def get_file(key: str, *, root: str | Path | None = None, mirror: str | Path | None = None) -> Path:
     """Fetch (or find in the cache) the file ``key`` and return its verified path; see :func:`fetch`."""
-    return fetch(remote(key), root=root, mirror=mirror)
+    return fetch(FILES[key], root=root, mirror=mirror)

@@ -22,7 +22,7 @@ import pytest
 from bdl_bench.data import data_cli, registry_files
 from bdl_bench.data.archives import UnsafeArchiveError, iter_tar_files
 from bdl_bench.data.checksums import hexdigests
-from bdl_bench.data.download import DownloadError, DownloadSettings, RemoteFile, cache_path, fetch, verify_cached
+from bdl_bench.data.download import DownloadError, DownloadSettings, RemoteFile, cache_path, checksum_problem, fetch
 
 FAST = DownloadSettings(timeout=5.0, retries=2, backoff=0.0, chunk_size=1024, progress=False)
 DATA = bytes(range(256)) * 64  # 16 KiB
@@ -279,7 +279,7 @@ def test_md5_only_file_gets_a_sha256_record_and_corruption_is_refetched(server: 
     sidecar = path.with_name("blob.bin.sha256")
     assert sidecar.read_text().split()[0] == hashlib.sha256(DATA).hexdigest()
     path.write_bytes(DATA[:-1] + b"\x00")
-    assert "MD5" in (verify_cached(remote, tmp_path) or "")
+    assert "MD5" in (checksum_problem(path, remote) or "")
     assert fetch(remote, root=tmp_path, settings=FAST).read_bytes() == DATA  # corrupt cache re-fetched
     assert len(server.log) == 2
 
