@@ -11,7 +11,6 @@ from typing import Any
 
 import pandas as pd
 import torch
-import yaml
 from matplotlib.figure import Figure
 from torch import Tensor
 
@@ -22,19 +21,20 @@ from bdl_bench.curvature.pseudo_grads import pseudo_grads
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, run_configs
-from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, read_config
 
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
 
-def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, Any, Any, dict]:
-    """One finished run's model, parameters, data, likelihood and config, rebuilt from its ``config.yaml`` and
-    ``params.pt`` in double precision, with ``layer`` checked against its weight layers."""
+def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, Any, Any, torch.Generator, dict]:
+    """One finished run's model, parameters, data, likelihood, generator of curvature=fisher's labels and config,
+    rebuilt from its ``config.yaml`` and ``params.pt`` in double precision, with ``layer`` checked against its
+    weight layers."""
     from bdl_bench.data import build_dataset
     from bdl_bench.likelihoods import build_likelihood
     from bdl_bench.models import build_model
 
-    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    config = read_config(run_dir / CONFIG_FILE)
     if not (run_dir / PARAMS_FILE).is_file():
         raise ResultsError(f"{run_dir} has no {PARAMS_FILE} (a finished run of a method with a point estimate)")
     data = build_dataset(config["data"])
@@ -44,11 +44,8 @@ def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, An
     if not 0 <= layer < n_layers:
         raise ResultsError(f"layer {layer}: the model of {run_dir} has weight layers 0 … {n_layers - 1}")
     theta = load_params(run_dir / PARAMS_FILE)["theta"].double()
-    return model, theta, data, build_likelihood(data, config.get("noise_precision")), config
-
-
-def _fisher_generator(config: dict) -> torch.Generator:
-    return torch.Generator().manual_seed(int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET)
+    generator = torch.Generator().manual_seed(int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET)
+    return model, theta, data, build_likelihood(data, config.get("noise_precision")), generator, config
 
 
 def run_errors(
@@ -56,7 +53,7 @@ def run_errors(
 ) -> tuple[pd.DataFrame, Tensor, dict]:
     """:func:`~bdl_bench.curvature.frobenius.layer_approximations` at one finished run's parameters, on its
     training set (rebuilt from its ``config.yaml``): (table, eigenvalues of the exact block, the run's config)."""
-    model, theta, data, likelihood, config = _run_problem(run_dir, layer)
+    model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer)
     table, eigenvalues = layer_approximations(
         model,
         theta,
@@ -66,7 +63,7 @@ def run_errors(
         layer=layer,
         kind=curvature,
         n_samples=n_samples,
-        generator=_fisher_generator(config),
+        generator=generator,
     )
     return table, eigenvalues, config
 
@@ -74,7 +71,7 @@ def run_errors(
 def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16) -> tuple[Tensor, dict]:
     """The exact information block of weight layer ``layer`` (weights and biases) at one finished run's
     parameters, on its training set: (the ``(P, P)`` block, the run's config)."""
-    model, theta, data, likelihood, config = _run_problem(run_dir, layer)
+    model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer)
     batch = pseudo_grads(
         model,
         theta,
@@ -83,7 +80,7 @@ def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_sample
         likelihood,
         kind=curvature,
         n_samples=n_samples,
-        generator=_fisher_generator(config),
+        generator=generator,
     )
     return exact_blocks([batch])[layer], config
 

@@ -35,7 +35,6 @@ from typing import Any
 
 import pandas as pd
 import torch
-import yaml
 from torch import Tensor, nn
 
 from bdl_bench.data.base import Dataset
@@ -77,9 +76,10 @@ class MeanFieldNetwork:
         from bdl_bench.likelihoods import build_likelihood
         from bdl_bench.models import build_model
         from bdl_bench.models.params import prior_precision_vector
+        from bdl_bench.results import CONFIG_FILE, read_config
 
         run_dir = Path(run_dir)
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        cfg = read_config(run_dir / CONFIG_FILE)
         q = load_gaussian(run_dir / "posterior.pt")
         if not hasattr(q, "prec_diag"):
             raise ValueError(f"{run_dir}: the posterior is a {type(q).__name__}, not a diagonal Gaussian")
