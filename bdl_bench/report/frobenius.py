@@ -142,13 +142,7 @@ def plot(table: pd.DataFrame, eigenvalues: Tensor, path: Path, title: str) -> Pa
 
 
 def plot_runs(
-    folder: Path,
-    out: Path,
-    *,
-    method: str = "map",
-    layer: int = 0,
-    curvature: str = "ggn",
-    n_samples: int = 16,
+    folder: Path, out: Path, *, method: str = "map", layer: int = 0, curvature: str = "ggn", n_samples: int = 16
 ) -> tuple[Path, pd.DataFrame]:
     """Fig. 5 from the finished ``method`` runs below ``folder`` into ``out``; returns (png, the figure's table
     of :func:`errors_from_runs`)."""

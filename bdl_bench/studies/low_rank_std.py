@@ -149,12 +149,7 @@ def spectra(net: MeanFieldNetwork) -> pd.DataFrame:
 
 @torch.no_grad()
 def weight_sample_metrics(
-    net: MeanFieldNetwork,
-    dataset: Dataset,
-    likelihood: Likelihood,
-    *,
-    n_samples: int,
-    generator: torch.Generator,
+    net: MeanFieldNetwork, dataset: Dataset, likelihood: Likelihood, *, n_samples: int, generator: torch.Generator
 ) -> dict[str, float]:
     """Metrics of ``n_samples`` networks drawn from ``net``: mean and standard error over the samples.
 
