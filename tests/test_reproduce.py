@@ -13,7 +13,9 @@ import pytest
 import torch
 import yaml
 
+from bdl_bench.errors import ResultsError
 from bdl_bench.orchestration.reproduce import _expand, agreement, main, make_plan, markdown
+from bdl_bench.report import ktied
 from bdl_bench.results import code_version, read_csv_exact
 
 
@@ -118,6 +120,13 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     out = capsys.readouterr().out
     assert "| boston | bbb | 1 |" in out and "0 ran, 1 skipped" in out  # split 0's run alone, not split 2's beside it
     assert "| boston | bbb | 1 |" in (runs / "reproduce.md").read_text()
+    # a piece run by another code version (committed from another machine): the header says so
+    record = runs / f"data.split=2,data=uci/boston,method=bbb,{search},trainer.n_epochs=3" / "run.json"
+    record.write_text(record.read_text().replace(code_version(), "0123abc"))
+    main(args)
+    assert (
+        "runs: `the runs below" in (runs / "reproduce.md").read_text() and "0123abc: 1 runs" in capsys.readouterr().out
+    )
 
     # a finished run outside this sweep whose config today's code no longer reproduces
     foreign = runs / f"data.split=1,data=uci/boston,method=bbb,{search},trainer.n_epochs=3"
@@ -306,6 +315,13 @@ def test_quick_reproduce_of_ktied_fig6_records_the_paper_steps(tmp_path: Path, m
     d, biases = 784 * 8 + 8 * 8 + 8 * 10 + 8 + 8 + 10, 8 + 8 + 10
     assert left.loc["mean_field", "n_variational_params"] == 2 * d
     assert left.loc["2_tied", "n_variational_params"] == d + biases + 2 * (8 + 784 + 8 + 8 + 10 + 8)
+    # the committed pieces of a long reproduction keep no weights: the rows come back from weight_samples.csv
+    computed, _ = ktied.weight_samples(folder, [], "fig6_left")
+    for posterior in folder.rglob("posterior.pt"):
+        posterior.unlink()
+    pd.testing.assert_frame_equal(ktied.weight_samples(folder, [], "fig6_left")[0], computed)
+    with pytest.raises(ResultsError, match="no posterior.pt and no weight_samples.csv of ranks \\[\\], 7 samples"):
+        ktied.weight_samples(folder, [], "fig6_left", samples=7)
 
 
 def test_a_tolerance_keyed_by_a_name_the_paper_table_lacks_is_refused() -> None:

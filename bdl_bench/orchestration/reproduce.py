@@ -432,7 +432,8 @@ def main(args: list[str]) -> None:
             f"so no table is made from it:\n{lines}\nRe-run with --force to replace them, move them away, "
             "or pass results_root=<new folder>."
         )
-    for warning in version_warnings(plan.sweep_dir):
+    warnings = version_warnings(plan.sweep_dir)  # also in the header: a table resumed across code versions says so
+    for warning in warnings:
         print(f"warning: {warning}")
     from bdl_bench.report.tables import build_table
 
@@ -451,7 +452,7 @@ def main(args: list[str]) -> None:
             f"same difference of the paper's printed values.\n\n{text}"
         )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
-    header = provenance(args, time.perf_counter() - started)
+    header = provenance(args, time.perf_counter() - started) | ({"runs": "; ".join(warnings)} if warnings else {})
     text += cost_table(plan.sweep_dir, paper, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from bdl_bench.errors import ResultsError
 from bdl_bench.report.paper import PaperValue, ktied_column, read_paper_csv
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, mean_se, run_configs
-from bdl_bench.results import METRICS_FILE, flatten
+from bdl_bench.results import METRICS_FILE, atomic_write_text, flatten
 
 PAPER_TABLES = {"table2": "ktied_table2_low_rank.csv", "fig6_left": "ktied_table3_training.csv"}
 LABELS = {"mean_field": "mean-field", "1_tied": "1-tied", "2_tied": "2-tied", "3_tied": "3-tied"}
@@ -119,29 +119,61 @@ def n_variational_params(net: object, k: int | None) -> int:
     return total
 
 
+STUDY_FILE = "weight_samples.csv"  # a run's rows of weight_samples, kept beside its posterior.pt
+
+
 def weight_samples(
     folder: Path, ranks: Sequence[int], paper: str, samples: int | None = None, seed: int = 0
 ) -> tuple[pd.DataFrame, str]:
     """Table 2 (``ranks`` [1, 2, 3], ``paper`` ``table2``) or Fig. 6 left (``ranks`` [], ``paper`` ``fig6_left``):
     one row per run and approximation; ``samples`` weight samples (default: the run's ``trainer.n_test_mc_samples``)."""
-    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, low_rank_study
-
     published = _paper(PAPER_TABLES[paper])
     rows = []
     methods = ("gmfvi",) if ranks else ("gmfvi", "ktied")
-    for run, config in _runs(folder, posterior=True, methods=methods):
-        net, dataset, likelihood = MeanFieldNetwork.from_run(run)
+    for run, config in _runs(folder, methods=methods):
         n = int(samples or config["trainer"]["n_test_mc_samples"])
-        study = low_rank_study(
-            net, dataset, likelihood, ranks=list(ranks), n_samples=n, generator=torch.Generator().manual_seed(seed)
-        )
-        trained = ktied_column(flatten(config))
-        k = None if trained == "mean_field" else int(config["method"]["k"])
-        for r in study.to_dict("records"):
-            column = trained if r["rank"] == 0 else f"{int(r['rank'])}_tied"
-            row = {
+        for row in _run_rows(run, config, list(ranks), n, seed):
+            for metric in ("neg_elbo", "nll", "accuracy"):
+                _beside(row, metric, published.get((row["column"], metric)))
+            rows.append(row)
+    frame = pd.DataFrame(rows).drop(columns=["column", "study"])
+    order = {name: i for i, name in enumerate(LABELS)}
+    frame = frame.sort_values(
+        ["seed", "method"],
+        key=lambda c: c.map(lambda v: order.get(v, len(order))) if c.name == "method" else c,
+        kind="stable",
+        ignore_index=True,
+    )
+    return frame, _weight_samples_markdown(frame, paper)
+
+
+def _run_rows(run: Path, config: dict, ranks: list[int], n: int, seed: int) -> list[dict]:
+    """``run``'s rows: the low-rank study of its posterior over ``n`` weight samples (generator seed ``seed``),
+    also written to its ``weight_samples.csv``. A run whose ``posterior.pt`` was not kept (the committed pieces of a
+    reproduction longer than one machine's session, ``docs/reproducing.md``) is read back from that file, which
+    must be of the same ranks, ``n`` and ``seed``."""
+    study_key = f"ranks {ranks}, {n} samples, seed {seed}"
+    if not (run / "posterior.pt").exists():
+        kept = pd.read_csv(run / STUDY_FILE).to_dict("records") if (run / STUDY_FILE).exists() else []
+        if not kept or any(r["study"] != study_key for r in kept):
+            raise ResultsError(f"{run} has no posterior.pt and no {STUDY_FILE} of {study_key}; re-run it")
+        return kept
+    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, low_rank_study
+
+    net, dataset, likelihood = MeanFieldNetwork.from_run(run)
+    study = low_rank_study(
+        net, dataset, likelihood, ranks=ranks, n_samples=n, generator=torch.Generator().manual_seed(seed)
+    )
+    trained = ktied_column(flatten(config))
+    k = None if trained == "mean_field" else int(config["method"]["k"])
+    rows = []
+    for r in study.to_dict("records"):
+        column = trained if r["rank"] == 0 else f"{int(r['rank'])}_tied"
+        rows.append(
+            {
                 "dataset": "mnist",
                 "method": column if r["rank"] == 0 else f"mean_field, rank-{int(r['rank'])} std",
+                "column": column,
                 "seed": int(config["trainer"]["seed"]),
                 "n_runs": 1,
                 "n_samples": n,
@@ -156,19 +188,11 @@ def weight_samples(
                 "ensemble_nll": r["ensemble_nll"],
                 "ensemble_accuracy": 100 * r["ensemble_accuracy"],
                 "ece": r["ensemble_ece"],
+                "study": study_key,
             }
-            for metric in ("neg_elbo", "nll", "accuracy"):
-                _beside(row, metric, published.get((column, metric)))
-            rows.append(row)
-    frame = pd.DataFrame(rows)
-    order = {name: i for i, name in enumerate(LABELS)}
-    frame = frame.sort_values(
-        ["seed", "method"],
-        key=lambda c: c.map(lambda v: order.get(v, len(order))) if c.name == "method" else c,
-        kind="stable",
-        ignore_index=True,
-    )
-    return frame, _weight_samples_markdown(frame, paper)
+        )
+    atomic_write_text(run / STUDY_FILE, pd.DataFrame(rows).to_csv(index=False))
+    return rows
 
 
 def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
