@@ -315,6 +315,7 @@ def test_quick_reproduce_of_ktied_fig6_records_the_paper_steps(tmp_path: Path, m
     d, biases = 784 * 8 + 8 * 8 + 8 * 10 + 8 + 8 + 10, 8 + 8 + 10
     assert left.loc["mean_field", "n_variational_params"] == 2 * d
     assert left.loc["2_tied", "n_variational_params"] == d + biases + 2 * (8 + 784 + 8 + 8 + 10 + 8)
+    assert list(left["paper_n_variational_params_k"]) == [957, 484]  # the paper's 784-400-400-10, not this 8-8 net
     # the committed pieces of a long reproduction keep no weights: the rows come back from weight_samples.csv
     computed, _ = ktied.weight_samples(folder, [], "fig6_left")
     for posterior in folder.rglob("posterior.pt"):

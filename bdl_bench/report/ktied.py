@@ -42,6 +42,8 @@ def _paper(csv: str, model_dataset: str = "mnist_mlp") -> dict[tuple[str, str], 
     for row in frame[frame["model_dataset"] == model_dataset].to_dict("records"):
         for metric in ("neg_elbo", "nll", "accuracy"):
             out[(row["method"], metric)] = PaperValue.printed(row[f"{metric}_mean"], row[f"{metric}_sem"])
+        if "num_params_k" in row:  # Fig. 6 left's parameter count, in thousands: Table 1's formulas on the MLP
+            out[(row["method"], "num_params_k")] = PaperValue(float(row["num_params_k"]))
     return out
 
 
@@ -135,6 +137,8 @@ def weight_samples(
         for row in _run_rows(run, config, list(ranks), n, seed):
             for metric in ("neg_elbo", "nll", "accuracy"):
                 _beside(row, metric, published.get((row["column"], metric)))
+            count = published.get((row["column"], "num_params_k"))
+            row["paper_n_variational_params_k"] = None if count is None else count.value
             rows.append(row)
     frame = pd.DataFrame(rows).drop(columns=["column", "study"])
     order = {name: i for i, name in enumerate(LABELS)}
@@ -196,13 +200,15 @@ def _run_rows(run: Path, config: dict, ranks: list[int], n: int, seed: int) -> l
 
 
 def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
-    headers = ["posterior", "seed", "# var. params [k]"]
+    headers = ["posterior", "seed", "# var. params [k] (ours)", "(paper)"]
     for label in ("-ELBO (test)", "NLL", "accuracy %"):
         headers += [f"{label} (ours)", f"{label} (paper)", "agrees"]
     headers += ["-ELBO (train)", "mixture NLL", "mixture accuracy %", "ECE"]
     rows = []
     for r in frame.to_dict("records"):
+        paper_count = r["paper_n_variational_params_k"]
         cells = [str(r["method"]), str(r["seed"]), f"{r['n_variational_params'] / 1000:.0f}"]
+        cells.append("–" if paper_count is None or pd.isna(paper_count) else f"{paper_count:.0f}")
         for metric, digits in (("neg_elbo", 3), ("nll", 3), ("accuracy", 1)):
             cells += _compared(r, metric, digits + 1, digits)
         cells += [mean_se(r["train_neg_elbo"], None), mean_se(r["ensemble_nll"], None)]
