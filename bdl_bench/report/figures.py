@@ -81,7 +81,8 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         curvature=str(spec.get("curvature", "ggn")),
     )
     if kind == "convergence":
-        return plots.plot_convergence(folder, out, methods), None, None
+        split = None if spec.get("split") is None else int(spec["split"])
+        return plots.plot_convergence(folder, out, methods, split), None, None
     if kind == "covariance":
         png, table = plots.plot_covariance(
             folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))

@@ -50,16 +50,19 @@ def _labelled_runs(folder: Path) -> pd.DataFrame:
 _LOG_EPOCHS_FROM = 100  # runs this long get a logarithmic epoch axis (10,000-epoch runs converge in the first 1 %)
 
 
-def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None) -> Path:
-    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method
-    (:func:`convergence_figure`), saved to ``out``."""
-    return save_figure(convergence_figure(folder, methods), out)
+def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None, split: int | None = None) -> Path:
+    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method (or of one
+    ``split``: :func:`convergence_figure`), saved to ``out``."""
+    return save_figure(convergence_figure(folder, methods, split), out)
 
 
-def convergence_figure(folder: Path, methods: list[str] | None = None) -> Figure:
+def convergence_figure(folder: Path, methods: list[str] | None = None, split: int | None = None) -> Figure:
     """The figure of :func:`plot_convergence`: one row per dataset, one line per method; the epoch axis is
-    logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early)."""
+    logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early). A
+    run's history is its ``history.csv``, or ``history.csv.gz`` where that was kept instead (a committed piece)."""
     runs = _labelled_runs(folder)
+    if split is not None:
+        runs = runs[runs["data.split"] == split]
     if methods and not runs["label"].isin(methods).any():
         found = ", ".join(sorted(runs["label"].astype(str).unique()))
         raise ResultsError(f"none of the methods {methods} has runs below {folder}; found: {found}")
@@ -73,7 +76,8 @@ def convergence_figure(folder: Path, methods: list[str] | None = None) -> Figure
     for row, dataset in enumerate(datasets):
         last_epoch = 0
         for label, group in runs[runs["dataset"] == dataset].groupby("label"):
-            histories = [pd.read_csv(Path(d) / HISTORY_FILE) for d in group["run_dir"]]
+            paths = [Path(d) / HISTORY_FILE for d in group["run_dir"]]
+            histories = [pd.read_csv(p if p.exists() else p.with_name(f"{HISTORY_FILE}.gz")) for p in paths]
             history = pd.concat(histories).groupby("epoch").mean(numeric_only=True)
             last_epoch = max(last_epoch, int(history.index.max()))
             if "train/elbo" in history:

@@ -82,6 +82,11 @@ def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n
     assert lines["slang rank=5"].get_ydata()[0] == pytest.approx(1.5 + 5.0)
     with pytest.raises(ValueError, match="none of the methods .*found: slang rank=1, slang rank=5"):
         convergence_figure(tmp_path, methods=["bbb"])
+    # one split's runs, their histories kept gzipped (the committed pieces of a long reproduction)
+    for history in tmp_path.glob("slang*_1/history.csv"):
+        pd.read_csv(history).to_csv(history.with_name("history.csv.gz"), index=False)
+        history.unlink()
+    assert convergence_figure(tmp_path, split=1).axes[0].get_lines()[1].get_ydata()[0] == pytest.approx(2 + 5.0)
 
 
 def test_covariance_figure_of_a_dataset_without_runs_says_so(tmp_path: Path) -> None:
