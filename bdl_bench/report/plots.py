@@ -183,7 +183,12 @@ def main(args: list[str]) -> None:
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default <folder>/<kind>.png)")
     parser.add_argument("--methods", default=None, help="comma-separated method labels, in plotting order")
     parser.add_argument("--dataset", default=None, help="covariance: dataset short name (default: first)")
-    parser.add_argument("--split", type=int, default=0, help="covariance: split index")
+    parser.add_argument(
+        "--split",
+        type=int,
+        default=None,
+        help="covariance: split index (default 0); convergence: that split's runs alone",
+    )
     parser.add_argument("--max-dim", type=int, default=64, help="covariance: parameters shown")
     ns = parser.parse_args([a.removeprefix("kind=") for a in args])
     if not ns.folder.is_dir():
@@ -191,11 +196,12 @@ def main(args: list[str]) -> None:
     out = ns.out or ns.folder / f"{ns.kind}.png"
     methods = ns.methods.split(",") if ns.methods else None
     if ns.kind == "convergence":
-        plot_convergence(ns.folder, out, methods)
+        plot_convergence(ns.folder, out, methods, ns.split)
     elif ns.kind == "ood":
         from bdl_bench.report.ood_plots import plot_runs
 
         plot_runs(ns.folder, out)
     else:
-        print(plot_covariance(ns.folder, out, ns.dataset, ns.split, methods, ns.max_dim)[1].to_string(index=False))
+        split = 0 if ns.split is None else ns.split
+        print(plot_covariance(ns.folder, out, ns.dataset, split, methods, ns.max_dim)[1].to_string(index=False))
     print(f"wrote {out}")

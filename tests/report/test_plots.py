@@ -10,7 +10,7 @@ import torch
 
 from bdl_bench.gaussians import DiagGaussian, FullGaussian
 from bdl_bench.gaussians.io import save_gaussian
-from bdl_bench.report.plots import plot_covariance
+from bdl_bench.report.plots import main, plot_covariance
 from bdl_bench.results import write_config, write_metrics
 
 
@@ -87,6 +87,8 @@ def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n
         pd.read_csv(history).to_csv(history.with_name("history.csv.gz"), index=False)
         history.unlink()
     assert convergence_figure(tmp_path, split=1).axes[0].get_lines()[1].get_ydata()[0] == pytest.approx(2 + 5.0)
+    main([str(tmp_path), "convergence", "--split", "1", "--out", str(tmp_path / "fig4.png")])  # bdl-bench plot
+    assert (tmp_path / "fig4.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_covariance_figure_of_a_dataset_without_runs_says_so(tmp_path: Path) -> None:
