@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.orchestration.reproduce import _expand, agreement, main, make_plan, markdown
+from bdl_bench.orchestration.reproduce import _expand, agreement, finished_line, main, make_plan, markdown
 from bdl_bench.report import ktied
 from bdl_bench.results import code_version, read_csv_exact
 
@@ -86,6 +86,21 @@ def test_agreement_uses_two_standard_errors_or_the_stated_tolerance() -> None:
         agreement(frame, {"rmse": "two"})
 
 
+def test_a_table_from_part_of_a_sweep_names_the_missing_settings() -> None:
+    jobs = [
+        [f"data.split={i}", "data=libsvm/usps_3vs5", f"variant=slang_table1/{v}"]
+        for v in ("L1", "L10")
+        for i in range(3)
+    ]
+    jobs.append(["data.split=0", "data=libsvm/a1a", "variant=slang_table1/L1"])
+    assert finished_line(jobs, [True] * 7) == "7 of 7 runs"
+    line = finished_line(jobs, [True, True, True, False, True, False, False])
+    assert line == (
+        "4 of 7 runs; not in this table: data=libsvm/usps_3vs5,variant=slang_table1/L10 (2 runs); "
+        "data=libsvm/a1a,variant=slang_table1/L1 (1 run)"
+    )
+
+
 @pytest.mark.slow
 def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -101,7 +116,7 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     assert report.startswith("# slang_table2 (--quick")
     # the header says where the table came from: the command, the code version, the date
     assert "command: `bdl-bench reproduce slang_table2 method=bbb data=uci/boston" in report
-    assert f"code: `{code_version()}`" in report and "date: `20" in report
+    assert f"code: `{code_version()}`" in report and "date: `20" in report and "finished: `1 of 1 runs`" in report
     csv_text = (runs / "reproduce.csv").read_text()
     assert csv_text.startswith("# command: bdl-bench reproduce slang_table2")
     assert "agrees_rmse" in pd.read_csv(runs / "reproduce.csv", comment="#").columns

@@ -334,9 +334,26 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
         "command": shlex.join(["bdl-bench", "reproduce", *args]),
         "code": code_version(),
         "date": now.strftime("%Y-%m-%d %H:%M UTC"),
-        "wall time": f"{wall_s:.0f} s (this invocation; runs reused from an earlier one not included)",
+        "wall time": f"{wall_s:.0f} s (this invocation, its figures included; runs reused from an earlier one not)",
         "machine": f"{_default_jobs()} usable CPU cores, {gpu}{load}",
     }
+
+
+def finished_line(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -> str:
+    """How many of the sweep's ``jobs`` (their overrides) the table holds and, when not all, which are missing: one entry per setting
+    of the swept keys other than the split, with the count of its missing splits, so that a table made from part
+    of a sweep says exactly which part."""
+    n_done = sum(done)
+    line = f"{n_done} of {len(jobs)} runs"
+    if n_done == len(jobs):
+        return line
+    missing: dict[str, int] = {}
+    for job, finished in zip(jobs, done):
+        if not finished:
+            setting = ",".join(o for o in job if not o.startswith("data.split=")) or "the single setting"
+            missing[setting] = missing.get(setting, 0) + 1
+    entries = [f"{setting} ({count} run{'s' * (count > 1)})" for setting, count in missing.items()]
+    return f"{line}; not in this table: " + "; ".join(entries)
 
 
 def write_report(folder: Path, title: str, header: Mapping[str, str], text: str, frame: pd.DataFrame) -> None:
@@ -452,10 +469,12 @@ def main(args: list[str]) -> None:
             f"same difference of the paper's printed values.\n\n{text}"
         )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
-    header = provenance(args, time.perf_counter() - started) | ({"runs": "; ".join(warnings)} if warnings else {})
     text += cost_table(plan.sweep_dir, paper, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
+    # after the figures: their numbers (e.g. k-tied's weight-sample studies) can take minutes
+    header = provenance(args, time.perf_counter() - started) | ({"runs": "; ".join(warnings)} if warnings else {})
+    header["finished"] = finished_line(plan.jobs, [(d / METRICS_FILE).exists() for d in expected])
     own = [d for d in figures if d.is_table]
     if own:  # the figures' numbers are the table; the runs' metrics follow as what they were computed from
         text = "\n\n".join(figure_table(d) for d in own) + f"\n\nThe runs the figure is computed from:\n\n{text}"
