@@ -128,6 +128,15 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["noise_precision"] == best["noise_precision"] and config["data"]["val_fraction"] == 0.0
 
+    # --no-run: a table from the finished part of a wider sweep, trains nothing and names what it leaves out
+    main([*[a.replace("data.split=0", "data.split=0,1") for a in args], "--no-run"])
+    assert "| boston | bbb | 1 |" in capsys.readouterr().out
+    assert not any(runs.glob("data.split=1,*"))
+    assert (
+        "finished: `1 of 2 runs; not in this table: method=bbb,data=uci/boston (1 run)`"
+        in (runs / "reproduce.md").read_text()
+    )
+
     # another piece of the same experiment in the same folder (split 2) is not in this sweep's table
     main([a.replace("data.split=0", "data.split=2") for a in args])
     assert "| boston | bbb | 1 |" in capsys.readouterr().out
