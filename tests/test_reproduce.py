@@ -349,6 +349,29 @@ def test_quick_reproduce_of_ktied_fig6_records_the_paper_steps(tmp_path: Path, m
         ktied.weight_samples(folder, [], "fig6_left", samples=7)
 
 
+@pytest.mark.slow
+@needs_mnist
+def test_ktied_fig6_snr_runs_are_the_first_steps_of_ktied_fig6s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ktied_fig6_snr stops ktied_fig6's runs early on their own KL schedule: what it records up to its last epoch
+    equals the longer run's record, bit for bit on one thread (here 3 against 4 epochs, at step 1000)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweeps run in this process
+    common = ["--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}", *TINY_MNIST]
+    common += [f"data.mirror={SHARED_MNIST}", "variant=ktied_fig6/mean_field", "trainer.seed=0"]
+    main(["ktied_fig6_snr", "--quick", *common])
+    short = tmp_path / "ktied_fig6_snr_quick"
+    assert (short / "fig6_right.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    right = pd.read_csv(short / "reproduce.csv", comment="#").query("figure == 'fig6_right'")
+    assert right["step"].tolist() == [1000] and right["paper_snr"].tolist() == [4.13]
+    (shorter,) = short.rglob("steps.csv")
+    config = yaml.safe_load((shorter.parent / "config.yaml").read_text())
+    assert config["method"]["kl_annealing_steps"] == 300 * 391  # ktied_fig6's schedule
+    main(["ktied_fig6", *common, "trainer.n_epochs=4", "method.kl_annealing_steps=117300"])
+    (longer,) = (tmp_path / "ktied_fig6").rglob("steps.csv")
+    pd.testing.assert_frame_equal(pd.read_csv(shorter), pd.read_csv(longer))
+
+
 def test_a_tolerance_keyed_by_a_name_the_paper_table_lacks_is_refused() -> None:
     """slang_table1 once keyed its 2 % criterion by our metric keys (elbo_no_bias_logdet, nll), which the
     agreement never looked up: the two-SE rule applied instead, silently."""
