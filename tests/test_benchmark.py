@@ -35,6 +35,12 @@ def test_only_the_benchmark_experiments_take_the_benchmark_path() -> None:
     assert not benchmark_experiment("slang_table2") and not benchmark_experiment("no_such_experiment")
 
 
+def test_no_run_is_refused_for_a_benchmark_rather_than_timing_it(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="ktied_table4 is a benchmark, with no runs to table; drop --no-run"):
+        reproduce(["ktied_table4", "--no-run", f"results_root={tmp_path}"])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_quick_ktied_table4_writes_our_ratios_beside_the_papers(tmp_path: Path) -> None:
     reproduce(["ktied_table4", "--quick", f"results_root={tmp_path}"])

@@ -340,9 +340,9 @@ def provenance(args: Sequence[str], wall_s: float) -> dict[str, str]:
 
 
 def finished_line(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -> str:
-    """How many of the sweep's ``jobs`` (their overrides) the table holds and, when not all, which are missing: one entry per setting
-    of the swept keys other than the split, with the count of its missing splits, so that a table made from part
-    of a sweep says exactly which part."""
+    """How many of the sweep's ``jobs`` (their overrides; ``done`` says which finished) the table holds and, when
+    not all, which are missing: one entry per setting of the swept keys other than the split, with the count of its
+    missing splits, so that a table made from part of a sweep says exactly which part."""
     n_done = sum(done)
     line = f"{n_done} of {len(jobs)} runs"
     if n_done == len(jobs):
@@ -421,6 +421,10 @@ def main(args: list[str]) -> None:
     parser.add_argument("--jobs", type=int, default=_default_jobs(), help="parallel jobs (default: the usable cores)")
     ns = parser.parse_intermixed_args(args)
     if benchmark_experiment(ns.experiment):
+        if ns.no_run:
+            raise SystemExit(
+                f"bdl-bench reproduce: {ns.experiment} is a benchmark, with no runs to table; drop --no-run"
+            )
         from bdl_bench.orchestration.benchmark import run_benchmark
 
         quick = [f"experiment_name={ns.experiment}_quick"] if ns.quick else []
@@ -460,7 +464,8 @@ def main(args: list[str]) -> None:
         print(f"warning: {warning}")
     from bdl_bench.report.tables import build_table
 
-    if not any((d / METRICS_FILE).exists() for d in expected):
+    done = [(d / METRICS_FILE).exists() for d in expected]
+    if not any(done):
         raise SystemExit(f"bdl-bench reproduce: no run of this sweep finished below {plan.sweep_dir}; no table")
     tolerance = OmegaConf.to_container(plan.config.tolerance) if plan.config.get("tolerance") else None
     paper = str(plan.config.paper_table) if plan.config.get("paper_table") else None
@@ -480,7 +485,7 @@ def main(args: list[str]) -> None:
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
     # after the figures: their numbers (e.g. k-tied's weight-sample studies) can take minutes
     header = provenance(args, time.perf_counter() - started) | ({"runs": "; ".join(warnings)} if warnings else {})
-    header["finished"] = finished_line(plan.jobs, [(d / METRICS_FILE).exists() for d in expected])
+    header["finished"] = finished_line(plan.jobs, done)
     own = [d for d in figures if d.is_table]
     if own:  # the figures' numbers are the table; the runs' metrics follow as what they were computed from
         text = "\n\n".join(figure_table(d) for d in own) + f"\n\nThe runs the figure is computed from:\n\n{text}"
