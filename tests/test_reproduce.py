@@ -14,8 +14,17 @@ import torch
 import yaml
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.orchestration.reproduce import _expand, agreement, finished_line, main, make_plan, markdown
+from bdl_bench.orchestration.reproduce import (
+    _expand,
+    agreement,
+    agreement_line,
+    finished_line,
+    main,
+    make_plan,
+    markdown,
+)
 from bdl_bench.report import ktied
+from bdl_bench.report.paper import PaperValue
 from bdl_bench.results import code_version, read_csv_exact
 
 
@@ -84,6 +93,37 @@ def test_agreement_uses_two_standard_errors_or_the_stated_tolerance() -> None:
     assert list(agreement(frame, {"rmse": 0.42})["agrees_rmse"]) == [False, None]
     with pytest.raises(ValueError, match="percentage"):
         agreement(frame, {"rmse": "two"})
+
+
+def test_an_agreement_a_zero_would_also_have_is_marked_weak() -> None:
+    # 2-tied SNR at step 5000 (ktied_fig6_snr): ours 2,000 ± 3,000 over three seeds "agreed" with the paper's 4
+    frame = pd.DataFrame(
+        {
+            "dataset": ["mnist"] * 3,
+            "method": ["2_tied", "1_tied", "full_hess"],
+            "n_runs": [3, 3, 20],
+            "snr": [2000.0, 4.1, 0.0001],
+            "snr_se": [3000.0, 0.2, 0.0001],
+            "paper_snr": [4.0, 4.0, 0.0],  # the third: a printed 0.00, informative whatever our band
+            "paper_snr_se": [0.5, 0.5, math.nan],
+            "paper_snr_rounding": [0.05, 0.05, 0.005],
+        }
+    )
+    values = [PaperValue(4.0, 0.5, 0.05, 0.05), PaperValue(4.0, 0.5, 0.05, 0.05), PaperValue(0.0, None, 0.005)]
+    frame["within_2se_snr"] = [abs(o - v.value) <= v.band(se) for o, v, se in zip(frame.snr, values, frame.snr_se)]
+    frame["weak_snr"] = [v.weak(se) for v, se in zip(values, frame.snr_se)]
+    judged = agreement(frame, None)
+    assert list(judged["agrees_snr"]) == [True, True, True]
+    assert list(judged["weak_snr"]) == [True, False, False]
+    assert "| 2000.000 ± 3000.000 | 4.000 ± 0.500 | yes (weak) |" in markdown(judged, None)
+    assert "a 0 would have agreed too" in markdown(judged, None)
+    assert agreement_line(judged) == "3 of 3 cells agree with the paper (1 of them weakly: a 0 would have agreed too)."
+    # a stated tolerance wider than the paper's value is weak too; a disagreeing cell never is
+    assert list(agreement(frame, {"snr": 5.0})["weak_snr"]) == [False, True, False]
+    assert agreement_line(agreement(frame, {"snr": 5.0})) == (
+        "2 of 3 cells agree with the paper (1 of them weakly: a 0 would have agreed too)."
+    )
+    assert agreement_line(frame.drop(columns=["paper_snr"])) is None
 
 
 def test_a_table_from_part_of_a_sweep_names_the_missing_settings() -> None:

@@ -28,7 +28,7 @@ from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_conf
 from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
-from bdl_bench.report.paper import ROUNDING_RULE
+from bdl_bench.report.paper import ROUNDING_RULE, WEAK_NOTE, verdict_cell, weakly
 from bdl_bench.report.tables import markdown as markdown_table
 from bdl_bench.report.tables import mean_se
 from bdl_bench.results import (
@@ -245,6 +245,11 @@ def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series |
         raise ConfigError(f"tolerance {tolerance!r}: give a number (absolute) or a percentage such as '2%'") from None
 
 
+def _true(value: Any) -> bool:
+    """``True`` for a true flag; ``False`` for a false, missing (None/NaN) one."""
+    return value is not None and not pd.isna(value) and bool(value)
+
+
 def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> pd.DataFrame:
     """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric] + h`` (a number, or a
     percentage of |paper| such as ``"2%"``; h half a unit in the paper value's last printed digit, where
@@ -255,14 +260,19 @@ def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) 
     for column in [c for c in frame.columns if c.startswith("paper_") and not c.endswith(("_se", "_rounding"))]:
         metric = column.removeprefix("paper_")
         ours, paper = frame[metric], frame[column]
+        unknown = pd.Series([None] * len(frame), index=frame.index)
         if metric in tolerance:
             rounding = frame[f"paper_{metric}_rounding"].fillna(0.0) if f"paper_{metric}_rounding" in frame else 0.0
-            verdict = (ours - paper).abs() <= _allowed_difference(tolerance[metric], paper) + rounding
+            band = _allowed_difference(tolerance[metric], paper) + rounding
+            verdict = (ours - paper).abs() <= band
+            per_row = pd.DataFrame({"band": band, "paper": paper, "h": rounding}, index=frame.index)
+            weak = [weakly(r.band, r.paper, r.h) for r in per_row.itertuples()]
         else:
-            verdict = frame.get(f"within_2se_{metric}", pd.Series([None] * len(frame), index=frame.index))
-        frame[f"agrees_{metric}"] = [
-            None if (pd.isna(p) or pd.isna(o)) else bool(v) for o, p, v in zip(ours, paper, verdict)
-        ]
+            verdict = frame.get(f"within_2se_{metric}", unknown)
+            weak = frame.get(f"weak_{metric}", unknown)
+        missing = [pd.isna(p) or pd.isna(o) for o, p in zip(ours, paper)]
+        frame[f"agrees_{metric}"] = [None if m else bool(v) for m, v in zip(missing, verdict)]
+        frame[f"weak_{metric}"] = [None if m else bool(v) and _true(w) for m, v, w in zip(missing, verdict, weak)]
     return frame
 
 
@@ -297,7 +307,7 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None, d
             cells.append(mean_se(row[m], row.get(f"{m}_se"), digits))
             if f"agrees_{m}" in frame:
                 verdict, paper = row[f"agrees_{m}"], mean_se(row[f"paper_{m}"], row.get(f"paper_{m}_se"), digits)
-                cells += [paper, "–" if verdict is None else ("yes" if verdict else "NO")]
+                cells += [paper, verdict_cell(verdict, row.get(f"weak_{m}"))]
         rows.append(cells)
     table = markdown_table(headers, rows)
     if not any(c.startswith("agrees_") for c in frame.columns):
@@ -309,7 +319,26 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None, d
             for m, t in tolerance.items()
         )
         rule += f"; {stated} (the experiment's tolerance)"
-    return f"{table}\n\n{rule}"
+    weak = any(_true(v) for c in frame.columns if c.startswith("weak_") for v in frame[c])
+    return f"{table}\n\n{rule}" + (f". {WEAK_NOTE}" if weak else "")
+
+
+def agreement_line(frame: pd.DataFrame) -> str | None:
+    """``"N of M cells agree with the paper."`` over the frame's ``agrees_<metric>`` cells, with how many of the
+    N agree only weakly (:data:`~bdl_bench.report.paper.WEAK_NOTE`); None where it has no such cell."""
+    total = agree = weak = 0
+    for column in (c for c in frame.columns if c.startswith("agrees_")):
+        flags = frame.get(column.replace("agrees_", "weak_", 1), pd.Series(False, index=frame.index))
+        for verdict, flag in zip(frame[column], flags):
+            if verdict is None or pd.isna(verdict):
+                continue
+            total += 1
+            agree += bool(verdict)
+            weak += bool(verdict) and _true(flag)
+    if not total:
+        return None
+    tail = f" ({weak} of them weakly: a 0 would have agreed too)" if weak else ""
+    return f"{agree} of {total} cells agree with the paper{tail}."
 
 
 def figure_table(drawn: Drawn) -> str:
@@ -493,13 +522,13 @@ def main(args: list[str]) -> None:
     text += "".join(f"\n\n{figure_table(d)}" for d in figures if not d.is_table and d.table_markdown)
     text += "".join(f"\n\n![{d.name}]({d.png.name})" for d in figures if d.png is not None)
     text += "".join(f"\n\nFigure not drawn: {why}" for why in skipped)
+    line = agreement_line(frame)
+    if line:
+        header["agreement"] = line
     write_report(plan.sweep_dir, title, header, text, frame)
-    verdicts = [
-        v for c in frame.columns if c.startswith("agrees_") for v in frame[c] if v is not None and not pd.isna(v)
-    ]
     print(f"\n{title}\n\n{text}\n")
-    if verdicts:
-        print(f"{sum(verdicts)} of {len(verdicts)} cells agree with the paper.")
+    if line:
+        print(line)
     print(
         f"(Markdown: {plan.sweep_dir / 'reproduce.md'}; CSV: {plan.sweep_dir / 'reproduce.csv'}; "
         f"{time.perf_counter() - started:.0f} s)"

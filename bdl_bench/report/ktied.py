@@ -14,7 +14,7 @@ import torch
 from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.report.paper import PaperValue, ktied_column, read_paper_csv
+from bdl_bench.report.paper import WEAK_NOTE, PaperValue, ktied_column, read_paper_csv, verdict_cell
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, mean_se, run_configs
 from bdl_bench.results import METRICS_FILE, atomic_write_text, flatten
@@ -54,15 +54,21 @@ def _beside(row: dict, metric: str, paper: PaperValue | None) -> None:
     row[f"paper_{metric}_se"] = None if paper is None else paper.se
     missing = paper is None or math.isnan(row[metric])
     row[f"agrees_{metric}"] = None if missing else abs(row[metric] - paper.value) <= paper.band(row[f"{metric}_se"])
+    row[f"weak_{metric}"] = None if missing else row[f"agrees_{metric}"] and paper.weak(row[f"{metric}_se"])
+
+
+def _weak_note(frame: pd.DataFrame) -> str:
+    """:data:`~bdl_bench.report.paper.WEAK_NOTE` where a cell of ``frame`` agrees only weakly, else nothing."""
+    weak = any(frame[c].fillna(False).astype(bool).any() for c in frame.columns if c.startswith("weak_"))
+    return f" {WEAK_NOTE}." if weak else ""
 
 
 def _compared(r: dict, metric: str, digits: int, paper_digits: int) -> list[str]:
     """Three cells of ``r``'s ``metric``: ours, the paper's (mean ± SE) and whether they agree."""
-    verdict = r[f"agrees_{metric}"]
     return [
         mean_se(r[metric], r[f"{metric}_se"], digits),
         mean_se(r[f"paper_{metric}"], r[f"paper_{metric}_se"], paper_digits),
-        "–" if verdict is None else ("yes" if verdict else "NO"),
+        verdict_cell(r[f"agrees_{metric}"], r.get(f"weak_{metric}")),
     ]
 
 
@@ -215,11 +221,12 @@ def _weight_samples_markdown(frame: pd.DataFrame, paper: str) -> str:
         rows.append(cells + [mean_se(r["ensemble_accuracy"], None, 2), mean_se(r["ece"], None)])
     n = int(frame["n_samples"].iloc[0]) if len(frame) else 0
     source = "Table 2 (MNIST MLP)" if paper == "table2" else "Fig. 6 left (MNIST MLP)"
-    return markdown(headers, rows) + (
+    note = (
         f"\n\nPaper: {source}. Ours: mean ± SEM over {n} weight samples of each run (the paper's 100); -ELBO per "
         "example, the test NLL plus KL / N (N = 50,000 training images); the mixture columns score the predictive "
         "average of the samples. agrees: the rounding-aware two-SE rule stated under the runs' table."
     )
+    return markdown(headers, rows) + note + _weak_note(frame)
 
 
 # ---------------------------------------------------------------------------------------------- Fig. 6 right, Fig. 7
@@ -270,14 +277,15 @@ def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
         cells = [str(r["step"]), LABELS.get(r["method"], r["method"]), str(r["n_runs"])]
         cells += [*_compared(r, "snr", 2, 2), mean_se(r["snr_median"], None, 2)]
         rows.append(cells + _compared(r, "val_neg_elbo", 3, 3))
-    return markdown(headers, rows) + (
+    note = (
         f"\n\nSNR: {snr_column} of steps.csv, the mean over the layer's std parameters of E[g²]/Var[g] over the "
         "10 batches up to the step (the paper's footnote 3); median SNR: the median over those parameters instead "
         "(a parameter whose gradient hardly varies, e.g. one that only the KL term moves, has an SNR in the "
-        "millions and can carry the mean alone; the median is not compared, the paper states the mean); val -ELBO: validation NLL per example over 10 weight "
-        "samples plus the full KL / N. Ours and the paper's: mean ± SEM over the seeds; agrees: the rounding-aware "
-        "two-SE rule stated under the runs' table."
+        "millions and can carry the mean alone; the median is not compared, the paper states the mean); val -ELBO: "
+        "validation NLL per example over 10 weight samples plus the full KL / N. Ours and the paper's: mean ± SEM "
+        "over the seeds; agrees: the rounding-aware two-SE rule stated under the runs' table."
     )
+    return markdown(headers, rows) + note + _weak_note(table)
 
 
 def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataFrame) -> Path:

@@ -37,6 +37,23 @@ ROUNDING_RULE = (
     "last printed digit of the paper's value and of its standard error (0.005 for two decimals: a printed "
     "0.08 stands for [0.075, 0.085], a printed SE 0.00 for at most 0.005)"
 )
+WEAK_NOTE = (
+    "yes (weak): the band is at least as wide as the paper's value (which is not 0 within its rounding), so a 0 "
+    "would have agreed too; the cell says little beyond 'same order at most'"
+)
+
+
+def verdict_cell(agrees: bool | None, weak: bool | None = False) -> str:
+    """A table's agreement cell: ``–`` (no paper value), ``NO``, ``yes`` or ``yes (weak)`` (:data:`WEAK_NOTE`)."""
+    if agrees is None or pd.isna(agrees):
+        return "–"
+    return ("yes (weak)" if weak is not None and not pd.isna(weak) and weak else "yes") if agrees else "NO"
+
+
+def weakly(band: float, paper: float, rounding: float) -> bool:
+    """Whether an agreement within ``band`` of ``paper`` is weak (:data:`WEAK_NOTE`): the paper's value differs
+    from 0 by more than its ``rounding``, yet 0 lies within the band."""
+    return abs(paper) > rounding and band >= abs(paper)
 
 
 def dataset_short_name(data_name: str) -> str:
@@ -64,6 +81,10 @@ class PaperValue:
         se_paper = self.se + self.se_rounding if self.se is not None else 0.0
         spread = sum(x**2 for x in (se_ours, se_paper) if not math.isnan(x))
         return 2 * math.sqrt(spread) + self.rounding
+
+    def weak(self, se_ours: float) -> bool:
+        """Whether agreeing with this value at ``se_ours`` says little: a 0 would agree too (:data:`WEAK_NOTE`)."""
+        return weakly(self.band(se_ours), self.value, self.rounding)
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,7 @@ def build_table(
                 if ref is not None and not math.isnan(mean):
                     row[f"paper_{paper_metric}_rounding"] = ref.rounding
                     row[f"within_2se_{paper_metric}"] = abs(mean - ref.value) <= ref.band(se)
+                    row[f"weak_{paper_metric}"] = ref.weak(se)
             else:
                 row[metric] = mean
                 row[f"{metric}_se"] = se
