@@ -8,17 +8,16 @@ import math
 
 import pytest
 import torch
+from _toy import classification_data, fit, make_problem, regression_data
 from torch import Tensor, nn
 from torch.distributions import MultivariateNormal, kl_divergence
 from torch.testing import assert_close
 
 from bdl_bench.gaussians.diag import DiagGaussian
-from bdl_bench.likelihoods import Bernoulli, Gaussian, Likelihood
+from bdl_bench.likelihoods import Bernoulli, Gaussian
 from bdl_bench.methods import build_method
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, local_reparam_linear
-from bdl_bench.methods.base import Method, Problem
-from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
+from bdl_bench.methods.base import Method
 
 ESTIMATORS = ["reparam", "local_reparam"]
 NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
@@ -27,47 +26,6 @@ NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
 def make_bbb(**overrides: object) -> Method:
     cfg = {"name": "bbb", "lr": 0.02, "n_train_mc_samples": 4, "estimator": "local_reparam", "init_std": 0.01}
     return build_method({**cfg, **overrides})
-
-
-def init_(model: nn.Module, generator: torch.Generator) -> nn.Module:
-    """PyTorch's default Linear initialisation, drawn from ``generator`` (no global seeding)."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            bound = 1 / math.sqrt(m.in_features)
-            nn.init.uniform_(m.weight, -bound, bound, generator=generator)
-            nn.init.uniform_(m.bias, -bound, bound, generator=generator)
-    return model
-
-
-def make_problem(
-    in_features: int, likelihood: Likelihood, seed: int, n_data: int = 100, model_cfg: dict | None = None
-) -> Problem:
-    g = torch.Generator().manual_seed(seed)
-    cfg = model_cfg or {"name": "mlp", "hidden": [32], "activation": "relu"}
-    model = init_(build_model(cfg, in_features=in_features, out_features=1), g)
-    prior = prior_precision_vector(model, 1.0, None)
-    return Problem(model=model, likelihood=likelihood, n_data=n_data, prior_precision=prior, generator=g)
-
-
-def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """y = sin(3x) + N(0, 0.1²) on [-1, 1]: 100 training and 100 test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(200, 1, generator=g) * 2 - 1
-    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g)
-    return x[:100], y[:100], x[100:], y[100:]
-
-
-def classification_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """XOR of the signs of two standard normal inputs: 100 training and 100 test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(200, 2, generator=g)
-    y = (x[:, 0] * x[:, 1] > 0).float()
-    return x[:100], y[:100], x[100:], y[100:]
-
-
-def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 100) -> None:
-    method.setup(problem)
-    method.fit(x, y, n_epochs=n_epochs, batch_size=50, data_generator=torch.Generator().manual_seed(7))
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)

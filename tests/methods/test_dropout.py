@@ -9,60 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from _toy import MLP, classification_data, fit, make_problem, regression_data
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import CannotStack, Method, Problem
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, prior_precision_vector, unflatten
 
 NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
-MLP = {"name": "mlp", "hidden": [32], "activation": "relu"}
 
 
 def make_dropout(**overrides: object) -> Method:
     cfg = {"name": "dropout", "lr": 0.02, "dropout_rate": 0.05, "n_train_mc_samples": 1, "dropout_inputs": True}
     return build_method({**cfg, **overrides})
-
-
-def init_(model: nn.Module, generator: torch.Generator) -> nn.Module:
-    """PyTorch's default Linear initialisation, drawn from ``generator`` (no global seeding)."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            bound = 1 / math.sqrt(m.in_features)
-            nn.init.uniform_(m.weight, -bound, bound, generator=generator)
-            nn.init.uniform_(m.bias, -bound, bound, generator=generator)
-    return model
-
-
-def make_problem(in_features: int, likelihood: Likelihood, seed: int, model_cfg: dict | None = None) -> Problem:
-    g = torch.Generator().manual_seed(seed)
-    model = init_(build_model(model_cfg or MLP, in_features=in_features, out_features=1), g)
-    prior = prior_precision_vector(model, 1.0, None)
-    return Problem(model=model, likelihood=likelihood, n_data=100, prior_precision=prior, generator=g)
-
-
-def regression_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """y = sin(3x) + N(0, 0.1²) on [-1, 1]: 100 training and 100 test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(200, 1, generator=g) * 2 - 1
-    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g)
-    return x[:100], y[:100], x[100:], y[100:]
-
-
-def classification_data(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """XOR of the signs of two standard normal inputs: 100 training and 100 test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(200, 2, generator=g)
-    y = (x[:, 0] * x[:, 1] > 0).float()
-    return x[:100], y[:100], x[100:], y[100:]
-
-
-def fit(method: Method, problem: Problem, x: Tensor, y: Tensor, n_epochs: int = 100) -> None:
-    method.setup(problem)
-    method.fit(x, y, n_epochs=n_epochs, batch_size=50, data_generator=torch.Generator().manual_seed(7))
 
 
 def reference_outputs(

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from _runs import without_cost
+from _toy import regression_data
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -54,14 +55,6 @@ def make_problem(seed: int, n_data: int = 100, hidden: int = 16, dtype: torch.dt
         prior_precision=prior,
         generator=torch.Generator().manual_seed(seed + 100),
     )
-
-
-def regression_data(seed: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """y = sin(3x) + N(0, 0.1²) on [-1, 1]: 100 training and 100 test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(200, 1, generator=g, dtype=dtype) * 2 - 1
-    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(200, generator=g, dtype=dtype)
-    return x[:100], y[:100], x[100:], y[100:]
 
 
 # --- one step against Algorithm 1, written out densely ---------------------------------------------------------

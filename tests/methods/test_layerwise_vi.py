@@ -8,7 +8,8 @@ import math
 
 import pytest
 import torch
-from _vi_helpers import CONFIGS, fit, make_method, make_problem, regression_data
+from _toy import fit, regression_data
+from _vi_helpers import CONFIGS, make_method, make_problem
 from torch import Tensor, nn
 from torch.testing import assert_close
 
