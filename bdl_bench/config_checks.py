@@ -61,6 +61,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
             check_value(key, value, allowed)
     check_split(OmegaConf.select(cfg, "data.split", default=None))
     check_epochs(cfg)
+    sample_prefixes(cfg)
     if OmegaConf.select(cfg, "benchmark", default=None) is not None:
         name = OmegaConf.select(cfg, "experiment_name", default="<experiment>")
         raise ConfigError(f"{name} is a benchmark of step times, not a training run: use `bdl-bench reproduce {name}`")
@@ -94,3 +95,17 @@ def check_epochs(cfg: DictConfig) -> None:
         "trainer.n_epochs=0 trains nothing, so its metrics would be those of an untrained model; "
         "set trainer.n_epochs >= 1 (0 is for method=laplace with method.map_dir=<a finished MAP run>)"
     )
+
+
+def sample_prefixes(cfg: DictConfig) -> list[int]:
+    """``trainer.test_mc_prefixes`` (absent: none), sorted, each a count below ``trainer.n_test_mc_samples``: the
+    run also reports its test metrics from the first k of its test samples (``<metric>_s<k>``)."""
+    prefixes = OmegaConf.select(cfg, "trainer.test_mc_prefixes", default=None) or []
+    n_test = int(OmegaConf.select(cfg, "trainer.n_test_mc_samples", default=1))
+    for k in prefixes:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < n_test:
+            raise ConfigError(
+                f"trainer.test_mc_prefixes={list(prefixes)}: {k!r} is not a whole number from 1 to "
+                f"trainer.n_test_mc_samples - 1 = {n_test - 1}; give smaller counts or raise trainer.n_test_mc_samples"
+            )
+    return sorted(set(prefixes))

@@ -63,6 +63,9 @@ HASH_EXCLUDED_KEYS = (
     "search",
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
+OMITTED_WHEN_NULL = ("trainer.test_mc_prefixes",)
+"""Keys added after runs were made, whose null default changes nothing those runs computed: left out of the hash
+while null, so that the runs hash as before; set, they are hashed (such a run reports more)."""
 HASHED_AS_NULL = ("data.root", "data.mirror")
 """Where the data files are cached and fetched from (SHA-256-checked, so the same data wherever they come from):
 hashed as null whatever their value, so that a run's hash is the one it had before these were set or moved."""
@@ -229,12 +232,13 @@ def find_run_dirs(root: Path) -> list[Path]:
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
-    """16 hex digits of SHA-256 over the flattened config, less :data:`HASH_EXCLUDED_KEYS`, with
-    :data:`HASHED_AS_NULL` as null."""
+    """16 hex digits of SHA-256 over the flattened config, less :data:`HASH_EXCLUDED_KEYS` and the null ones of
+    :data:`OMITTED_WHEN_NULL`, with :data:`HASHED_AS_NULL` as null."""
     flat = {
         k: None if k in HASHED_AS_NULL else v
         for k, v in flatten(config).items()
         if not any(k == x or k.startswith(f"{x}.") for x in HASH_EXCLUDED_KEYS)
+        and not (v is None and k in OMITTED_WHEN_NULL)
     }
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

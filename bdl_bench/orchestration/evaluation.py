@@ -65,6 +65,24 @@ def evaluate_ood(
     return ood_metrics(probs_test, probs_ood)
 
 
+@torch.no_grad()
+def prefix_metrics(
+    method: Method,
+    likelihood: Likelihood,
+    dataset: Dataset,
+    f_test: torch.Tensor,
+    f_ood: torch.Tensor | None,
+    k: int,
+) -> dict[str, float]:
+    """The test (and OOD) metrics of the first ``k`` of the run's test samples, keyed ``<metric>_s<k>``: what a run
+    with ``trainer.n_test_mc_samples=k`` would have reported from the same draws (the samples are independent, so
+    their first ``k`` are ``k`` samples), for the effect of the sample count at the cost of one run."""
+    metrics = evaluate(method, likelihood, dataset, k, f_samples=f_test[:k])
+    if f_ood is not None:
+        metrics.update(ood_metrics(likelihood.probs(f_test[:k]), likelihood.probs(f_ood[:k])))
+    return {f"{name}_s{k}": value for name, value in metrics.items()}
+
+
 def save_predictive(run_dir: Path, likelihood: Likelihood, dataset: Dataset, f_test: torch.Tensor) -> None:
     """Write ``predictive.npz``: a regression run's predictive on the test inputs, in original units.
 

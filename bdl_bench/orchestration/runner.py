@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bdl_bench.checkpoint import save_checkpoint, save_params
-from bdl_bench.config_checks import check_config
+from bdl_bench.config_checks import check_config, sample_prefixes
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.errors import ConfigError, DivergenceError, Terminated
@@ -42,6 +42,7 @@ from bdl_bench.orchestration.evaluation import (
     epoch_row,
     evaluate,
     evaluate_ood,
+    prefix_metrics,
     save_predictive,
     swap_generator,
 )
@@ -376,9 +377,12 @@ def finish_run(
                 {f"val_{k}": v for k, v in evaluate(method, likelihood, dataset, n_test, "val", f["val"]).items()}
             )
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
+        f_ood = None
         if "ood" in sets:
             f_ood = f["ood"] if "ood" in f else method.predict(dataset.x_ood, n_test)
             metrics.update(evaluate_ood(likelihood, dataset, run_dir, f["test"], f_ood))
+    for k in sample_prefixes(cfg):
+        metrics.update(prefix_metrics(method, likelihood, dataset, f["test"], f_ood, k))
     if OmegaConf.select(cfg, "trainer.save_predictive", default=False):
         save_predictive(run_dir, likelihood, dataset, f["test"])
     if elbo is not None:
