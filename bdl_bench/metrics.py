@@ -50,7 +50,8 @@ def predictive_metrics(
     """Test metrics of the MC predictive ``(1/S) Σ_s p(y | f_s)`` of outputs ``(S, N, out)`` at targets ``(N,)``
     (standardised for regression: ``y_mean``, ``y_std`` report in original units). Regression: ``rmse``,
     ``test_ll`` (mean per-point log predictive density), ``test_ll_joint``, ``nll`` (= −test_ll). Classification:
-    ``nll``, ``test_ll``, ``accuracy``, ``error``, ``ece``, ``brier``."""
+    ``nll``, ``test_ll``, ``test_ll_joint`` (the SLANG authors' BNN test log-loss), ``accuracy``, ``error``, ``ece``,
+    ``brier``."""
     log_pred = likelihood.log_predictive(f_samples, y)  # (N,)
     if isinstance(likelihood, Gaussian):
         jacobian = math.log(y_std)
@@ -71,6 +72,7 @@ def predictive_metrics(
         return {
             "nll": -test_ll,
             "test_ll": test_ll,
+            "test_ll_joint": float(joint_test_ll(likelihood, f_samples, y)),
             "accuracy": accuracy,
             "error": 1.0 - accuracy,
             "ece": expected_calibration_error(probs, labels),

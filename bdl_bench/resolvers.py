@@ -3,11 +3,16 @@
 - ``${run_name:${hydra.job.override_dirname}}``: a run folder's name, its overrides or ``default``.
 - ``${epochs_to_steps:<epochs>,<n_train>,<batch_size>}``: optimiser steps in that many epochs of
   minibatches (the last one may be partial), e.g. a KL-annealing schedule over the whole run that follows
-  ``trainer.n_epochs`` instead of a step count fixed for one run length."""
+  ``trainer.n_epochs`` instead of a step count fixed for one run length.
+- ``${by_dataset:${data.name},${<mapping>}}``: the mapping's value for the dataset's short name (``usps_3vs5``
+  for ``libsvm/usps_3vs5``): a setting an experiment chooses per dataset where a sweep runs several (SLANG
+  Fig. 4 right's prior precision)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -29,5 +34,17 @@ def epochs_to_steps(n_epochs: int, n_train: int, batch_size: int) -> int:
     return int(n_epochs) * math.ceil(int(n_train) / int(batch_size))
 
 
+def by_dataset(data_name: str, values: Mapping[str, Any]) -> Any:
+    """``values[<short name of data_name>]``; an error naming the datasets it has otherwise."""
+    short = str(data_name).rsplit("/", 1)[-1]
+    if short not in values:
+        raise ConfigError(
+            f"by_dataset: no value for dataset {short!r} (data={data_name}); this experiment sets one for "
+            f"{', '.join(map(str, values))}: add {short} to its mapping or choose one of those"
+        )
+    return values[short]
+
+
+OmegaConf.register_new_resolver("by_dataset", by_dataset, replace=True)
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 OmegaConf.register_new_resolver("epochs_to_steps", epochs_to_steps, replace=True)

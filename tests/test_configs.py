@@ -121,6 +121,15 @@ def test_epochs_to_steps_refuses_bad_values() -> None:
             epochs_to_steps(*args)
 
 
+def test_slang_fig4_bnn_takes_the_authors_prior_precision_per_dataset(compose_cfg) -> None:
+    """SLANG Fig. 4 right: prior precision 32 on USPS, 8 on breast cancer (the authors' slang_convergence_final.py)."""
+    for data, precision in (("libsvm/usps_3vs5", 32.0), ("libsvm/breast_cancer", 8.0)):
+        cfg = compose_cfg(["experiment=slang_fig4_bnn", f"data={data}"], smoke=False)
+        assert cfg.prior_precision == precision and cfg.bias_prior_precision == 1e-6
+    with pytest.raises(Exception, match=r"no value for dataset 'australian'.*usps_3vs5, breast_cancer"):
+        _ = compose_cfg(["experiment=slang_fig4_bnn", "data=libsvm/australian"]).prior_precision
+
+
 def test_small_data_sets_default_to_the_cpu_and_large_ones_to_auto(compose_cfg) -> None:
     for data in ("uci/boston", "libsvm/australian", "toy/cubic"):
         assert compose_cfg([f"data={data}"]).trainer.device == "cpu"

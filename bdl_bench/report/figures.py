@@ -82,7 +82,8 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
     )
     if kind == "convergence":
         split = None if spec.get("split") is None else int(spec["split"])
-        return plots.plot_convergence(folder, out, methods, split), None, None
+        test_loss = str(spec.get("test_loss", "nll"))
+        return plots.plot_convergence(folder, out, methods, split, test_loss), None, None
     if kind == "covariance":
         png, table = plots.plot_covariance(
             folder, out, spec.get("dataset"), int(spec.get("split", 0)), methods, int(spec.get("max_dim", 64))

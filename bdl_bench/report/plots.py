@@ -50,16 +50,27 @@ def _labelled_runs(folder: Path) -> pd.DataFrame:
 _LOG_EPOCHS_FROM = 100  # runs this long get a logarithmic epoch axis (10,000-epoch runs converge in the first 1 %)
 
 
-def plot_convergence(folder: Path, out: Path, methods: list[str] | None = None, split: int | None = None) -> Path:
-    """Fig. 4: −ELBO/N and test NLL against epoch, averaged over the runs of each dataset × method (or of one
+TEST_LOSSES = {"nll": "test NLL", "nll_joint": "test log-loss, joint over the test set"}
+
+
+def plot_convergence(
+    folder: Path, out: Path, methods: list[str] | None = None, split: int | None = None, test_loss: str = "nll"
+) -> Path:
+    """Fig. 4: −ELBO/N and a test loss against epoch, averaged over the runs of each dataset × method (or of one
     ``split``: :func:`convergence_figure`), saved to ``out``."""
-    return save_figure(convergence_figure(folder, methods, split), out)
+    return save_figure(convergence_figure(folder, methods, split, test_loss), out)
 
 
-def convergence_figure(folder: Path, methods: list[str] | None = None, split: int | None = None) -> Figure:
+def convergence_figure(
+    folder: Path, methods: list[str] | None = None, split: int | None = None, test_loss: str = "nll"
+) -> Figure:
     """The figure of :func:`plot_convergence`: one row per dataset, one line per method; the epoch axis is
     logarithmic once the runs reach 100 epochs (as in the paper's Fig. 4, where the methods separate early). A
-    run's history is its ``history.csv``, or ``history.csv.gz`` where that was kept instead (a committed piece)."""
+    run's history is its ``history.csv``, or ``history.csv.gz`` where that was kept instead (a committed piece).
+    ``test_loss``: ``nll``, the mean per-point predictive NLL, or ``nll_joint``, −(1/N) log (1/S) Σ_s Π_i p(y_i | θ_s)
+    (:func:`~bdl_bench.metrics.joint_test_ll`), what the SLANG authors plot for their BNNs (Fig. 4 right)."""
+    if test_loss not in TEST_LOSSES:
+        raise ValueError(f"test_loss {test_loss!r}: choose one of {', '.join(TEST_LOSSES)}")
     runs = _labelled_runs(folder)
     if split is not None:
         runs = runs[runs["data.split"] == split]
@@ -82,12 +93,13 @@ def convergence_figure(folder: Path, methods: list[str] | None = None, split: in
             last_epoch = max(last_epoch, int(history.index.max()))
             if "train/elbo" in history:
                 axes[row, 0].plot(history.index, -history["train/elbo"], label=label, color=colors[label])
-            if "test/nll" in history:
-                nll = history["test/nll"].dropna()
-                axes[row, 1].plot(nll.index, nll, label=label, color=colors[label])
+            column = "test/nll" if test_loss == "nll" else "test/test_ll_joint"
+            if column in history:
+                loss = history[column].dropna() * (1 if test_loss == "nll" else -1)
+                axes[row, 1].plot(loss.index, loss, label=label, color=colors[label])
         xscale = "log" if last_epoch >= _LOG_EPOCHS_FROM else "linear"
         axes[row, 0].set(title=f"{dataset}: negative ELBO per example", xlabel="epoch", yscale="log", xscale=xscale)
-        axes[row, 1].set(title=f"{dataset}: test NLL", xlabel="epoch", xscale=xscale)
+        axes[row, 1].set(title=f"{dataset}: {TEST_LOSSES[test_loss]}", xlabel="epoch", xscale=xscale)
         axes[row, 1].legend(fontsize="small")
     fig.tight_layout()
     return fig
