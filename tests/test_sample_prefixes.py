@@ -11,11 +11,12 @@ from omegaconf import OmegaConf
 
 from bdl_bench.config_checks import check_config
 from bdl_bench.data.base import Dataset
-from bdl_bench.errors import ConfigError
+from bdl_bench.errors import ConfigError, ResultsError
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.metrics import ood_metrics, predictive_metrics
 from bdl_bench.orchestration.evaluation import prefix_metrics
 from bdl_bench.orchestration.runner import run
+from bdl_bench.report.sample_count import sample_count_table
 from bdl_bench.results import config_hash
 
 
@@ -56,9 +57,17 @@ def test_the_null_default_leaves_earlier_runs_hashes_as_they_were(compose_cfg) -
     assert config_hash(with_prefixes) != config_hash(config)
 
 
-def test_a_run_reports_its_metrics_at_each_prefix(compose_cfg, tmp_path: Path) -> None:
-    cfg = compose_cfg(["method=bbb", "model=logreg", "data=libsvm/australian", "trainer.test_mc_prefixes=[1,3]"])
-    metrics = run(cfg, tmp_path / "run").metrics
+def test_a_run_reports_its_metrics_at_each_prefix_and_the_table_shows_them(compose_cfg, tmp_path: Path) -> None:
+    overrides = ["method=bbb", "model=logreg", "data=libsvm/australian", "trainer.test_mc_prefixes=[1,3]"]
+    runs = [run(compose_cfg([*overrides, f"trainer.seed={seed}"]), tmp_path / f"seed{seed}") for seed in (0, 1)]
+    metrics = runs[0].metrics
     for k in (1, 3):
         assert {f"accuracy_s{k}", f"nll_s{k}", f"ece_s{k}"} <= set(metrics)
     assert metrics["nll_s1"] != metrics["nll_s3"] != metrics["nll"]  # different draws, different estimates
+    table, text = sample_count_table(tmp_path, ["nll", "accuracy"])
+    assert list(table["n_samples"]) == [1, 3, 5] and set(table["n_runs"]) == {2}  # the smoke trainer draws 5
+    both = [r.metrics for r in runs]
+    assert table["nll"].tolist() == pytest.approx([sum(m[f"nll{s}"] for m in both) / 2 for s in ("_s1", "_s3", "")])
+    assert "| australian | bbb | 3 | 2 |" in text
+    with pytest.raises(ResultsError, match=r"trainer.test_mc_prefixes"):
+        sample_count_table(tmp_path, ["ood_entropy_mean"])

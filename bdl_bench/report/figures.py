@@ -27,6 +27,7 @@ KINDS = (
     "std_spectra",
     "weight_samples",
     "step_records",
+    "sample_count",
 )
 
 
@@ -70,6 +71,7 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         layer_covariance,
         ood_plots,
         plots,
+        sample_count,
     )
     from bdl_bench.studies import def_toy
 
@@ -101,6 +103,9 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
     if kind == "weight_samples":  # k-tied Table 2 / Fig. 6 left: a table without a PNG of its own
         ranks = [int(r) for r in spec.get("ranks", ())]
         return None, *ktied.weight_samples(folder, ranks, str(spec["paper"]), spec.get("samples"))
+    if kind == "sample_count":  # the effect of the number of test samples: a table, no PNG
+        metrics = [str(m) for m in spec.get("metrics", ("accuracy", "ece", "ood_entropy_mean"))]
+        return None, *sample_count.sample_count_table(folder, metrics)
     if kind == "def_ranks":  # DEF Table 2: a table, no PNG
         return None, *def_ranks.def_ranks_table(folder, str(spec.get("in_domain", "mnist")))
     if kind == "hessian_blocks":  # DEF Fig. 9

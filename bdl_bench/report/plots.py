@@ -34,7 +34,9 @@ def save_figure(fig: Figure, out: Path) -> Path:
     return out
 
 
-def _labelled_runs(folder: Path) -> pd.DataFrame:
+def labelled_runs(folder: Path) -> pd.DataFrame:
+    """The finished runs below ``folder`` (:func:`~bdl_bench.results.load_runs`) with ``dataset`` (short name) and
+    ``label`` (the paper table's column, else the settings that tell the runs apart)."""
     runs = load_runs(folder)
     if runs.empty:
         raise ResultsError(f"no finished runs (folders with metrics.json) below {folder}")
@@ -71,7 +73,7 @@ def convergence_figure(
     (:func:`~bdl_bench.metrics.joint_test_ll`), what the SLANG authors plot for their BNNs (Fig. 4 right)."""
     if test_loss not in TEST_LOSSES:
         raise ValueError(f"test_loss {test_loss!r}: choose one of {', '.join(TEST_LOSSES)}")
-    runs = _labelled_runs(folder)
+    runs = labelled_runs(folder)
     if split is not None:
         runs = runs[runs["data.split"] == split]
     if methods and not runs["label"].isin(methods).any():
@@ -120,7 +122,7 @@ def plot_covariance(
 ) -> tuple[Path, pd.DataFrame]:
     """Fig. 1: off-diagonal posterior correlations of each method (first ``max_dim`` parameters); returns the
     PNG and :func:`covariance_agreement` of every method against the first one (the full Gaussian in Fig. 1)."""
-    runs = _labelled_runs(folder)
+    runs = labelled_runs(folder)
     runs = runs[runs["data.split"] == split]
     dataset = dataset or sorted(runs["dataset"].unique())[0]
     runs = runs[runs["dataset"] == dataset]
