@@ -139,6 +139,10 @@ def test_a_table_from_part_of_a_sweep_names_the_missing_settings() -> None:
         "4 of 7 runs; not in this table: data=libsvm/usps_3vs5,variant=slang_table1/L10 (2 runs); "
         "data=libsvm/a1a,variant=slang_table1/L1 (1 run)"
     )
+    # a piece of a sweep over seeds: the seeds not yet run, not one entry per run
+    seeds = [[f"variant={v}", f"trainer.seed={s}"] for v in ("L8", "bbb") for s in range(1, 4)]
+    pieces = [s.endswith("=1") for _, s in seeds]
+    assert finished_line(seeds, pieces) == "2 of 6 runs; not in this table: trainer.seed=2, 3 (4 runs)"
 
 
 @pytest.mark.slow

@@ -376,6 +376,9 @@ def finished_line(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -> str:
     line = f"{n_done} of {len(jobs)} runs"
     if n_done == len(jobs):
         return line
+    whole = _whole_values_missing(jobs, done)
+    if whole:
+        return f"{line}; not in this table: {whole}"
     missing: dict[str, int] = {}
     for job, finished in zip(jobs, done):
         if not finished:
@@ -383,6 +386,23 @@ def finished_line(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -> str:
             missing[setting] = missing.get(setting, 0) + 1
     entries = [f"{setting} ({count} run{'s' * (count > 1)})" for setting, count in missing.items()]
     return f"{line}; not in this table: " + "; ".join(entries)
+
+
+def _whole_values_missing(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -> str | None:
+    """``"trainer.seed=2, 3, ... (72 runs)"`` where the missing jobs are exactly those with some values of one swept
+    key (other than the split), e.g. the seeds a piece of a sweep has not run yet; else None."""
+    missing = [job for job, finished in zip(jobs, done) if not finished]
+    for position, override in enumerate(jobs[0]):
+        key = override.split("=", 1)[0]
+        if key == "data.split" or any(len(job) <= position or not job[position].startswith(f"{key}=") for job in jobs):
+            continue
+        values = list(dict.fromkeys(job[position].split("=", 1)[1] for job in missing))
+        if len(values) < 2:
+            continue
+        with_values = [job for job in jobs if job[position].split("=", 1)[1] in values]
+        if with_values == missing:
+            return f"{key}={', '.join(values)} ({len(missing)} runs)"
+    return None
 
 
 def write_report(folder: Path, title: str, header: Mapping[str, str], text: str, frame: pd.DataFrame) -> None:
