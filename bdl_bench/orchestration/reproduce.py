@@ -28,7 +28,7 @@ from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_conf
 from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
-from bdl_bench.report.paper import ROUNDING_RULE, WEAK_NOTE, verdict_cell, weakly
+from bdl_bench.report.paper import ROUNDING_RULE, WEAK_NOTE, any_weak, is_set, verdict_cell, weakly
 from bdl_bench.report.tables import markdown as markdown_table
 from bdl_bench.report.tables import mean_se
 from bdl_bench.results import (
@@ -245,11 +245,6 @@ def _allowed_difference(tolerance: float | str, paper: pd.Series) -> pd.Series |
         raise ConfigError(f"tolerance {tolerance!r}: give a number (absolute) or a percentage such as '2%'") from None
 
 
-def _true(value: Any) -> bool:
-    """``True`` for a true flag; ``False`` for a false, missing (None/NaN) one."""
-    return value is not None and not pd.isna(value) and bool(value)
-
-
 def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) -> pd.DataFrame:
     """Add ``agrees_<metric>`` per paper metric: ``|ours − paper| ≤ tolerance[metric] + h`` (a number, or a
     percentage of |paper| such as ``"2%"``; h half a unit in the paper value's last printed digit, where
@@ -272,7 +267,7 @@ def agreement(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None) 
             weak = frame.get(f"weak_{metric}", unknown)
         missing = [pd.isna(p) or pd.isna(o) for o, p in zip(ours, paper)]
         frame[f"agrees_{metric}"] = [None if m else bool(v) for m, v in zip(missing, verdict)]
-        frame[f"weak_{metric}"] = [None if m else bool(v) and _true(w) for m, v, w in zip(missing, verdict, weak)]
+        frame[f"weak_{metric}"] = [None if m else bool(v) and is_set(w) for m, v, w in zip(missing, verdict, weak)]
     return frame
 
 
@@ -319,8 +314,7 @@ def markdown(frame: pd.DataFrame, tolerance: Mapping[str, float | str] | None, d
             for m, t in tolerance.items()
         )
         rule += f"; {stated} (the experiment's tolerance)"
-    weak = any(_true(v) for c in frame.columns if c.startswith("weak_") for v in frame[c])
-    return f"{table}\n\n{rule}" + (f". {WEAK_NOTE}" if weak else "")
+    return f"{table}\n\n{rule}" + (f". {WEAK_NOTE}" if any_weak(frame) else "")
 
 
 def agreement_line(frame: pd.DataFrame) -> str | None:
@@ -334,7 +328,7 @@ def agreement_line(frame: pd.DataFrame) -> str | None:
                 continue
             total += 1
             agree += bool(verdict)
-            weak += bool(verdict) and _true(flag)
+            weak += bool(verdict) and is_set(flag)
     if not total:
         return None
     tail = f" ({weak} of them weakly: a 0 would have agreed too)" if weak else ""

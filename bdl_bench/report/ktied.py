@@ -14,7 +14,7 @@ import torch
 from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
-from bdl_bench.report.paper import WEAK_NOTE, PaperValue, ktied_column, read_paper_csv, verdict_cell
+from bdl_bench.report.paper import WEAK_NOTE, PaperValue, any_weak, ktied_column, read_paper_csv, verdict_cell
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, mean_se, run_configs
 from bdl_bench.results import METRICS_FILE, atomic_write_text, flatten
@@ -59,8 +59,7 @@ def _beside(row: dict, metric: str, paper: PaperValue | None) -> None:
 
 def _weak_note(frame: pd.DataFrame) -> str:
     """:data:`~bdl_bench.report.paper.WEAK_NOTE` where a cell of ``frame`` agrees only weakly, else nothing."""
-    weak = any(frame[c].fillna(False).astype(bool).any() for c in frame.columns if c.startswith("weak_"))
-    return f" {WEAK_NOTE}." if weak else ""
+    return f" {WEAK_NOTE}." if any_weak(frame) else ""
 
 
 def _compared(r: dict, metric: str, digits: int, paper_digits: int) -> list[str]:

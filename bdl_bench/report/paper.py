@@ -43,11 +43,21 @@ WEAK_NOTE = (
 )
 
 
+def is_set(flag: Any) -> bool:
+    """Whether a table's flag cell is true: False for a false, None or NaN one."""
+    return flag is not None and not pd.isna(flag) and bool(flag)
+
+
+def any_weak(frame: pd.DataFrame) -> bool:
+    """Whether some ``weak_<metric>`` cell of ``frame`` is set (:data:`WEAK_NOTE`)."""
+    return any(is_set(v) for c in frame.columns if c.startswith("weak_") for v in frame[c])
+
+
 def verdict_cell(agrees: bool | None, weak: bool | None = False) -> str:
     """A table's agreement cell: ``–`` (no paper value), ``NO``, ``yes`` or ``yes (weak)`` (:data:`WEAK_NOTE`)."""
     if agrees is None or pd.isna(agrees):
         return "–"
-    return ("yes (weak)" if weak is not None and not pd.isna(weak) and weak else "yes") if agrees else "NO"
+    return ("yes (weak)" if is_set(weak) else "yes") if agrees else "NO"
 
 
 def weakly(band: float, paper: float, rounding: float) -> bool:

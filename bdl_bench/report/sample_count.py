@@ -30,7 +30,7 @@ def sample_count_table(folder: Path, metrics: Sequence[str]) -> tuple[pd.DataFra
         )
     rows = []
     for (dataset, label), group in runs.groupby(["dataset", "label"], sort=True):
-        full = int(group["trainer.n_test_mc_samples"].iloc[0]) if "trainer.n_test_mc_samples" in group else None
+        full = int(group["trainer.n_test_mc_samples"].iloc[0])
         for k in [*counts, full]:
             suffix = "" if k == full else f"_s{k}"
             if any(f"{m}{suffix}" not in group or group[f"{m}{suffix}"].isna().all() for m in metrics):

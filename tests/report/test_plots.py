@@ -72,7 +72,8 @@ def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n
             write_metrics(run_dir, {"nll": 0.3})
             epochs = range(1, n_epochs + 1)
             history = {"epoch": epochs, "train/elbo": [-(1.0 + split + rank / e) for e in epochs]}
-            pd.DataFrame(history).assign(**{"test/nll": 0.3 + split}).to_csv(run_dir / "history.csv", index=False)
+            losses = {"test/nll": 0.3 + split, "test/test_ll_joint": -(0.2 + split)}
+            pd.DataFrame(history).assign(**losses).to_csv(run_dir / "history.csv", index=False)
     fig = convergence_figure(tmp_path)
     (elbo_axis, nll_axis) = fig.axes
     assert elbo_axis.get_xscale() == xscale and nll_axis.get_xscale() == xscale
@@ -80,6 +81,12 @@ def test_convergence_figure_averages_each_method_over_its_runs(tmp_path: Path, n
     assert set(lines) == {"slang rank=1", "slang rank=5"}
     # the mean over splits 0 and 1 of 1 + split + rank / epoch, at epoch 1 for rank 5
     assert lines["slang rank=5"].get_ydata()[0] == pytest.approx(1.5 + 5.0)
+    assert nll_axis.get_lines()[0].get_ydata()[0] == pytest.approx(0.8)  # the mean over splits of 0.3 + split
+    # the SLANG authors' BNN curve (Fig. 4 right): the joint test log-loss, -test_ll_joint
+    joint = convergence_figure(tmp_path, test_loss="nll_joint").axes[1]
+    assert joint.get_lines()[0].get_ydata()[0] == pytest.approx(0.7) and "joint" in joint.get_title()
+    with pytest.raises(ValueError, match="test_loss 'brier': choose one of nll, nll_joint"):
+        convergence_figure(tmp_path, test_loss="brier")
     with pytest.raises(ValueError, match="none of the methods .*found: slang rank=1, slang rank=5"):
         convergence_figure(tmp_path, methods=["bbb"])
     # one split's runs, their histories kept gzipped (the committed pieces of a long reproduction)
