@@ -62,6 +62,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     check_split(OmegaConf.select(cfg, "data.split", default=None))
     check_epochs(cfg)
     sample_prefixes(cfg)
+    val_samples(cfg)
     if OmegaConf.select(cfg, "benchmark", default=None) is not None:
         name = OmegaConf.select(cfg, "experiment_name", default="<experiment>")
         raise ConfigError(f"{name} is a benchmark of step times, not a training run: use `bdl-bench reproduce {name}`")
@@ -109,3 +110,18 @@ def sample_prefixes(cfg: DictConfig) -> list[int]:
                 f"trainer.n_test_mc_samples - 1 = {n_test - 1}; give smaller counts or raise trainer.n_test_mc_samples"
             )
     return sorted(set(prefixes))
+
+
+def val_samples(cfg: DictConfig) -> int:
+    """``trainer.n_val_mc_samples``: posterior samples for the final validation metrics (``val_*``); absent or null:
+    ``trainer.n_test_mc_samples``, 0: none (where the validation set served a search whose scores the run reports)."""
+    n_test = int(OmegaConf.select(cfg, "trainer.n_test_mc_samples", default=1))
+    n_val = OmegaConf.select(cfg, "trainer.n_val_mc_samples", default=None)
+    if n_val is None:
+        return n_test
+    if isinstance(n_val, bool) or not isinstance(n_val, int) or n_val < 0:
+        raise ConfigError(
+            f"trainer.n_val_mc_samples={n_val!r} must be a whole number >= 0 (0: no final validation metrics) or null "
+            f"(as trainer.n_test_mc_samples = {n_test})"
+        )
+    return n_val

@@ -292,6 +292,20 @@ def test_stacked_dropout_predicts_its_copies_together_as_single_runs_would(
             assert stacked_metrics[key] == pytest.approx(single[key], rel=1e-5), (split, key)
 
 
+def test_stacked_validation_at_its_own_count_is_predicted_per_copy_as_single_runs_would(
+    tmp_path: Path, compose_cfg
+) -> None:
+    """With ``trainer.n_val_mc_samples`` unlike the test count, the copies share the test predictions only; every
+    split's validation metrics (its own 3 samples) equal its single run's."""
+    common = ["method=dropout", "data=uci/yacht", "data.val_fraction=0.2", "trainer.n_val_mc_samples=3"]
+    run_job(compose_cfg([*common, "data.split=[1,4]"]), tmp_path / "stack")
+    for split in (1, 4):
+        single = run(compose_cfg([*common, f"data.split={split}"]), tmp_path / f"single{split}").metrics
+        stacked_metrics = json.loads((tmp_path / "stack" / f"split={split}" / "metrics.json").read_text())
+        for key in ("rmse", "test_ll", "val_rmse", "val_test_ll"):
+            assert stacked_metrics[key] == pytest.approx(single[key], rel=1e-5), (split, key)
+
+
 class Crash(Exception):
     pass
 

@@ -213,8 +213,11 @@ class SharedPredictions:
 
     PREDICTION_ELEMENTS = 2**26  # outputs (copies x samples x rows x out) held at once: 256 MB in float32
 
-    def __init__(self, method: Any, datasets: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
+    def __init__(
+        self, method: Any, datasets: Sequence[Any], generators: Sequence[torch.Generator], with_val: bool = True
+    ) -> None:
         self.method, self.datasets, self.generators = method, list(datasets), list(generators)
+        self.with_val = with_val  # False: the validation part is predicted per copy (its own sample count) or not
         self._group: list[int] = []
         self._outputs: dict[str, torch.Tensor] = {}
         self._end: torch.Tensor | None = None  # the generators' state after the present group's predictions
@@ -231,7 +234,7 @@ class SharedPredictions:
         return tuple(tuple(getattr(dataset, f"x_{part}").shape) for part in ("test", "val"))
 
     def _parts(self) -> list[str]:
-        return ["test"] + (["val"] if self.datasets[0].x_val.shape[0] > 0 else [])
+        return ["test"] + (["val"] if self.with_val and self.datasets[0].x_val.shape[0] > 0 else [])
 
     def of_copy(self, r: int, n_samples: int) -> dict[str, torch.Tensor] | None:
         """Copy ``r``'s ``{part: (S, N, out)}`` (``None`` where the copies are predicted one by one)."""

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from bdl_bench.checkpoint import save_checkpoint, save_params
-from bdl_bench.config_checks import check_config, sample_prefixes
+from bdl_bench.config_checks import check_config, sample_prefixes, val_samples
 from bdl_bench.data import build_dataset
 from bdl_bench.data.base import Dataset
 from bdl_bench.errors import ConfigError, DivergenceError, Terminated
@@ -276,7 +276,12 @@ def fit_job(
         train_time = (time.perf_counter() - start) / len(keys)
         cpu_time = (time.process_time() - cpu_start) / len(keys)
         progress.done = max(progress.done, n_epochs)
-        shared = SharedPredictions(method, list(datasets.values()), list(eval_generators.values()))
+        shared = SharedPredictions(
+            method,
+            list(datasets.values()),
+            list(eval_generators.values()),
+            with_val=val_samples(cfg) == int(cfg.trainer.n_test_mc_samples),
+        )
         results = {}
         for r, k in enumerate(keys):
             fitted = copy_of(r)
@@ -351,9 +356,9 @@ def finish_run(
     """
     trainer = cfg.trainer
     model = method.problem.model
-    n_test = int(trainer.n_test_mc_samples)
+    n_test, n_val = int(trainer.n_test_mc_samples), val_samples(cfg)
     sets = {"test": dataset.x_test}
-    if dataset.x_val.shape[0] > 0:
+    if dataset.x_val.shape[0] > 0 and n_val > 0:
         sets["val"] = dataset.x_val
     if dataset.x_ood is not None:
         sets["ood"] = dataset.x_ood
@@ -364,17 +369,17 @@ def finish_run(
         predict_sets = getattr(method, "predict_sets", None)
         if predictions is not None:
             f = dict(predictions)
-        elif callable(predict_sets):
-            f = predict_sets(sets, n_test)
+        elif callable(predict_sets):  # validation too where it takes as many samples
+            f = predict_sets({p: x for p, x in sets.items() if p != "val" or n_val == n_test}, n_test)
         else:
             f = {}
-        for part in ("test", "val"):
+        for part, n in (("test", n_test), ("val", n_val)):
             if part in sets and part not in f:
-                f[part] = method.predict(sets[part], n_test)
+                f[part] = method.predict(sets[part], n)
         metrics: dict[str, float] = evaluate(method, likelihood, dataset, n_test, f_samples=f["test"])
         if "val" in f:
             metrics.update(
-                {f"val_{k}": v for k, v in evaluate(method, likelihood, dataset, n_test, "val", f["val"]).items()}
+                {f"val_{k}": v for k, v in evaluate(method, likelihood, dataset, n_val, "val", f["val"]).items()}
             )
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
         f_ood = None
