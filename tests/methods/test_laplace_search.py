@@ -177,3 +177,57 @@ def test_a_run_writes_the_search_csv_and_the_chosen_point(tmp_path: Path, compos
     twin = [f"method.dataset_scale={best['dataset_scale']}", f"method.prior_precision={best['prior_precision']}"]
     plain = run(compose_cfg([*common, *twin]), tmp_path / "plain").metrics
     assert plain["rmse"] == pytest.approx(metrics["rmse"], rel=1e-6)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _search_in(folder: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int | None = None, **grid: object) -> Laplace:
+    """A grid search on the LeNet problem writing into ``folder``; with ``kill_at``, stopped as its
+    ``kill_at``-th grid point (counting from 1) is about to be scored."""
+    scored = []
+    original = search_module.predictive_metrics
+
+    def metrics(*args: object, **kwargs: object) -> dict:
+        scored.append(1)  # the MAP's reference is call 1
+        if kill_at is not None and len(scored) == kill_at + 1:
+            raise _Killed
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "predictive_metrics", metrics)
+    method = make_laplace(structure="diag", search={**GRID, **grid})
+    problem, x, y, x_val, y_val = _lenet_problem()
+    method.setup(problem)
+    folder.mkdir(exist_ok=True)
+    method.use_validation(x_val, y_val, folder)
+    method.fit(x, y, n_epochs=0, batch_size=30, data_generator=torch.Generator().manual_seed(3))
+    method.scored = len(scored) - 1  # type: ignore[attr-defined]
+    return method
+
+
+def test_a_stopped_search_resumes_from_its_scored_points_as_if_unbroken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unbroken = _search_in(tmp_path / "unbroken", monkeypatch)
+    with pytest.raises(_Killed):
+        _search_in(tmp_path / "stopped", monkeypatch, kill_at=3)
+    resumed = _search_in(tmp_path / "stopped", monkeypatch)
+    assert unbroken.scored == 4 and resumed.scored == 2  # the first two points came from the progress file
+    assert resumed.extra_metrics["search_n_resumed"] == 2 and unbroken.extra_metrics["search_n_resumed"] == 0
+    drop = ("time_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in resumed.search_rows] == [
+        {k: v for k, v in r.items() if k not in drop} for r in unbroken.search_rows
+    ]
+    for name, value in _fields(unbroken).items():
+        assert_close(_fields(resumed)[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_points_of_another_fit_are_scored_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(_Killed):
+        _search_in(tmp_path, monkeypatch, kill_at=3)
+    progress = tmp_path / search_module.PROGRESS_FILE
+    with open(progress, "a") as handle:
+        handle.write('{"dataset_scale": 30.0, "prior_pre')  # a line torn by the kill
+    assert _search_in(tmp_path, monkeypatch, n_samples=2).scored == 4  # another sample count: another fit
+    assert len(progress.read_text().splitlines()) == 1 + 4

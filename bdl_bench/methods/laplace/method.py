@@ -25,6 +25,7 @@ from bdl_bench.methods.base import PostHocMethod, Problem, register_method
 from bdl_bench.methods.laplace.map_dir import load_map_parameters
 from bdl_bench.methods.laplace.predictive import GaussianPredictive, Predictive, forward_rows
 from bdl_bench.methods.laplace.search import (
+    PROGRESS_FILE,
     SEARCH_FILE,
     LaplaceEvidence,
     MarglikSettings,
@@ -251,6 +252,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
             generator=self.problem.generator,
             x_val=self._val[0],
             y_val=self._val[1],
+            progress_path=None if self._run_dir is None else self._run_dir / PROGRESS_FILE,
         )
         self.search_rows = result.rows
         if self._run_dir is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ from bdl_bench.metrics import predictive_metrics
 logger = logging.getLogger(__name__)
 
 SEARCH_FILE = "laplace_search.csv"  # the (N, τ) grid of method.search, one row per point
+PROGRESS_FILE = "laplace_search.progress.jsonl"  # the points evaluated so far: a stopped search resumes from them
 _SEARCH_COLUMNS = ("accuracy", "ece", "nll", "rmse")  # validation metrics kept per grid point (where defined)
 
 Assemble = Callable[[Any, Tensor], StructuredGaussian]
@@ -165,6 +167,7 @@ def grid_search(
     generator: torch.Generator,
     x_val: Tensor,
     y_val: Tensor,
+    progress_path: Path | None = None,
 ) -> SearchResult:
     """Lee et al. (2020), App. E.3.1: every (N, τ) of the grid on one curvature fit; keep the lowest
     validation ``criterion`` among points whose validation accuracy is within ``accuracy_tolerance``
@@ -172,7 +175,9 @@ def grid_search(
     ``prune_accuracy_drop`` below the MAP's, the smaller τ are skipped (``pruned``); either ``None``, or a
     likelihood without accuracy, turns that step off. Every point is scored on ``n_samples`` draws of the same
     posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
-    posterior in the model's dtype."""
+    posterior in the model's dtype. ``progress_path``: each evaluated point is appended there as it is scored,
+    and a search started again on the same fit (:class:`_Progress`) takes the points found there instead of
+    scoring them again, so its rows and choice are those of an unbroken search."""
     cfg = settings
     if cfg.max_val_examples is not None:
         x_val, y_val = x_val[: cfg.max_val_examples], y_val[: cfg.max_val_examples]
@@ -185,6 +190,8 @@ def grid_search(
         )
     map_accuracy = reference.get("accuracy")
     seed = int(torch.randint(2**31 - 1, (1,), generator=generator, device=generator.device))
+    fit = {"seed": seed, "map_metrics": reference, "n_val": int(y_val.shape[0]), "n_samples": cfg.n_samples}
+    progress = _Progress(progress_path, fit)
     rows: list[dict[str, Any]] = []
     for scale in cfg.dataset_scale:
         pruned = False
@@ -193,13 +200,17 @@ def grid_search(
             rows.append(row)
             if pruned:
                 continue
-            tic = time.perf_counter()
-            posterior = assemble(scale, torch.full_like(theta, tau))
-            metrics = predictive_metrics(likelihood, outputs(posterior, x_val, cfg.n_samples, seed), y_val)
-            row.update({f"val_{k}": metrics[k] for k in _SEARCH_COLUMNS if k in metrics})
-            row.update(status="evaluated", time_s=time.perf_counter() - tic)
+            scored = progress.done.get((scale, tau))
+            if scored is None:
+                tic = time.perf_counter()
+                posterior = assemble(scale, torch.full_like(theta, tau))
+                metrics = predictive_metrics(likelihood, outputs(posterior, x_val, cfg.n_samples, seed), y_val)
+                scored = {f"val_{k}": metrics[k] for k in _SEARCH_COLUMNS if k in metrics}
+                scored["time_s"] = time.perf_counter() - tic
+                progress.record(scale, tau, scored)
+            row.update(scored, status="evaluated")
             if map_accuracy is not None and cfg.prune_accuracy_drop is not None:
-                pruned = metrics["accuracy"] < map_accuracy - cfg.prune_accuracy_drop
+                pruned = row["val_accuracy"] < map_accuracy - cfg.prune_accuracy_drop
     evaluated = [r for r in rows if r["status"] == "evaluated" and math.isfinite(r[f"val_{cfg.criterion}"])]
     if not evaluated:
         raise ConfigError("laplace: no grid point of method.search gave a finite validation criterion")
@@ -232,11 +243,46 @@ def grid_search(
         "chosen_prior_precision": chosen_tau,
         f"search_val_{cfg.criterion}": best[f"val_{cfg.criterion}"],
         "search_n_evaluated": len(evaluated),
+        "search_n_resumed": len(progress.done),  # points scored by an earlier, stopped attempt
         "search_time_s": time.perf_counter() - started,
         **({"search_map_val_accuracy": map_accuracy} if map_accuracy is not None else {}),
         **({"search_val_accuracy": best["val_accuracy"]} if "val_accuracy" in best else {}),
     }
     return SearchResult(posterior, chosen, rows)
+
+
+class _Progress:
+    """The search's points scored so far, one JSON line each after a header line naming the fit they belong to
+    (the common-random-numbers seed, the MAP's validation metrics, the validation size and sample count). Points
+    of another fit (a changed MAP, generator stream or setting) are discarded with a warning. JSON keeps every
+    float exactly, so resumed points are the unbroken search's bit for bit."""
+
+    def __init__(self, path: Path | None, fit: dict[str, Any]) -> None:
+        self.path, self.done = path, {}
+        if path is None:
+            return
+        header = json.dumps({"fit": fit})
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and lines[0] == header:
+            for line in lines[1:]:
+                try:
+                    point = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a kill
+                    break
+                self.done[(point.pop("dataset_scale"), point.pop("prior_precision"))] = point
+            logger.info("laplace search: resuming with %d scored points from %s", len(self.done), path)
+        elif lines:
+            logger.warning("laplace search: %s belongs to another fit; scoring the grid from the start", path)
+        with open(path, "w") as handle:  # the header and the usable points: a torn last line goes
+            handle.write(header + "\n")
+            handle.writelines(
+                json.dumps({"dataset_scale": k[0], "prior_precision": k[1], **v}) + "\n" for k, v in self.done.items()
+            )
+
+    def record(self, scale: float, tau: float, scored: dict[str, Any]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"dataset_scale": scale, "prior_precision": tau, **scored}) + "\n")
 
 
 def write_search_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> None:
