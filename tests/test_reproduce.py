@@ -174,7 +174,8 @@ def test_quick_reproduce_tunes_tests_tables_and_refuses_another_config_version(
 
     # --no-run: a table from the finished part of a wider sweep, trains nothing and names what it leaves out
     main([*[a.replace("data.split=0", "data.split=0,1") for a in args], "--no-run"])
-    assert "| boston | bbb | 1 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| boston | bbb | 1 |" in out and "1 runs: 1 finished (none run now), 0 failed" in out
     assert not any(runs.glob("data.split=1,*"))
     assert (
         "finished: `1 of 2 runs; not in this table: method=bbb,data=uci/boston (1 run)`"

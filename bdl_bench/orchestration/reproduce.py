@@ -488,7 +488,7 @@ def main(args: list[str]) -> None:
     expected = [plan.sweep_dir / plan.job_folder(job) for job in plan.jobs]
     summary = summarise(plan.sweep_dir, run_dirs=[d for d in expected if d.exists()])
     missing = [d for d in expected if not d.exists()]
-    print(summary.render(plan.sweep_dir))
+    print(summary.render(plan.sweep_dir, ran=not ns.no_run))
     conflicts = [
         (d, (read_failure(d) or {}).get("message", ""))
         for d, _ in summary.failed

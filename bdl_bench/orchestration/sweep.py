@@ -311,14 +311,21 @@ class SweepSummary:
     unfinished: list[Path] = field(default_factory=list)  # still running, or killed
     elsewhere: list[tuple[Path, str]] = field(default_factory=list)  # (run folder, its holder): another process's
 
-    def render(self, root: Path | None = None) -> str:
+    def render(self, root: Path | None = None, *, ran: bool = True) -> str:
+        """One line of counts, then a line per run needing attention. ``ran=False``: nothing was run now
+        (``reproduce --no-run``), so finished runs are counted as finished, not as run."""
+
         def name(path: Path) -> str:
             return str(path.relative_to(root)) if root is not None and path.is_relative_to(root) else str(path)
 
         n_runs = sum(map(len, (self.finished, self.skipped, self.failed, self.unfinished, self.elsewhere)))
+        done = (
+            f"{len(self.finished)} ran, {len(self.skipped)} skipped (finished earlier)"
+            if ran
+            else f"{len(self.finished) + len(self.skipped)} finished (none run now)"
+        )
         lines = [
-            f"sweep summary: {n_runs} runs: {len(self.finished)} ran, {len(self.skipped)} skipped "
-            f"(finished earlier), {len(self.failed)} failed, {len(self.unfinished)} unfinished"
+            f"sweep summary: {n_runs} runs: {done}, {len(self.failed)} failed, {len(self.unfinished)} unfinished"
             + (f", {len(self.elsewhere)} running elsewhere" if self.elsewhere else "")
             + (f" (below {root})" if root is not None else "")
         ]
