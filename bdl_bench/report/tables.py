@@ -128,16 +128,16 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.DataFrame, dict[tuple, str]]:
     """Per (dataset, method), keep the runs of the hyperparameter setting with the best mean validation metric.
 
-    A setting is one combination of the values of ``selection.keys`` (keys absent from every run are
-    ignored); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
+    A setting is one combination of the values of ``selection.keys`` (keys absent from all runs of a column
+    are ignored there: SLANG's ``method.decay`` is not BBB's); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
     never enter the choice. Returns the kept runs and, per (dataset, method), the chosen setting
     (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``)."""
     if selection.mode not in ("min", "max"):
         raise ConfigError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
-    keys = [k for k in selection.keys if k in runs.columns]
     kept, chosen = [], {}
     for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
-        settings = group[keys].astype(str).agg(", ".join, axis=1) if keys else pd.Series("", index=group.index)
+        keys = [k for k in selection.keys if k in group.columns and group[k].notna().any()]  # this column's keys
+        settings = group[keys].map(str).agg(", ".join, axis=1) if keys else pd.Series("", index=group.index)
         first = group.loc[settings.index[0], keys] if keys else []
         if settings.nunique() == 1:  # nothing to choose between
             kept.append(group)

@@ -149,6 +149,21 @@ def test_table3_keeps_the_setting_chosen_on_validation_not_on_test(tmp_path: Pat
     assert "chosen on validation" in table.markdown
 
 
+def test_a_key_only_some_columns_have_is_no_setting_of_the_others(tmp_path: Path) -> None:
+    """SLANG's method.decay is absent from BBB's runs: BBB's setting is described without it."""
+    for name, method, error in (
+        ("slang", {"name": "slang", "rank": 2, "lr": 0.1, "decay": 0.6}, 0.033),
+        ("bbb", {"name": "bbb", "lr": 0.001}, 0.025),
+    ):
+        config = {"data": {"name": "vision/mnist"}, "method": method, "prior_precision": 54.598}
+        _fake_run(tmp_path, name, {**config, "paper_table": "slang_table3"}, {"error": error, "val_error": error})
+    frame = build_table(tmp_path).frame.set_index("method")
+    assert frame.loc["bbb", "chosen_on_validation"] == "prior_precision=54.598, method.lr=0.001 (the only setting run)"
+    assert frame.loc["slang_L2", "chosen_on_validation"] == (
+        "prior_precision=54.598, method.lr=0.1, method.decay=0.6 (the only setting run)"
+    )
+
+
 def test_selection_without_the_validation_metric_says_so(tmp_path: Path) -> None:
     for prior in (1.0, 7.389):
         _fake_run(
