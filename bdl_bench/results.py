@@ -58,6 +58,7 @@ HASH_EXCLUDED_KEYS = (
     "tolerance",  # how `reproduce` compares with the paper, not what a run computes
     "relative_to",  # likewise: the paper column `reproduce` shows the gaps to
     "figures",  # what `reproduce` draws from the runs
+    "protocol",  # what `reproduce` says above the table about the protocol run
     "shared_map",  # which run's MAP `reproduce` hands the post-hoc columns (their method.map_dir is hashed)
     # how a tuned run's values were searched (bdl_bench.orchestration.search); the values it chose are in its config
     "search",

@@ -225,6 +225,7 @@ def test_quick_reproduce_of_a_figure_draws_it_beside_the_table(tmp_path: Path, m
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (folder / "reproduce.md").read_text()
     assert "![fig4_right](fig4_right.png)" in report
+    assert "Protocol: the authors' BNN setup" in report  # the experiment's protocol line, above the table
     # the paper prints no numbers for Fig. 4: no agreement rule under a table that has no agreement column
     assert "no agreement column" in report and "agrees: |ours" not in report
 

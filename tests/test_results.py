@@ -104,7 +104,7 @@ def test_what_reproduce_draws_or_compares_is_not_part_of_a_runs_config_hash() ->
     from bdl_bench.results import config_hash
 
     base = {"method": {"name": "slang", "rank": 1}, "data": {"name": "libsvm/australian"}}
-    extra = {"figures": [{"name": "fig1", "kind": "covariance"}], "tolerance": {"nll": "2%"}}
+    extra = {"figures": [{"name": "fig1", "kind": "covariance"}], "tolerance": {"nll": "2%"}, "protocol": "ours"}
     assert config_hash(base) == config_hash({**base, **extra})
     assert config_hash(base) != config_hash({**base, "method": {"name": "slang", "rank": 2}})
 

@@ -523,6 +523,8 @@ def main(args: list[str]) -> None:
             f"same difference of the paper's printed values.\n\n{text}"
         )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
+    if plan.config.get("protocol"):  # the experiment's own words on what it ran, where that is not the paper's
+        text = f"Protocol: {' '.join(str(plan.config.protocol).split())}\n\n{text}"
     text += cost_table(plan.sweep_dir, paper, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]
