@@ -524,7 +524,7 @@ def main(args: list[str]) -> None:
         )
     title = f"# {plan.experiment}" + (" (--quick: not the paper's protocol)" if ns.quick else "")
     if plan.config.get("protocol"):  # the experiment's own words on what it ran, where that is not the paper's
-        text = f"Protocol: {' '.join(str(plan.config.protocol).split())}\n\n{text}"
+        text = f"Protocol: {plan.config.protocol}\n\n{text}"  # a folded YAML scalar (>-): one line
     text += cost_table(plan.sweep_dir, paper, expected)
     specs = OmegaConf.to_container(plan.config.figures) if plan.config.get("figures") else []
     figures, skipped = draw_figures(specs, plan.sweep_dir)  # type: ignore[arg-type]

@@ -129,8 +129,8 @@ def select_on_validation(runs: pd.DataFrame, selection: Selection) -> tuple[pd.D
     """Per (dataset, method), keep the runs of the hyperparameter setting with the best mean validation metric.
 
     A setting is one combination of the values of ``selection.keys`` (keys absent from all runs of a column
-    are ignored there: SLANG's ``method.decay`` is not BBB's); its score is the mean of ``selection.metric`` over its runs (splits, seeds). Test metrics
-    never enter the choice. Returns the kept runs and, per (dataset, method), the chosen setting
+    are ignored there: SLANG's ``method.decay`` is not BBB's); its score is the mean of ``selection.metric``
+    over its runs (splits, seeds). Test metrics never enter the choice. Returns the kept runs and, per (dataset, method), the chosen setting
     (``"prior_precision=1, method.lr=0.1 (val_error 0.019; 3 settings)"``)."""
     if selection.mode not in ("min", "max"):
         raise ConfigError(f"selection mode must be 'min' or 'max', got {selection.mode!r}")
