@@ -82,6 +82,10 @@ class Method(ABC):
     """Whether long loops inside a fit show a delayed progress bar (``trainer.progress``)."""
     adam_leaves: ClassVar[tuple[str, ...]] = ()
     """Tensors that ``self.optimizer`` (an Adam) fits, which the default checkpoint holds with its state."""
+    iid_predictive: ClassVar[bool] = False
+    """Whether ``predict(x, n)``'s n samples are independent draws from the generator, so that they may be made
+    a few at a time (the runner's resumable final predictions, :mod:`bdl_bench.orchestration.prediction_store`);
+    not so for a method whose samples are fixed members (ensemble, HMC) or copies of one output (MAP)."""
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:

@@ -63,6 +63,7 @@ class MCDropout(StackedMethod):
     option_ranges = MappingProxyType({"lr": POSITIVE, "dropout_rate": UNIT_OPEN, "n_train_mc_samples": COUNT})
     copy_state = ("theta",)
     adam_leaves = ("theta",)
+    iid_predictive = True  # each sample an independent draw of the masks
 
     def __init__(self, *, lr: float, dropout_rate: float, n_train_mc_samples: int, dropout_inputs: bool) -> None:
         self.keep_options(locals())

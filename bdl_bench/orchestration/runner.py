@@ -46,6 +46,7 @@ from bdl_bench.orchestration.evaluation import (
     save_predictive,
     swap_generator,
 )
+from bdl_bench.orchestration.prediction_store import Draw, PredictionStore, chunk_size
 from bdl_bench.orchestration.resume import checkpoint_histories, job_checkpoint, make_checkpoint, restore_checkpoint
 from bdl_bench.orchestration.sigterm import EpochProgress, stop_if_terminated, stop_on_interrupt
 from bdl_bench.orchestration.threads import set_threads
@@ -362,6 +363,15 @@ def finish_run(
         sets["val"] = dataset.x_val
     if dataset.x_ood is not None:
         sets["ood"] = dataset.x_ood
+    store = PredictionStore(run_dir, method, eval_generator, progress=bool(trainer.progress))
+    n_params = int(prior.numel())
+
+    def stage(name: str, parts: Mapping[str, torch.Tensor], draw: Draw, n: int) -> dict[str, torch.Tensor]:
+        """``draw(n)``, resumable in chunks where the method's samples are independent draws."""
+        rows = sum(x.shape[0] for x in parts.values())
+        chunk = chunk_size(n_params, rows) if method.iid_predictive else n
+        return store.predict(name, draw, n, chunk)
+
     with swap_generator(method, eval_generator):
         # A method with ``predict_sets`` (Laplace) evaluates each posterior sample on every set at once;
         # the others predict set by set: test, val, (the ELBO's samples), OOD. The OOD metrics reuse the
@@ -370,12 +380,17 @@ def finish_run(
         if predictions is not None:
             f = dict(predictions)
         elif callable(predict_sets):  # validation too where it takes as many samples
-            f = predict_sets({p: x for p, x in sets.items() if p != "val" or n_val == n_test}, n_test)
+            joint = {p: x for p, x in sets.items() if p != "val" or n_val == n_test}
+            f = stage("sets", joint, lambda n: predict_sets(joint, n), n_test)
         else:
             f = {}
+
+        def one_set(part: str) -> Draw:
+            return lambda n: {part: method.predict(sets[part], n)}
+
         for part, n in (("test", n_test), ("val", n_val)):
             if part in sets and part not in f:
-                f[part] = method.predict(sets[part], n)
+                f[part] = stage(part, {part: sets[part]}, one_set(part), n)[part]
         metrics: dict[str, float] = evaluate(method, likelihood, dataset, n_test, f_samples=f["test"])
         if "val" in f:
             metrics.update(
@@ -384,7 +399,7 @@ def finish_run(
         elbo = elbo_per_example(method, likelihood, dataset, int(trainer.n_elbo_mc_samples))
         f_ood = None
         if "ood" in sets:
-            f_ood = f["ood"] if "ood" in f else method.predict(dataset.x_ood, n_test)
+            f_ood = f["ood"] if "ood" in f else stage("ood", {"ood": sets["ood"]}, one_set("ood"), n_test)["ood"]
             metrics.update(evaluate_ood(likelihood, dataset, run_dir, f["test"], f_ood))
     for k in sample_prefixes(cfg):
         metrics.update(prefix_metrics(method, likelihood, dataset, f["test"], f_ood, k))
@@ -420,4 +435,5 @@ def finish_run(
         save_params(run_dir / PARAMS_FILE, point, method=str(cfg.method.name), config_hash=config_hash_)
     write_metrics(run_dir, metrics)
     (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
+    store.clear()
     return RunResult(run_dir=run_dir, metrics=metrics)

@@ -35,6 +35,7 @@ class GaussianPredictive(Method):
     """Base of a method whose posterior is a ``StructuredGaussian`` centred at its parameters ``theta``: the
     predictives (module docstring). Before the posterior exists every sample is the MAP's output."""
 
+    iid_predictive = True  # each sample an independent draw of the posterior (or the MAP's output, repeated)
     theta: Tensor
     predictive: Predictive
     _posterior: StructuredGaussian | None = None
