@@ -13,6 +13,7 @@ from _runs import without_cost
 from bdl_bench.orchestration import prediction_store, runner
 from bdl_bench.orchestration.prediction_store import PREDICTIONS_DIR, PredictionStore
 from bdl_bench.orchestration.runner import run
+from bdl_bench.orchestration.status import run_progress
 
 
 class Crash(Exception):
@@ -109,6 +110,8 @@ def test_a_run_killed_in_its_evaluation_resumes_it_to_the_unbroken_metrics(
         run(cfg, killed)
     progress = json.loads((killed / PREDICTIONS_DIR / prediction_store.PROGRESS_FILE).read_text())
     assert [stage["done"] for stage in progress.values()] == [4]
+    stage = "sets" if method == "laplace" else "test"
+    assert run_progress(killed).endswith(f"3 epochs written, 4 of 5 final {stage} samples stored")  # bdl-bench status
     recorded.clear()
     monkeypatch.setattr(PredictionStore, "_record", lambda *a: record(*a))
     resumed = run(cfg, killed).metrics

@@ -64,6 +64,15 @@ def _state_digest(generator: torch.Generator) -> str:
     return hashlib.sha256(generator.get_state().numpy().tobytes()).hexdigest()
 
 
+def stored_samples(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """``{stage: (samples stored, samples wanted)}`` of a run's unfinished final predictions (``bdl-bench status``)."""
+    try:
+        stages = json.loads((Path(run_dir) / PREDICTIONS_DIR / PROGRESS_FILE).read_text())
+        return {name: (int(r["done"]), int(r["key"]["n_samples"])) for name, r in stages.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 class PredictionStore:
     """The chunked, resumable final predictions of the fitted ``method`` of one run (module docstring), drawn from
     ``generator``; ``progress``: a bar over the samples."""

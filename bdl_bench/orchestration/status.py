@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bdl_bench.methods.laplace.search import PROGRESS_FILE as SEARCH_PROGRESS_FILE
 from bdl_bench.orchestration.locking import lock_state, utc
+from bdl_bench.orchestration.prediction_store import stored_samples
 from bdl_bench.results import CONFIG_FILE, HISTORY_FILE, METRICS_FILE, RUN_RECORD_FILE, read_failure
 
 CLASSES = ("finished", "failed", "running", "stale", "interrupted", "not started")
@@ -49,13 +51,26 @@ def _record(run_dir: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _epochs(run_dir: Path) -> str:
+def _lines(path: Path) -> int | None:
     try:
-        with (run_dir / HISTORY_FILE).open() as f:
-            rows = sum(1 for _ in f) - 1
+        with path.open() as f:
+            return sum(1 for _ in f)
     except OSError:
-        return ""
-    return f", {max(rows, 0)} epochs written"
+        return None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def run_progress(run_dir: Path) -> str:
+    """How far an unfinished run got: epochs written, Laplace search points scored, final samples stored."""
+    rows, points = _lines(run_dir / HISTORY_FILE), _lines(run_dir / SEARCH_PROGRESS_FILE)
+    parts = [] if rows is None else [_count(max(rows - 1, 0), "epoch") + " written"]
+    if points:
+        parts.append(_count(points - 1, "search point") + " scored")  # after the header line
+    parts += [f"{done} of {n} final {stage} samples stored" for stage, (done, n) in stored_samples(run_dir).items()]
+    return "".join(f", {part}" for part in parts)
 
 
 def _reason(run_dir: Path, record: dict) -> str:
@@ -72,19 +87,19 @@ def classify(run_dir: Path) -> tuple[str, str]:
     record = _record(run_dir)
     state, holder = lock_state(run_dir)
     if state == "held" and holder is not None:
-        return "running", holder.describe() + _epochs(run_dir)
+        return "running", holder.describe() + run_progress(run_dir)
     if state == "stale" and holder is not None:
-        return "stale", f"holder gone ({holder.describe()}){_epochs(run_dir)}; the same command resumes it"
+        return "stale", f"holder gone ({holder.describe()}){run_progress(run_dir)}; the same command resumes it"
     status = record.get("status")
     if status == "failed":
         return "failed", _reason(run_dir, record)
     if status == "running":
         where = f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, since {utc(record.get('started'))}"
-        return "stale", f"run.json says running ({where}) but no process holds it{_epochs(run_dir)}"
+        return "stale", f"run.json says running ({where}) but no process holds it{run_progress(run_dir)}"
     if (run_dir / METRICS_FILE).exists():
         return "finished", ""
     if status == "interrupted":
-        return "interrupted", f"at {utc(record.get('ended'))}{_epochs(run_dir)}; the same command resumes it"
+        return "interrupted", f"at {utc(record.get('ended'))}{run_progress(run_dir)}; the same command resumes it"
     return "not started", ""
 
 
