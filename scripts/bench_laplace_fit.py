@@ -49,6 +49,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,7 +138,7 @@ def step_macs_per_example(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     """Multiply-adds per image of one ``method=map`` training step (Adam, lr 0.001) on the minibatch ``x``, ``y``,
     on a copy of ``model``: the MAP epoch's cost in the benchmarks' ``flop_ratio``."""
     step_method = build_method({"name": "map", "lr": LR})
-    step_method.setup(_problem(copy.deepcopy(model), x.device, 0))
+    step_method.setup(problem(copy.deepcopy(model), x.device, 0))
     return multiply_adds(lambda: step_method.train_step(x, y)) / x.shape[0]
 
 
@@ -187,7 +188,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
-def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem:
+def problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem:
     return Problem(
         model=model,
         likelihood=Categorical(),
@@ -260,7 +261,7 @@ def _time_structure(
 
     def fit(n_rows: int, n_curvature: int) -> tuple[tuple[float, float, float | None], dict[str, float]]:
         laplace = _laplace(ns, structure, None if subset is None else n_curvature)
-        laplace.setup(_problem(model, device, ns.seed + 3))
+        laplace.setup(problem(model, device, ns.seed + 3))
         with torch.no_grad():
             laplace.theta.copy_(theta)
         seconds = _time_fit(laplace, x[:n_rows], y[:n_rows], device)
@@ -291,7 +292,7 @@ def _time_structure(
     macs = []
     for rows in (counted, counted // 2):
         laplace = _laplace(ns, structure, None)
-        laplace.setup(_problem(model, device, ns.seed + 3))
+        laplace.setup(problem(model, device, ns.seed + 3))
         with torch.no_grad():
             laplace.theta.copy_(theta)
         macs.append(multiply_adds(lambda laplace=laplace, rows=rows: laplace.fit_posterior(x[:rows], y[:rows])))
@@ -333,13 +334,29 @@ def _time_structure(
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ns = _parse(argv)
+@dataclass
+class LeNetBench:
+    """What both Laplace benchmarks start from: the device, the LeNet of the flags (seeded), random images ``x`` and
+    labels ``y`` (``n_data``), the generator that drew them, the timed MAP epoch and its parameters."""
+
+    device: torch.device
+    model_cfg: dict[str, Any]
+    model: torch.nn.Module
+    generator: torch.Generator
+    x: torch.Tensor
+    y: torch.Tensor
+    epoch_times: tuple[float, float, float | None]
+    theta: torch.Tensor
+
+
+def lenet_bench(ns: argparse.Namespace, script: str) -> LeNetBench:
+    """Set threads and device from the flags (``script`` names the script in an error), build the model and data,
+    then time one MAP epoch on them (after two warm-up steps)."""
     set_threads(ns.threads)
     try:
         device = resolve_device(ns.device)
     except ConfigError as error:  # --device cuda without a GPU
-        raise SystemExit(f"bench_laplace_fit.py: --device {ns.device}: {error}") from None
+        raise SystemExit(f"{script}: --device {ns.device}: {error}") from None
     torch.manual_seed(ns.seed)
     model_cfg = {
         "name": "lenet",
@@ -354,18 +371,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     y = torch.randint(0, 10, (ns.n_data,), generator=g).to(device)
 
     warm = build_method({"name": "map", "lr": LR})
-    warm.setup(_problem(model, device, ns.seed))
+    warm.setup(problem(model, device, ns.seed))
     for _ in range(2):
         warm.train_step(x[: ns.batch_size], y[: ns.batch_size])
     map_method = build_method({"name": "map", "lr": LR})
-    map_method.setup(_problem(model, device, ns.seed))
+    map_method.setup(problem(model, device, ns.seed))
     epoch_times = timed(
         lambda: map_method.fit(
             x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2)
         ),
         device,
     )
-    theta = map_method.point_estimate()
+    return LeNetBench(device, model_cfg, model, g, x, y, epoch_times, map_method.point_estimate())
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ns = _parse(argv)
+    bench = lenet_bench(ns, "bench_laplace_fit.py")
+    device, model_cfg, model, x, y = bench.device, bench.model_cfg, bench.model, bench.x, bench.y
+    epoch_times, theta = bench.epoch_times, bench.theta
     epoch_macs = step_macs_per_example(model, x[: ns.batch_size], y[: ns.batch_size])
 
     records = []

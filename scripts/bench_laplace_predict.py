@@ -34,18 +34,11 @@ from typing import Any
 
 import torch
 
-from bdl_bench.errors import ConfigError
-from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
-from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace
-from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
-from bdl_bench.orchestration.devices import resolve_device
-from bdl_bench.orchestration.threads import set_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_laplace_fit import multiply_adds, step_macs_per_example, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
+from bench_laplace_fit import lenet_bench, multiply_adds, problem, step_macs_per_example, timed  # noqa: E402  (the same timing: warm, synchronised, CUDA peak memory)
 
 FULL_N = 50_000  # MNIST training images (DEF Table 1)
 PREDICT_TO = 30_000  # what a def_table1 run predicts: MNIST test (10k) + validation (10k) + notMNIST (about 10k)
@@ -83,16 +76,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
-def _problem(model: torch.nn.Module, device: torch.device, seed: int) -> Problem:
-    return Problem(
-        model=model,
-        likelihood=Categorical(),
-        n_data=FULL_N,
-        prior_precision=prior_precision_vector(model, PRIOR_PRECISION, None),
-        generator=torch.Generator(device=device).manual_seed(seed),
-    )
-
-
 def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_samples: int) -> float:
     """Multiply-adds of ``n_samples`` forward passes over ``PREDICT_TO`` images, over those of a MAP epoch of
     ``FULL_N`` images in minibatches like ``x``, ``y`` (one Adam step of ``method=map`` counted): what
@@ -105,41 +88,11 @@ def flop_ratio(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n_sampl
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ns = _parse(argv)
-    set_threads(ns.threads)
-    try:
-        device = resolve_device(ns.device)
-    except ConfigError as error:  # --device cuda without a GPU
-        raise SystemExit(f"bench_laplace_predict.py: --device {ns.device}: {error}") from None
-    torch.manual_seed(ns.seed)
-    model_cfg = {
-        "name": "lenet",
-        "image_size": ns.image_size,
-        "channels": [int(c) for c in ns.channels.split(",")],
-        "hidden": ns.hidden,
-        "dropout": 0.0,
-    }
-    model = build_model(model_cfg, in_features=1, out_features=10).to(device)
-    g = torch.Generator().manual_seed(ns.seed + 1)
-    shape = (1, ns.image_size, ns.image_size)
-    x = torch.rand(ns.n_data, *shape, generator=g).to(device)
-    y = torch.randint(0, 10, (ns.n_data,), generator=g).to(device)
+    bench = lenet_bench(ns, "bench_laplace_predict.py")
+    device, model, x, y, theta, epoch = bench.device, bench.model, bench.x, bench.y, bench.theta, bench.epoch_times
     third = ns.n_predict // 3
-    images = torch.rand(ns.n_predict, *shape, generator=g).to(device)
+    images = torch.rand(ns.n_predict, 1, ns.image_size, ns.image_size, generator=bench.generator).to(device)
     sets = {"test": images[:third], "val": images[third : 2 * third], "ood": images[2 * third :]}
-
-    warm = build_method({"name": "map", "lr": LR})
-    warm.setup(_problem(model, device, ns.seed))
-    for _ in range(2):
-        warm.train_step(x[: ns.batch_size], y[: ns.batch_size])
-    map_method = build_method({"name": "map", "lr": LR})
-    map_method.setup(_problem(model, device, ns.seed))
-    epoch = timed(
-        lambda: map_method.fit(
-            x, y, n_epochs=1, batch_size=ns.batch_size, data_generator=torch.Generator().manual_seed(2)
-        ),
-        device,
-    )
-    theta = map_method.point_estimate()
     epoch_scale, predict_scale = FULL_N / ns.n_data, PREDICT_TO / ns.n_predict
     floor = flop_ratio(model, x[: ns.batch_size], y[: ns.batch_size], ns.n_samples)
 
@@ -161,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 }
             )
             assert isinstance(laplace, Laplace)
-            laplace.setup(_problem(model, device, ns.seed + 3))
+            laplace.setup(problem(model, device, ns.seed + 3))
             with torch.no_grad():
                 laplace.theta.copy_(theta)
             laplace.fit_posterior(x[: ns.n_fit], y[: ns.n_fit])
@@ -186,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "epoch_cuda_peak_mib": None if epoch[2] is None else round(epoch[2], 1),
                 "threads": ns.threads,
                 "device": str(device),
-                "model": {k: v for k, v in model_cfg.items() if k != "name"},
+                "model": {k: v for k, v in bench.model_cfg.items() if k != "name"},
                 "torch": torch.__version__,
             }
             print(json.dumps(record), flush=True)
