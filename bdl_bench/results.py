@@ -64,7 +64,13 @@ HASH_EXCLUDED_KEYS = (
     "search",
 )
 """Config keys (and subtrees) that do not change what a run computes: left out of the config hash."""
-OMITTED_WHEN_NULL = ("trainer.test_mc_prefixes", "trainer.n_val_mc_samples")
+OMITTED_WHEN_NULL = (
+    "trainer.test_mc_prefixes",
+    "trainer.n_val_mc_samples",
+    "method.beta_decay",  # SLANG
+    "method.lr_decay",  # BBB
+    "data.standardise",  # toy/cubic
+)
 """Keys added after runs were made, whose null default changes nothing those runs computed: left out of the hash
 while null, so that the runs hash as before; set, they are hashed (such a run reports more)."""
 HASHED_AS_NULL = ("data.root", "data.mirror")

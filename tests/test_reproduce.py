@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -25,7 +26,7 @@ from bdl_bench.orchestration.reproduce import (
 )
 from bdl_bench.report import ktied
 from bdl_bench.report.paper import PaperValue
-from bdl_bench.results import code_version, read_csv_exact
+from bdl_bench.results import code_version, read_config, read_csv_exact
 
 
 def test_unknown_experiment_lists_the_available_ones() -> None:
@@ -267,7 +268,7 @@ def test_quick_reproduce_of_def_toy_draws_fig4_from_the_runs(tmp_path: Path, mon
         stds[npz.parent.name] = arrays["f_std"]
     assert len(stds) == 3
     assert all((std == 0).all() == ("map" in name) for name, std in stds.items())  # only the MAP has no spread
-    only = plot_runs(folder, tmp_path / "only_map.png", ["map"])
+    only, _ = plot_runs(folder, tmp_path / "only_map.png", ["map"])
     assert only.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -303,6 +304,27 @@ def test_shared_map_trains_the_map_once_and_fits_the_post_hoc_column_on_it(
     assert torch.equal(torch.load(def_run / "params.pt", weights_only=True)["theta"], map_theta)  # the mean: the MAP
     table = pd.read_csv(folder / "reproduce.csv", comment="#")
     assert list(table["method"]) == ["laplace"]
+
+
+def test_quick_reproduce_of_slang_appf1_draws_the_three_columns_in_original_units(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slang_appF1 (SLANG App. F.1 at the authors' setup): BBB and SLANG L = 1, 5 on the unstandardised toy, each
+    saving its predictive, drawn in one figure whose table holds each column's spread."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    main(["slang_appF1", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"])
+    folder = tmp_path / "slang_appF1_quick"
+    report = (folder / "reproduce.md").read_text()
+    assert "![slang_appF1](slang_appF1.png)" in report and "| SLANG (L = 5) |" in report
+    for run in ("bbb", "slang_L1", "slang_L5"):
+        config = read_config(folder / f"trainer.n_epochs=3,variant=slang_appF1/{run}" / "config.yaml")
+        assert config["data"]["standardise"] is False and config["data"]["n_train"] == 30
+        arrays = np.load(folder / f"trainer.n_epochs=3,variant=slang_appF1/{run}" / "predictive.npz")
+        assert float(arrays["noise_std"]) == pytest.approx(0.1**-0.5)  # noise precision 0.1, original units
+    assert (
+        read_config(folder / "trainer.n_epochs=3,variant=slang_appF1/slang_L1/config.yaml")["method"]["beta_decay"]
+        == 0.25
+    )
 
 
 def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(

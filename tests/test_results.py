@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
-from bdl_bench.results import HistoryWriter, read_csv_exact, read_history
+from bdl_bench.results import HistoryWriter, config_hash, read_csv_exact, read_history
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -145,3 +146,21 @@ def test_a_ctrl_c_just_after_the_temporary_file_is_created_leaves_no_temporary_f
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.csv"]
     assert (tmp_path / "history.csv").read_text() == "old"
+
+
+@pytest.mark.parametrize(
+    "overrides, group, key, value",
+    [
+        (["method=slang"], "method", "beta_decay", 0.25),
+        (["method=bbb"], "method", "lr_decay", 0.25),
+        (["data=toy/cubic"], "data", "standardise", False),
+    ],
+)
+def test_options_added_later_leave_earlier_runs_hashes_while_null(compose_cfg, overrides, group, key, value) -> None:
+    """SLANG's ``beta_decay``, BBB's ``lr_decay`` and toy/cubic's ``standardise`` (for SLANG App. F.1): a run
+    made before them hashes as before while they are null, and differently once set."""
+    config = OmegaConf.to_container(compose_cfg(overrides), resolve=True)
+    assert config[group][key] is None
+    before = {**config, group: {k: v for k, v in config[group].items() if k != key}}
+    assert config_hash(config) == config_hash(before)
+    assert config_hash({**config, group: {**config[group], key: value}}) != config_hash(config)

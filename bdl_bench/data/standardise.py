@@ -36,10 +36,17 @@ class Standardiser:
         return (np.asarray(x, dtype=np.float64) - self.mean) / self.std
 
 
-def regression_dataset(name: str, x: np.ndarray, y: np.ndarray, idx: SplitIndices) -> Dataset:
+def regression_dataset(
+    name: str, x: np.ndarray, y: np.ndarray, idx: SplitIndices, *, standardise: bool = True
+) -> Dataset:
     """A regression :class:`Dataset` of the rows ``idx`` of ``x`` ``(N, D)`` and ``y`` ``(N,)``, inputs and targets
-    standardised with the training part's statistics; ``y_mean``/``y_std`` map back to original units."""
-    x_scaler, y_scaler = Standardiser.fit(x[idx.train]), Standardiser.fit(y[idx.train])
+    standardised with the training part's statistics (``standardise=False``: in original units);
+    ``y_mean``/``y_std`` map back to original units."""
+    if standardise:
+        x_scaler, y_scaler = Standardiser.fit(x[idx.train]), Standardiser.fit(y[idx.train])
+    else:
+        x_scaler = Standardiser(mean=np.zeros(x.shape[1]), std=np.ones(x.shape[1]))
+        y_scaler = Standardiser(mean=np.zeros(()), std=np.ones(()))
 
     def part(rows: np.ndarray) -> tuple:
         return as_float(x_scaler.transform(x[rows])), as_float(y_scaler.transform(y[rows]))

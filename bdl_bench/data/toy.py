@@ -44,10 +44,12 @@ def load_cubic(
     test_bound: float = 6.0,
     val_fraction: float = 0.0,
     seed: int = 0,
+    standardise: bool | None = None,
 ) -> Dataset:
     """The ``toy/cubic`` regression task of :func:`make_cubic`, standardised with training statistics like the UCI
-    sets. ``split`` must be 0 (vary ``seed`` for new draws); ``seed`` also seeds the choice of the
-    ``val_fraction`` validation points."""
+    sets (``standardise: false``: in original units, as the SLANG authors' 1-D toy; ``None``: standardised).
+    ``split`` must be 0 (vary ``seed`` for new draws); ``seed`` also seeds the choice of the ``val_fraction``
+    validation points."""
     check_split(split, 1, "toy/cubic")
     x_tr, y_tr, x_te, y_te = make_cubic(
         n_train=n_train, n_test=n_test, noise_std=noise_std, train_bound=train_bound, test_bound=test_bound, seed=seed
@@ -55,4 +57,5 @@ def load_cubic(
     train, val = carve_validation(np.arange(n_train), val_fraction, seed, "toy/cubic")
     test = np.arange(n_train, n_train + n_test)
     idx = SplitIndices(train=train, val=val, test=test)
-    return regression_dataset("toy/cubic", np.concatenate([x_tr, x_te]), np.concatenate([y_tr, y_te]), idx)
+    x, y = np.concatenate([x_tr, x_te]), np.concatenate([y_tr, y_te])
+    return regression_dataset("toy/cubic", x, y, idx, standardise=standardise is not False)

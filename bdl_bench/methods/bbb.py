@@ -23,6 +23,9 @@ closed form (:func:`~bdl_bench.methods._diag_vi.kl_diag_to_prior`). Two gradient
   :math:`a^2 (\sigma_W^2)^\top + \sigma_b^2`. Needs an ``nn.Sequential`` of ``nn.Linear`` layers and
   parameter-free modules.
 
+``lr_decay`` :math:`\alpha` (``None``: a constant step) makes update t = 1, 2, ... take the step
+:math:`\mathrm{lr}/(1+t)^{\alpha}` (the SLANG authors' ``ScheduledAdam``, their App. F.1 toy).
+
 ``predict`` always samples whole weight vectors (so the S output samples are S networks). Initially
 :math:`\mu` is the model's parameters and :math:`\sigma = ` ``init_std`` everywhere.
 """
@@ -46,7 +49,7 @@ from bdl_bench.methods._shared import in_chunks, parse_choice
 from bdl_bench.methods.base import Problem, StackedMethod, register_method
 from bdl_bench.models.params import forward_with, unflatten_stacked
 from bdl_bench.optim import adam
-from bdl_bench.ranges import COUNT, POSITIVE
+from bdl_bench.ranges import COUNT, POSITIVE, Range
 
 
 class Estimator(str, Enum):
@@ -61,11 +64,15 @@ class BayesByBackprop(StackedMethod):
     r"""Mean-field Gaussian VI with Adam on :math:`(\mu, \rho)` (module docstring), for R stacked copies:
     means and ρ's ``(R, D)``, one Adam over both (per coordinate, so R independent Adams)."""
 
-    option_ranges = MappingProxyType({"lr": POSITIVE, "n_train_mc_samples": COUNT, "init_std": POSITIVE})
+    option_ranges = MappingProxyType(
+        {"lr": POSITIVE, "n_train_mc_samples": COUNT, "init_std": POSITIVE, "lr_decay": Range(0, nullable=True)}
+    )
     copy_state = ("mean", "rho", "prior_precision")
     adam_leaves = ("mean", "rho")
 
-    def __init__(self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float) -> None:
+    def __init__(
+        self, *, lr: float, n_train_mc_samples: int, estimator: str, init_std: float, lr_decay: float | None = None
+    ) -> None:
         self.keep_options(locals())
         self.estimator = parse_choice(Estimator, estimator, "estimator", "bbb")
 
@@ -130,6 +137,9 @@ class BayesByBackprop(StackedMethod):
         kl = kl_diag_to_prior(self.mean, self.std(), self.prior_precision) / self.problem.n_data
         loss = nll + kl
         loss.sum().backward()
+        if self.lr_decay:  # update t = 1, 2, ... at lr / (1 + t)^lr_decay (Adam's step count is checkpointed)
+            step = int(self.optimizer.state[self.mean].get("step", 0)) + 1
+            self.optimizer.param_groups[0]["lr"] = self.lr / (1 + step) ** self.lr_decay
         self.optimizer.step()
         return {"loss": loss.detach(), "nll": nll.detach(), "kl": kl.detach()}
 

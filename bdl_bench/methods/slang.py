@@ -7,9 +7,10 @@ Step t = 1, 2, ... on a minibatch of M examples (Mishkin et al. 2018, Alg. 1 and
 options of the authors' code ``lib/optimizers/slang.py``):
 
 1. Schedules (authors' ``decay_rates``): :math:`\alpha_t = \alpha / (1 + t^{\gamma})` and
-   :math:`\beta_t = \beta / (1 + t^{\gamma})` for ``decay`` :math:`\gamma > 0`; constant
-   :math:`\alpha_t = \alpha`, :math:`\beta_t = \beta` for :math:`\gamma = 0`. (Paper's β; the authors'
-   code passes :math:`1 - \beta` as Adam's second "beta" and decays :math:`\beta` itself.)
+   :math:`\beta_t = \beta / (1 + t^{\gamma_\beta})` for ``decay`` :math:`\gamma > 0` and ``beta_decay``
+   :math:`\gamma_\beta` (``None``: :math:`\gamma`; their 1-D toy of App. F.1 decays the two at different
+   rates); a zero exponent keeps its rate constant. (Paper's β; the authors' code passes :math:`1 - \beta` as
+   Adam's second "beta" and decays :math:`\beta` itself.)
 2. S = ``n_train_mc_samples`` draws :math:`\theta_s \sim q_t` (exact, O(D L) each:
    :func:`bdl_bench.curvature.low_rank.sample_noise`).
 3. Per-example gradients :math:`g_{s,i} = \nabla_\theta[-\log p(y_i \mid x_i, \theta_s)]` as layer
@@ -177,7 +178,7 @@ def _row_dots(a: Tensor, b: Tensor) -> Tensor:
 class Slang(StackedMethod):
     """SLANG (Mishkin et al. 2018, Alg. 1; the update is in the module docstring) for networks of ``nn.Linear``
     layers: ``rank`` L (1 <= L < D), ``lr`` :math:`\\alpha`, ``beta`` :math:`\\beta`, ``decay`` :math:`\\gamma`
-    (0: constant rates), ``momentum`` :math:`\\rho` (0: none), ``n_train_mc_samples`` S and ``init_prec_diag``
+    (0: constant rates), ``beta_decay`` (β's own exponent; ``None``: ``decay``), ``momentum`` :math:`\\rho` (0: none), ``n_train_mc_samples`` S and ``init_prec_diag``
     :math:`d_0`, each checked against ``option_ranges``."""
 
     option_ranges = MappingProxyType(
@@ -186,6 +187,7 @@ class Slang(StackedMethod):
             "lr": POSITIVE,
             "beta": Range(0, 1, low_open=True),
             "decay": Range(0),
+            "beta_decay": Range(0, nullable=True),
             "momentum": Range(0, 1, high_open=True),
             "n_train_mc_samples": COUNT,
             "init_prec_diag": POSITIVE,
@@ -206,8 +208,11 @@ class Slang(StackedMethod):
         momentum: float,
         n_train_mc_samples: int,
         init_prec_diag: float,
+        beta_decay: float | None = None,
     ) -> None:
         self.keep_options(locals())
+        if self.beta_decay is None:
+            self.beta_decay = self.decay
 
     # ------------------------------------------------------------------------------ set-up
     def setup_stack(self, problems: Sequence[Problem]) -> None:
@@ -292,7 +297,7 @@ class Slang(StackedMethod):
             n_data=problem.n_data,
             prior_precision=self.prior_precision,
             lr=decayed_rate(self.lr, self.decay, step),
-            beta=decayed_rate(self.beta, self.decay, step),
+            beta=decayed_rate(self.beta, self.beta_decay, step),
             momentum=self.momentum,
             inplace=True,
             workspace=work,

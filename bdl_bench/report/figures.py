@@ -93,8 +93,10 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         cells = [[row[0], *(f"{v:.3f}" for v in row[1:])] for row in table.itertuples(index=False)]
         text = markdown(["method", "off-diagonal error", "mean error", "variance ratio", "variance corr."], cells)
         return png, table, text
-    if kind == "def_toy":
-        return def_toy.plot_runs(folder, out, methods), None, None
+    if kind == "def_toy":  # DEF Fig. 4, SLANG App. F.1
+        png, table = def_toy.plot_runs(folder, out, methods, spec.get("title"))
+        cells = [[row[0], *(f"{v:.3g}" for v in row[1:])] for row in table.itertuples(index=False)]
+        return png, table, markdown(list(table.columns), cells)
     if kind == "std_spectra":  # k-tied Fig. 3
         return ktied.std_spectra(folder, out)
     if kind == "step_records":  # k-tied Fig. 6 right / Fig. 7

@@ -92,7 +92,28 @@ def _table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) 
     return pd.DataFrame(rows)
 
 
-def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid) -> Path:
+def spread_table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: float) -> pd.DataFrame:
+    """Per variant: the mean standard deviation of the network output on the grid points inside the training range
+    ``|x| <= bound`` and outside it (original units), its ratio to HMC's where HMC is among ``predictions``, and
+    the run's test RMSE and log-likelihood: the numbers under the toy figures."""
+    x = torch.as_tensor(x_grid)
+    inside = x.abs() <= bound
+    reference = predictions.get("hmc")
+    rows = []
+    for variant, p in predictions.items():
+        row = {"variant": label_of(variant)}
+        for name, mask in (("inside", inside), ("outside", ~inside)):
+            row[f"std_{name}"] = float(p.epistemic_std[mask].mean())
+            if reference is not None:
+                row[f"std_{name}_over_hmc"] = float(p.epistemic_std[mask].mean() / reference.epistemic_std[mask].mean())
+        row.update({k: p.metrics.get(k, float("nan")) for k in ("rmse", "test_ll", "elbo")})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _plot(
+    path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x_grid, title: str | None = None
+) -> Path:
     """Fig. 4's layout: one panel per method (HMC first), the training points, the true x³, the deterministic
     network (MAP, red, in every panel when it is among ``predictions``), the method's mean (blue) and its ±1σ …
     ±3σ bands of the network output (the epistemic part, blue shades: Lee et al. fit the Laplace variants on a
@@ -153,7 +174,7 @@ def _plot(path: Path, predictions: dict[str, ToyPrediction], x_train, y_train, x
     axes.flat[0].legend(fontsize=6, loc="upper left")
     fig.suptitle(
         f"Toy regression y = x³ + N(0, 3²), {len(x_train)} points: mean and up to ±{N_SIGMA}σ of the network output\n"
-        "(cf. Lee et al. 2020, Fig. 4; grey: outside the training range)",
+        f"({title or 'cf. Lee et al. 2020, Fig. 4'}; grey: outside the training range)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -176,13 +197,18 @@ def label_of(variant: str) -> str:
         return LABELS[variant]
     if variant.startswith("def_rank"):
         return f"DEF Laplace (rank {variant.removeprefix('def_rank')})"
+    if variant.startswith("slang_L"):
+        return f"SLANG (L = {variant.removeprefix('slang_L')})"
     return variant
 
 
 def variant_of(config: dict) -> str:
     """The def_toy variant name of a run's config: the method's name, a Laplace run's structure, ``kfac_okf`` for
-    KFAC with the exact Kronecker prior (``kfac_prior: exact``), ``def_rank<K>`` for DEF with a rank."""
+    KFAC with the exact Kronecker prior (``kfac_prior: exact``), ``def_rank<K>`` for DEF with a rank,
+    ``slang_L<L>`` for SLANG (SLANG App. F.1)."""
     method = config.get("method") or {}
+    if method.get("name") == "slang":
+        return f"slang_L{method.get('rank')}"
     if method.get("name") != "laplace":
         return str(method.get("name"))
     structure = str(method.get("structure"))
@@ -195,7 +221,9 @@ def variant_of(config: dict) -> str:
 
 def raw_data(data_cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
     """The training points and the test grid in original units, redrawn from a run's ``data`` config."""
-    params = {k: v for k, v in data_cfg.items() if k not in ("name", "split", "val_fraction", "protocol")}
+    params = {
+        k: v for k, v in data_cfg.items() if k not in ("name", "split", "val_fraction", "protocol", "standardise")
+    }
     x_tr, y_tr, x_te, _ = make_cubic(**params)
     return torch.as_tensor(x_tr[:, 0]), torch.as_tensor(y_tr), torch.as_tensor(x_te[:, 0])
 
@@ -227,11 +255,16 @@ def read_runs(folder: Path, variants: Sequence[str] | None = None) -> tuple[dict
     return {v: found[v] for v in order}, data_cfg or {}
 
 
-def plot_runs(folder: Path, out: Path, variants: Sequence[str] | None = None) -> Path:
-    """Fig. 4 from the finished runs below ``folder`` (:func:`read_runs`); the training points are redrawn from
-    the runs' ``data`` config."""
+def plot_runs(
+    folder: Path, out: Path, variants: Sequence[str] | None = None, title: str | None = None
+) -> tuple[Path, pd.DataFrame]:
+    """Fig. 4 (or, with its ``title``, another toy figure) from the finished runs below ``folder``
+    (:func:`read_runs`); the training points are redrawn from the runs' ``data`` config. Returns the PNG and
+    the :func:`spread_table` of the runs."""
     predictions, data_cfg = read_runs(folder, variants)
-    return _plot(out, predictions, *raw_data(data_cfg))
+    x_train, y_train, x_grid = raw_data(data_cfg)
+    png = _plot(out, predictions, x_train, y_train, x_grid, title)
+    return png, spread_table(predictions, x_grid, float(data_cfg.get("train_bound", 4.0)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -244,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ns = parser.parse_args(argv)
     if ns.from_runs is not None:
-        print(f"figure → {plot_runs(ns.from_runs, ns.out / 'def_toy.png', ns.variants.split(','))}")
+        print(f"figure → {plot_runs(ns.from_runs, ns.out / 'def_toy.png', ns.variants.split(','))[0]}")
         return
     png, csv = run_study(ns.out, ns.variants.split(","), ns.overrides)
     print(pd.read_csv(csv).to_string(index=False))

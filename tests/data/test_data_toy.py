@@ -43,3 +43,14 @@ def test_cubic_determinism_and_val() -> None:
 def test_cubic_split_must_be_zero() -> None:
     with pytest.raises(ValueError, match=r"toy/cubic: split=1"):
         load_cubic(split=1)
+
+
+def test_unstandardised_cubic_is_in_original_units() -> None:
+    """``standardise: false`` (the SLANG authors' App. F.1 toy): the draws of make_cubic as they are."""
+    x_tr, y_tr, x_te, y_te = make_cubic(n_train=30, n_test=50, test_bound=8.0, seed=1)
+    raw = load_cubic(n_train=30, n_test=50, test_bound=8.0, seed=1, standardise=False)
+    assert (raw.y_mean, raw.y_std) == (0.0, 1.0)
+    np.testing.assert_allclose(raw.x_train.numpy(), x_tr, rtol=1e-6)
+    np.testing.assert_allclose(raw.y_test.numpy(), y_te, rtol=1e-6, atol=1e-5)
+    default = load_cubic(n_train=30, n_test=50, test_bound=8.0, seed=1)
+    assert default.y_std == pytest.approx(float(np.std(y_tr))) and abs(float(default.x_train.mean())) < 1e-6

@@ -208,3 +208,24 @@ def test_fused_adam_single_and_stacked_steps_equal_the_plain_adam_and_survive_a_
     stacked = make_bbb()
     stacked.setup_stack([make_problem(1, likelihood, seed=1) for _ in range(2)])
     assert stacked.optimizer.param_groups[0]["fused"]
+
+
+def test_lr_decay_steps_at_lr_over_one_plus_t_to_the_decay() -> None:
+    """``lr_decay`` (the SLANG authors' ScheduledAdam): update t uses lr / (1 + t)^alpha; ``None`` keeps lr."""
+    x, y, _, _ = regression_data(0)
+    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
+    used: dict[object, list[float]] = {}
+    for lr_decay in (None, 0.25):
+        method = make_bbb(lr_decay=lr_decay)
+        method.setup(make_problem(1, likelihood, seed=1))
+        step = method.optimizer.step
+
+        def recording(*args, method=method, key=lr_decay, step=step):  # noqa: ANN001, ANN002, ANN202
+            used.setdefault(key, []).append(method.optimizer.param_groups[0]["lr"])
+            return step(*args)
+
+        method.optimizer.step = recording
+        for _ in range(3):
+            method.train_step(x[:20], y[:20])
+    assert used[None] == [0.02] * 3
+    assert used[0.25] == pytest.approx([0.02 / (1 + t) ** 0.25 for t in (1, 2, 3)])

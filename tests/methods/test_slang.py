@@ -502,3 +502,25 @@ def test_reported_kl_with_a_shared_prior_precision_matches_the_per_coordinate_te
         assert float(got["kl"]) == pytest.approx(float(expected["kl"]), rel=1e-12)
         assert float(got["nll"]) == float(expected["nll"])
     assert torch.equal(fast.state.prec_diag, plain.state.prec_diag) and fast.state.prec_diag.std() > 0
+
+
+def test_beta_decays_at_its_own_rate_where_set(generator: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``beta_decay`` (the SLANG authors' App. F.1 toy decays lr and beta apart); ``None`` is ``decay``'s."""
+    import bdl_bench.methods.slang as slang_module
+
+    rates: list[tuple[float, float]] = []
+    update = slang_module.slang_update
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        rates.append((kwargs["lr"], kwargs["beta"]))
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(slang_module, "slang_update", recording)
+    model, likelihood, x, y = _mlp_problem(generator)
+    for beta_decay in (None, 0.25):
+        method = _setup(copy.deepcopy(model), likelihood, 50, generator, beta_decay=beta_decay)
+        for _ in range(3):
+            method.train_step(x, y)
+    lr, beta, decay = HYPER["lr"], HYPER["beta"], HYPER["decay"]
+    assert rates[:3] == [(decayed_rate(lr, decay, t), decayed_rate(beta, decay, t)) for t in (1, 2, 3)]
+    assert rates[3:] == [(decayed_rate(lr, decay, t), decayed_rate(beta, 0.25, t)) for t in (1, 2, 3)]
