@@ -476,3 +476,40 @@ def test_an_unreadable_lock_is_removed_once_old(tmp_path: Path) -> None:
     os.utime(folder / locking.LOCK_FILE, (old, old))
     with locking.holding([folder]):
         assert locking.read_holder(folder).pid == os.getpid()
+
+
+def test_sigterm_during_a_laplace_search_stops_it_between_points(
+    tmp_path: Path, compose_cfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search is part of the fit (hours on DEF Table 1) and resumes point by point, so a SIGTERM stops it
+    before its next point rather than at the fit's end; the rerun scores only the rest."""
+    from bdl_bench.methods.laplace import search as search_module
+
+    overrides = [
+        "method=laplace",
+        "data=toy/cubic",
+        "data.n_train=40",
+        "data.val_fraction=0.25",
+        "method.structure=diag",
+        "method.search={dataset_scale: [10, 30], prior_precision: [0.1, 1, 10], criterion: nll, n_samples: 4}",
+    ]
+    calls: list[int] = []
+    original = search_module.predictive_metrics
+
+    def metrics(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 3:  # the MAP's reference, then two points: a SIGTERM arrives while the 2nd is scored
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "predictive_metrics", metrics)
+    with pytest.raises(Terminated, match="stopped by SIGTERM"):
+        run_job(compose_cfg(overrides), tmp_path / "run")
+    assert len(calls) == 3  # no third point was scored
+    progress = (tmp_path / "run" / search_module.PROGRESS_FILE).read_text().splitlines()
+    assert len(progress) == 1 + 2
+    calls.clear()
+    monkeypatch.setattr(search_module, "predictive_metrics", original)
+    run_job(compose_cfg(overrides), tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.json").exists()
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["search_n_resumed"] == 2

@@ -80,6 +80,9 @@ class Method(ABC):
     """Entries a finished fit adds to ``metrics.json`` (e.g. Laplace's chosen (N, τ))."""
     step_progress: bool = False
     """Whether long loops inside a fit show a delayed progress bar (``trainer.progress``)."""
+    stop_requested: Callable[[], bool] = staticmethod(lambda: False)
+    """Whether a SIGTERM has asked the run to stop (the runner sets it); long resumable work inside a fit
+    (Laplace's grid search) checks it between its pieces and raises :class:`~bdl_bench.errors.Terminated`."""
     adam_leaves: ClassVar[tuple[str, ...]] = ()
     """Tensors that ``self.optimizer`` (an Adam) fits, which the default checkpoint holds with its state."""
     iid_predictive: ClassVar[bool] = False

@@ -190,6 +190,7 @@ def fit_job(
         else:
             method.setup_stack(problems)  # a method that cannot stack says how to run the members instead
         method.step_progress = bool(trainer.progress)
+        method.stop_requested = lambda: progress.stop_requested  # checked between resumable pieces of a fit
 
         def copy_of(r: int) -> Method:
             return method if one else method.copy_at(r)

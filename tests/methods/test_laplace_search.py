@@ -13,6 +13,7 @@ import yaml
 from torch import Tensor
 from torch.testing import assert_close
 
+from bdl_bench.errors import Terminated
 from bdl_bench.likelihoods import Categorical
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
@@ -183,9 +184,12 @@ class _Killed(Exception):
     pass
 
 
-def _search_in(folder: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int | None = None, **grid: object) -> Laplace:
+def _search_in(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int | None = None, term_after: int | None = None, **grid
+) -> Laplace:
     """A grid search on the LeNet problem writing into ``folder``; with ``kill_at``, stopped as its
-    ``kill_at``-th grid point (counting from 1) is about to be scored."""
+    ``kill_at``-th grid point (counting from 1) is about to be scored; with ``term_after``, a SIGTERM is pending
+    (``stop_requested``) once that many points are scored."""
     scored = []
     original = search_module.predictive_metrics
 
@@ -197,6 +201,8 @@ def _search_in(folder: Path, monkeypatch: pytest.MonkeyPatch, kill_at: int | Non
 
     monkeypatch.setattr(search_module, "predictive_metrics", metrics)
     method = make_laplace(structure="diag", search={**GRID, **grid})
+    if term_after is not None:
+        method.stop_requested = lambda: len(scored) - 1 >= term_after  # type: ignore[method-assign]
     problem, x, y, x_val, y_val = _lenet_problem()
     method.setup(problem)
     folder.mkdir(exist_ok=True)
@@ -231,3 +237,13 @@ def test_points_of_another_fit_are_scored_again(tmp_path: Path, monkeypatch: pyt
         handle.write('{"dataset_scale": 30.0, "prior_pre')  # a line torn by the kill
     assert _search_in(tmp_path, monkeypatch, n_samples=2).scored == 4  # another sample count: another fit
     assert len(progress.read_text().splitlines()) == 1 + 4
+
+
+def test_a_sigterm_stops_the_search_before_its_next_point_and_a_rerun_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search takes hours: a SIGTERM (a cluster's time limit) stops it between points, not at the fit's end."""
+    with pytest.raises(Terminated):
+        _search_in(tmp_path, monkeypatch, term_after=2)
+    assert len((tmp_path / search_module.PROGRESS_FILE).read_text().splitlines()) == 1 + 2
+    assert _search_in(tmp_path, monkeypatch).scored == 2  # the other two of the grid's four points

@@ -253,6 +253,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
             x_val=self._val[0],
             y_val=self._val[1],
             progress_path=None if self._run_dir is None else self._run_dir / PROGRESS_FILE,
+            stop_requested=self.stop_requested,
         )
         self.search_rows = result.rows
         if self._run_dir is not None:

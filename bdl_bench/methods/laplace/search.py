@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from bdl_bench.curvature.pseudo_grads import KronSlot, block_index
-from bdl_bench.errors import ConfigError
+from bdl_bench.errors import ConfigError, Terminated
 from bdl_bench.gaussians import StructuredGaussian
 from bdl_bench.likelihoods import Gaussian, Likelihood
 from bdl_bench.metrics import predictive_metrics
@@ -168,6 +168,7 @@ def grid_search(
     x_val: Tensor,
     y_val: Tensor,
     progress_path: Path | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> SearchResult:
     """Lee et al. (2020), App. E.3.1: every (N, τ) of the grid on one curvature fit; keep the lowest
     validation ``criterion`` among points whose validation accuracy is within ``accuracy_tolerance``
@@ -177,7 +178,8 @@ def grid_search(
     posterior noise (one seed drawn from ``generator``: common random numbers). ``assemble`` gives the
     posterior in the model's dtype. ``progress_path``: each evaluated point is appended there as it is scored,
     and a search started again on the same fit (:class:`_Progress`) takes the points found there instead of
-    scoring them again, so its rows and choice are those of an unbroken search."""
+    scoring them again, so its rows and choice are those of an unbroken search. A SIGTERM (``stop_requested``)
+    stops the search before its next unscored point with :class:`~bdl_bench.errors.Terminated`."""
     cfg = settings
     if cfg.max_val_examples is not None:
         x_val, y_val = x_val[: cfg.max_val_examples], y_val[: cfg.max_val_examples]
@@ -202,6 +204,8 @@ def grid_search(
                 continue
             scored = progress.done.get((scale, tau))
             if scored is None:
+                if stop_requested():  # the points so far are in the progress file: a rerun resumes after them
+                    raise Terminated()
                 tic = time.perf_counter()
                 posterior = assemble(scale, torch.full_like(theta, tau))
                 metrics = predictive_metrics(likelihood, outputs(posterior, x_val, cfg.n_samples, seed), y_val)
