@@ -503,7 +503,7 @@ def test_sigterm_during_a_laplace_search_stops_it_between_points(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(search_module, "predictive_metrics", metrics)
-    with pytest.raises(Terminated, match="stopped by SIGTERM"):
+    with pytest.raises(Terminated, match="stopped by SIGTERM after epoch 1"):  # the search is in epoch 2's end
         run_job(compose_cfg(overrides), tmp_path / "run")
     assert len(calls) == 3  # no third point was scored
     progress = (tmp_path / "run" / search_module.PROGRESS_FILE).read_text().splitlines()
@@ -513,3 +513,14 @@ def test_sigterm_during_a_laplace_search_stops_it_between_points(
     run_job(compose_cfg(overrides), tmp_path / "run")
     assert (tmp_path / "run" / "metrics.json").exists()
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["search_n_resumed"] == 2
+
+
+def test_a_stop_after_the_epochs_names_the_fit_or_the_evaluation(tmp_path: Path) -> None:
+    """After the last epoch a run is either still fitting (a post-hoc posterior, its search) or evaluating."""
+    from bdl_bench.orchestration.sigterm import EpochProgress
+
+    progress = EpochProgress(5, 5, 0, tmp_path / "checkpoint.pt")
+    assert "after epoch 5 (fitting)" in str(progress.interrupted(terminated=True))
+    progress.evaluating = True
+    assert "after epoch 5 (evaluating)" in str(progress.interrupted(terminated=True))
+    assert "after epoch 5 (evaluating)" in str(progress.interrupted())

@@ -278,6 +278,7 @@ def fit_job(
         train_time = (time.perf_counter() - start) / len(keys)
         cpu_time = (time.process_time() - cpu_start) / len(keys)
         progress.done = max(progress.done, n_epochs)
+        progress.evaluating = True
         shared = SharedPredictions(
             method,
             list(datasets.values()),

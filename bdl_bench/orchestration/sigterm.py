@@ -28,6 +28,7 @@ class EpochProgress:
     checkpoint_path: Path
     in_epochs: bool = False  # the fit's epochs are running (a SIGTERM waits for the present one's end)
     stop_requested: bool = False  # a SIGTERM arrived while they ran
+    evaluating: bool = False  # the fit is done and the run is being evaluated
 
     def interrupted(self, terminated: bool = False) -> Interrupted:
         """The interrupt's line (for SIGTERM with ``terminated``); the checkpoint's epoch is read from the
@@ -39,11 +40,12 @@ class EpochProgress:
         except (OSError, ValueError, RuntimeError):
             checkpoint = None
         done = max(self.done, checkpoint.epoch if checkpoint is not None else 0)
-        where = f"at epoch {done + 1}" if done < self.n_epochs else f"after epoch {done} (evaluating)"
+        phase = " (evaluating)" if self.evaluating else " (fitting)"  # after the epochs: a post-hoc fit, its search
+        where = f"at epoch {done + 1}" if done < self.n_epochs else f"after epoch {done}{phase}"
         what, error = "interrupted", Interrupted
         if terminated:
             what, error = "stopped by SIGTERM", Terminated
-            where = f"after epoch {done}" + (" (evaluating)" if done >= self.n_epochs else "")
+            where = f"after epoch {done}" + (phase if done >= self.n_epochs else "")
         if checkpoint is not None:
             return error(f"{what} {where}; checkpoint at epoch {checkpoint.epoch}; run the same command to resume")
         every = self.checkpoint_every
