@@ -118,3 +118,26 @@ def test_a_run_killed_in_its_evaluation_resumes_it_to_the_unbroken_metrics(
     assert recorded == [5]  # one chunk, the last sample, drawn after the restart
     assert without_cost(resumed) == without_cost(unbroken)
     assert not (killed / PREDICTIONS_DIR).exists()  # removed once metrics.json is written
+
+
+def test_the_fingerprint_reads_every_tensor_of_the_posterior_scalars_too() -> None:
+    """A posterior's fields, 0-dim ones included (a scale), are part of what makes a fit the same fit."""
+    import dataclasses
+
+    from bdl_bench.orchestration.prediction_store import fingerprint
+
+    @dataclasses.dataclass
+    class Posterior:
+        mean: torch.Tensor
+        scale: torch.Tensor
+
+    class WithPosterior(FakeMethod):
+        def __init__(self, scale: float) -> None:
+            super().__init__(torch.zeros(3))
+            self.scale = scale
+
+        def posterior(self) -> Posterior:  # type: ignore[override]
+            return Posterior(torch.zeros(3), torch.tensor(self.scale))
+
+    assert fingerprint(WithPosterior(1.0)) == fingerprint(WithPosterior(1.0))
+    assert fingerprint(WithPosterior(1.0)) != fingerprint(WithPosterior(2.0))

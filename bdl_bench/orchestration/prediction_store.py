@@ -56,7 +56,7 @@ def fingerprint(method: Any) -> str:
     for t in tensors:
         if isinstance(t, Tensor):
             digest.update(str((t.dtype, tuple(t.shape))).encode())
-            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too
     return digest.hexdigest()
 
 
