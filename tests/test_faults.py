@@ -503,7 +503,8 @@ def test_sigterm_during_a_laplace_search_stops_it_between_points(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(search_module, "predictive_metrics", metrics)
-    with pytest.raises(Terminated, match="stopped by SIGTERM after epoch 1"):  # the search is in epoch 2's end
+    kept = "its 2 scored points kept in laplace_search.progress.jsonl"
+    with pytest.raises(Terminated, match=rf"stopped by SIGTERM during the Laplace search \({kept}\); run the same"):
         run_job(compose_cfg(overrides), tmp_path / "run")
     assert len(calls) == 3  # no third point was scored
     progress = (tmp_path / "run" / search_module.PROGRESS_FILE).read_text().splitlines()

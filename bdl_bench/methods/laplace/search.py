@@ -205,7 +205,12 @@ def grid_search(
             scored = progress.done.get((scale, tau))
             if scored is None:
                 if stop_requested():  # the points so far are in the progress file: a rerun resumes after them
-                    raise Terminated()
+                    scored_so_far = sum(r["status"] == "evaluated" for r in rows)
+                    kept = f"its {scored_so_far} scored points kept in {PROGRESS_FILE}" if progress_path else ""
+                    raise Terminated(
+                        f"stopped by SIGTERM during the Laplace search ({kept or 'no run folder'}); "
+                        "run the same command to resume"
+                    )
                 tic = time.perf_counter()
                 posterior = assemble(scale, torch.full_like(theta, tau))
                 metrics = predictive_metrics(likelihood, outputs(posterior, x_val, cfg.n_samples, seed), y_val)
