@@ -178,8 +178,8 @@ def _row_dots(a: Tensor, b: Tensor) -> Tensor:
 class Slang(StackedMethod):
     """SLANG (Mishkin et al. 2018, Alg. 1; the update is in the module docstring) for networks of ``nn.Linear``
     layers: ``rank`` L (1 <= L < D), ``lr`` :math:`\\alpha`, ``beta`` :math:`\\beta`, ``decay`` :math:`\\gamma`
-    (0: constant rates), ``beta_decay`` (β's own exponent; ``None``: ``decay``), ``momentum`` :math:`\\rho` (0: none), ``n_train_mc_samples`` S and ``init_prec_diag``
-    :math:`d_0`, each checked against ``option_ranges``."""
+    (0: constant rates), ``beta_decay`` (β's own exponent; ``None``: ``decay``'s), ``momentum`` :math:`\\rho`
+    (0: none), ``n_train_mc_samples`` S and ``init_prec_diag`` :math:`d_0`, each checked against ``option_ranges``."""
 
     option_ranges = MappingProxyType(
         {

@@ -108,7 +108,7 @@ class PredictionStore:
             while done < n_samples:
                 size = min(chunk, n_samples - done)
                 new = dict(draw(size))
-                self._append(stage, new, first=done == 0)
+                self._append(stage, new, done)
                 done += size
                 for part, f in new.items():
                     chunks.setdefault(part, []).append(f)
@@ -146,13 +146,13 @@ class PredictionStore:
             outputs[part] = torch.from_numpy(array.copy()).reshape(shape).to(meta["device"])
         return outputs
 
-    def _append(self, stage: str, outputs: Mapping[str, Tensor], *, first: bool) -> None:
-        """Append ``outputs`` to each part's file (truncated first to the recorded samples)."""
+    def _append(self, stage: str, outputs: Mapping[str, Tensor], done: int) -> None:
+        """Append ``outputs`` to each part's file after its first ``done`` samples (bytes beyond them, from a torn
+        append, are cut off)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        record = self._stages().get(stage)
         for part, f in outputs.items():
             path = self._file(stage, part)
-            keep = 0 if first or record is None else int(record["done"]) * f[0].numel() * f.element_size()
+            keep = done * f[0].numel() * f.element_size()
             with open(path, "r+b" if path.exists() else "wb") as file:
                 file.truncate(keep)
                 file.seek(keep)

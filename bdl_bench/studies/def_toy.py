@@ -96,16 +96,20 @@ def spread_table(predictions: dict[str, ToyPrediction], x_grid: Tensor, bound: f
     """Per variant: the mean standard deviation of the network output on the grid points inside the training range
     ``|x| <= bound`` and outside it (original units), its ratio to HMC's where HMC is among ``predictions``, and
     the run's test RMSE and log-likelihood: the numbers under the toy figures."""
-    x = torch.as_tensor(x_grid)
-    inside = x.abs() <= bound
+    inside = torch.as_tensor(x_grid).abs() <= bound
     reference = predictions.get("hmc")
     rows = []
     for variant, p in predictions.items():
         row = {"variant": label_of(variant)}
-        for name, mask in (("inside", inside), ("outside", ~inside)):
-            row[f"std_{name}"] = float(p.epistemic_std[mask].mean())
-            if reference is not None:
-                row[f"std_{name}_over_hmc"] = float(p.epistemic_std[mask].mean() / reference.epistemic_std[mask].mean())
+        row.update(
+            {
+                f"std_{name}": float(p.epistemic_std[mask].mean())
+                for name, mask in (("inside", inside), ("outside", ~inside))
+            }
+        )
+        if reference is not None:
+            ratios = spread_ratios(p, reference, x_grid, bound)
+            row.update({f"std_{name}_over_hmc": ratio for name, ratio in ratios.items()})
         row.update({k: p.metrics.get(k, float("nan")) for k in ("rmse", "test_ll", "elbo")})
         rows.append(row)
     return pd.DataFrame(rows)
