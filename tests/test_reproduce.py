@@ -25,6 +25,9 @@ from bdl_bench.orchestration.reproduce import (
     markdown,
 )
 from bdl_bench.report import ktied
+from bdl_bench.report.figures import draw_figure
+from bdl_bench.report.frobenius import run_block, run_layer_curvature
+from bdl_bench.report.information_form import spectrum_summary
 from bdl_bench.report.paper import PaperValue
 from bdl_bench.results import code_version, read_config, read_csv_exact
 
@@ -351,6 +354,22 @@ def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
     assert defs["err_offdiag"].iloc[-1] == pytest.approx(efb["err_offdiag"])  # full-rank DEF: EFB's off-diagonal
     diag = table[table["method"] == "Diag"].iloc[0]
     assert diag["err_diag"] == 0 and diag["err_offdiag"] == pytest.approx(1.0)  # the exact diagonal, no off-diagonal
+
+    # DEF Fig. 1 (figure kind information_form) at the same MAP: its block, streamed in minibatches of 7 rows,
+    # is the single-batch block of Fig. 5; the spectrum counts and DEF's exact diagonal follow from it.
+    run_dir = next(folder.rglob("params.pt")).parent
+    block, _ = run_block(run_dir)
+    streamed, factors, _, n_examples = run_layer_curvature(run_dir, batch_size=7)
+    torch.testing.assert_close(streamed, block, rtol=1e-10, atol=1e-12)
+    spec = {"name": "fig1", "kind": "information_form", "rank": 3, "dataset_scale": 18.0, "prior_precision": 1.0}
+    drawn = draw_figure({**spec, "batch_size": 7}, folder, folder)
+    assert drawn.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = spectrum_summary(torch.linalg.eigvalsh(block))
+    assert summary["n_params"] == 14 and 1 <= summary["n_trace"] <= 14
+    fig1 = drawn.table
+    assert list(fig1["method"]) == ["Diag", "KFAC", "EFB", "DEF"] and (fig1["n_trace"] == summary["n_trace"]).all()
+    assert fig1["err_diag"].iloc[-1] < 1e-10 and fig1["kept"].iloc[-1] >= 3
+    assert f"| 14 | {n_examples} | {summary['n_small']} (" in drawn.table_markdown
 
 
 SHARED_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"

@@ -18,13 +18,15 @@ of the curvature (the noise precision, MSE's factor 2) leaves them unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pandas as pd
 import torch
 from torch import Tensor
 
 from bdl_bench.curvature.def_lowrank import diagonal_correction, sparsify
 from bdl_bench.curvature.exact import exact_blocks
-from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, flat_to_grid, kron_factors
+from bdl_bench.curvature.kron import KronEigenbasis, KronFactors, eigenbasis, kron_factors
 from bdl_bench.curvature.pseudo_grads import CurvatureKind, pseudo_grads
 
 ERRORS = ("err_diag", "err_offdiag", "err_total")
@@ -46,6 +48,44 @@ def frobenius_errors(exact: Tensor, approx: Tensor) -> dict[str, float]:
     }
 
 
+def efb_grid(exact: Tensor, basis: KronEigenbasis) -> Tensor:
+    r"""EFB's eigenvalues (eq. 4) from a layer's exact block: its diagonal in the Kronecker eigenbasis
+    :math:`Q = U_G\otimes U_A`, :math:`\operatorname{diag}(Q^\top\mathbf IQ)` (the mean squared projection of
+    the pseudo-gradients onto each basis vector), as the ``(m, n)`` grid of Alg. 1."""
+    q = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
+    return (q.mT @ exact @ q).diagonal().reshape(basis.eigvecs_out.shape[0], -1)
+
+
+def def_information(exact: Tensor, basis: KronEigenbasis, rank: int | None) -> tuple[Tensor, int]:
+    """DEF's sparse information form of one layer (eq. 8) as a dense ``(P, P)`` matrix: Alg. 1's top-``rank``
+    Kronecker-preserving low-rank part of EFB plus eq. 5's diagonal correction, so its diagonal is exact
+    (Prop. 1); returns (matrix, L kept)."""
+    lam = efb_grid(exact, basis)
+    low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, lam, rank)
+    return low.dense() + torch.diag(diagonal_correction(exact.diagonal().reshape(lam.shape), low).reshape(-1)), low.rank
+
+
+def block_approximations(exact: Tensor, factors: KronFactors, ranks: Iterable[int] | None = None) -> pd.DataFrame:
+    """Errors of Diag, KFAC, EFB and DEF(K) against one layer's exact block ``(P, P)`` (augmented row-major order)
+    given its KFAC ``factors``: one row per approximation (``method``, ``rank`` K and ``kept`` L for DEF, and
+    :data:`ERRORS`), DEF at each K of ``ranks`` (every K = 1 … P by default)."""
+    basis = eigenbasis([factors])[0]
+    q = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
+    rows = [
+        {"method": "Diag", "rank": None, **frobenius_errors(exact, torch.diag(exact.diagonal()))},
+        {"method": "KFAC", "rank": None, **frobenius_errors(exact, factors.dense())},
+        {
+            "method": "EFB",
+            "rank": None,
+            **frobenius_errors(exact, q @ torch.diag(efb_grid(exact, basis).reshape(-1)) @ q.mT),
+        },
+    ]
+    for k in range(1, exact.shape[0] + 1) if ranks is None else ranks:
+        approx, kept = def_information(exact, basis, k)
+        rows.append({"method": "DEF", "rank": k, "kept": kept, **frobenius_errors(exact, approx)})
+    return pd.DataFrame(rows)
+
+
 def layer_approximations(
     model: torch.nn.Module,
     theta: Tensor,
@@ -58,29 +98,10 @@ def layer_approximations(
     n_samples: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[pd.DataFrame, Tensor]:
-    """Errors of Diag, KFAC, EFB and DEF(K) for every K on weight layer ``layer`` (0 = the first); returns
-    (table, eigenvalues of I).
-
-    The table has one row per approximation: ``method``, ``rank`` (K, DEF only), ``kept`` (L, DEF only) and
-    :data:`ERRORS`. The pseudo-gradients are drawn once (a fixed sample for ``fisher``), so every
-    approximation and the exact block describe the same matrix.
-    """
+    """:func:`block_approximations` for every K on weight layer ``layer`` (0 = the first) of ``model`` at
+    ``theta`` on ``(x, y)``; returns (table, eigenvalues of I). The pseudo-gradients are drawn once (a fixed
+    sample for ``fisher``), so every approximation and the exact block describe the same matrix."""
     theta = theta.detach().double()
     batch = pseudo_grads(model, theta, x.double(), y, likelihood, kind=kind, n_samples=n_samples, generator=generator)
     exact = exact_blocks([batch])[layer]
-    all_factors = kron_factors([batch])
-    factors, bases = all_factors[layer], eigenbasis(all_factors)
-    eigs, diag = efb_eigenvalues([batch], bases)
-    basis, lam = bases[layer], eigs[layer]
-    vectors = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
-    rows = [
-        {"method": "Diag", "rank": None, **frobenius_errors(exact, torch.diag(exact.diagonal()))},
-        {"method": "KFAC", "rank": None, **frobenius_errors(exact, factors.dense())},
-        {"method": "EFB", "rank": None, **frobenius_errors(exact, vectors @ torch.diag(lam.reshape(-1)) @ vectors.mT)},
-    ]
-    exact_diag = flat_to_grid(diag, basis.slot)
-    for k in range(1, lam.numel() + 1):
-        low = sparsify(basis.slot, basis.eigvecs_out, basis.eigvecs_in, lam, k)
-        approx = low.dense() + torch.diag(diagonal_correction(exact_diag, low).reshape(-1))
-        rows.append({"method": "DEF", "rank": k, "kept": low.rank, **frobenius_errors(exact, approx)})
-    return pd.DataFrame(rows), torch.linalg.eigvalsh(exact)
+    return block_approximations(exact, kron_factors([batch])[layer]), torch.linalg.eigvalsh(exact)

@@ -28,6 +28,7 @@ KINDS = (
     "weight_samples",
     "step_records",
     "sample_count",
+    "information_form",
 )
 
 
@@ -67,6 +68,7 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         def_ranks,
         def_search,
         frobenius,
+        information_form,
         ktied,
         layer_covariance,
         ood_plots,
@@ -116,6 +118,8 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         return def_search.plot_runs(folder, out, [str(s) for s in spec.get("structures", ("diag", "kfac"))])
     if kind == "layer_covariance":  # DEF Fig. 8
         return layer_covariance.plot_runs(folder, out, methods or ["kfac", "kfac_okf"])
+    if kind == "information_form":  # DEF Fig. 1
+        return information_form.plot_runs(folder, out, spec)
     if kind == "frobenius":  # DEF Fig. 5
         png, table = frobenius.plot_runs(folder, out, **block, n_samples=int(spec.get("n_samples", 16)))
         return png, table, frobenius.markdown_table(table)

@@ -5,6 +5,7 @@ the mean, with the standard error in the table."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from torch import Tensor
 from bdl_bench.checkpoint import load_params
 from bdl_bench.curvature.exact import exact_blocks
 from bdl_bench.curvature.frobenius import ERRORS, layer_approximations
-from bdl_bench.curvature.pseudo_grads import pseudo_grads
+from bdl_bench.curvature.kron import KronFactors, kron_factors
+from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads, kron_layout
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, run_configs
@@ -26,10 +28,12 @@ from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, read_confi
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
 
-def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, Any, Any, torch.Generator, dict]:
+def _run_problem(
+    run_dir: Path, layer: int, dtype: torch.dtype = torch.float64
+) -> tuple[torch.nn.Module, Tensor, Any, Any, torch.Generator, dict]:
     """One finished run's model, parameters, data, likelihood, generator of curvature=fisher's labels and config,
-    rebuilt from its ``config.yaml`` and ``params.pt`` in double precision, with ``layer`` checked against its
-    weight layers."""
+    rebuilt from its ``config.yaml`` and ``params.pt`` in ``dtype``, with ``layer`` checked against its weight
+    layers (linear and convolutional, in model order)."""
     from bdl_bench.data import build_dataset
     from bdl_bench.likelihoods import build_likelihood
     from bdl_bench.models import build_model
@@ -39,11 +43,11 @@ def _run_problem(run_dir: Path, layer: int) -> tuple[torch.nn.Module, Tensor, An
         raise ResultsError(f"{run_dir} has no {PARAMS_FILE} (a finished run of a method with a point estimate)")
     data = build_dataset(config["data"])
     torch.manual_seed(0)  # the initial weights are replaced by the run's parameters below
-    model = build_model(config["model"], in_features=data.n_features, out_features=data.n_outputs).double()
-    n_layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    model = build_model(config["model"], in_features=data.n_features, out_features=data.n_outputs).to(dtype)
+    n_layers = len(kron_layout(model).slots)
     if not 0 <= layer < n_layers:
         raise ResultsError(f"layer {layer}: the model of {run_dir} has weight layers 0 … {n_layers - 1}")
-    theta = load_params(run_dir / PARAMS_FILE)["theta"].double()
+    theta = load_params(run_dir / PARAMS_FILE)["theta"].to(dtype)
     generator = torch.Generator().manual_seed(int(config.get("trainer", {}).get("seed", 0)) + FISHER_SEED_OFFSET)
     return model, theta, data, build_likelihood(data, config.get("noise_precision")), generator, config
 
@@ -68,21 +72,49 @@ def run_errors(
     return table, eigenvalues, config
 
 
-def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16) -> tuple[Tensor, dict]:
-    """The exact information block of weight layer ``layer`` (weights and biases) at one finished run's
-    parameters, on its training set: (the ``(P, P)`` block, the run's config)."""
-    model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer)
-    batch = pseudo_grads(
+def run_layer_curvature(
+    run_dir: Path,
+    *,
+    layer: int = 0,
+    curvature: str = "ggn",
+    n_samples: int = 16,
+    n_examples: int | None = None,
+    batch_size: int | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[Tensor, KronFactors, dict, int]:
+    """The exact information block of weight layer ``layer`` (weights and biases, ``(P, P)`` in augmented
+    row-major order, float64) and its KFAC factors at one finished run's parameters, on the first
+    ``n_examples`` of its training set (all by default), in one pass of minibatches of ``batch_size`` rows
+    computed in ``dtype``: (block, factors, the run's config, the number of examples)."""
+    model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer, dtype)
+    x, y = data.x_train[:n_examples], data.y_train[:n_examples]
+    batches = iter_pseudo_grads(
         model,
         theta,
-        data.x_train.double(),
-        data.y_train,
+        x.to(dtype),
+        y,
         likelihood,
+        batch_size=batch_size or x.shape[0],
         kind=curvature,
         n_samples=n_samples,
         generator=generator,
     )
-    return exact_blocks([batch])[layer], config
+    block, a_sum, g_sum = 0.0, 0.0, 0.0
+    for batch in batches:  # each minibatch's means, weighted by its size: only this layer's block is formed
+        one = dataclasses.replace(batch, layers=(batch.layers[layer],))
+        factors = kron_factors([one])[0]
+        block = block + exact_blocks([one])[0] * one.n_examples
+        a_sum = a_sum + factors.a_factor * one.n_examples
+        g_sum = g_sum + factors.g_factor * one.n_examples
+    n = x.shape[0]
+    return block / n, KronFactors(factors.slot, a_sum / n, g_sum / n), config, n
+
+
+def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16) -> tuple[Tensor, dict]:
+    """The exact information block of weight layer ``layer`` (weights and biases) at one finished run's
+    parameters, on its training set: (the ``(P, P)`` block, the run's config)."""
+    block, _, config, _ = run_layer_curvature(run_dir, layer=layer, curvature=curvature, n_samples=n_samples)
+    return block, config
 
 
 def errors_from_runs(

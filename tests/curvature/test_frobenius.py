@@ -8,8 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from bdl_bench.curvature.frobenius import ERRORS, frobenius_errors, layer_approximations
-from bdl_bench.likelihoods import Gaussian
+from bdl_bench.curvature.exact import exact_blocks
+from bdl_bench.curvature.frobenius import (
+    ERRORS,
+    block_approximations,
+    def_information,
+    efb_grid,
+    frobenius_errors,
+    layer_approximations,
+)
+from bdl_bench.curvature.kron import efb_eigenvalues, eigenbasis, kron_factors
+from bdl_bench.curvature.pseudo_grads import pseudo_grads
+from bdl_bench.likelihoods import Categorical, Gaussian
 
 
 def _row(table: pd.DataFrame, method: str) -> pd.Series:
@@ -65,3 +75,37 @@ def test_frobenius_errors_follow_lemmas_1_and_4(tiny_layer_table: pd.DataFrame) 
     assert _row(tiny_layer_table, "EFB")["err_total"] <= _row(tiny_layer_table, "KFAC")["err_total"] + 1e-12
     assert full["err_offdiag"] == pytest.approx(_row(tiny_layer_table, "EFB")["err_offdiag"])  # EFB's off-diagonal
     assert _row(tiny_layer_table, "KFAC")["err_diag"] > 1e-3  # the random layer is not a Kronecker product
+
+
+def test_block_based_efb_and_def_agree_with_the_streaming_passes_on_a_conv_net() -> None:
+    """The dense twin of Laplace's fast path: EFB's eigenvalues read off the exact block, diag(Qᵀ I Q), equal
+    ``efb_eigenvalues``' streamed mean squared projections on every layer of a small CNN (padded and strided
+    convolutions, 3 classes), and DEF's dense form keeps the exact diagonal (Prop. 1) and at full rank is EFB
+    plus that correction."""
+    g = torch.Generator().manual_seed(3)
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 5, 5)),
+        nn.Conv2d(1, 2, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(2, 3, 2, stride=2, bias=False),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(12, 3),
+    ).double()
+    theta = torch.randn(sum(p.numel() for p in model.parameters()), generator=g, dtype=torch.float64)
+    x = torch.randn(30, 25, generator=g, dtype=torch.float64)
+    batch = pseudo_grads(model, theta, x, torch.zeros(30, dtype=torch.long), Categorical())
+    blocks, factors = exact_blocks([batch]), kron_factors([batch])
+    bases = eigenbasis(factors)
+    streamed, _ = efb_eigenvalues([batch], bases)
+    for block, basis, lam in zip(blocks, bases, streamed):
+        torch.testing.assert_close(efb_grid(block, basis), lam, rtol=1e-9, atol=1e-12)
+        q = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
+        approx, kept = def_information(block, basis, None)
+        assert kept == block.shape[0]
+        torch.testing.assert_close(approx.diagonal(), block.diagonal(), rtol=1e-9, atol=1e-12)
+        efb = q @ torch.diag(lam.reshape(-1)) @ q.mT
+        off = ~torch.eye(block.shape[0], dtype=torch.bool)
+        torch.testing.assert_close(approx[off], efb[off], rtol=1e-9, atol=1e-12)
+    table = block_approximations(blocks[0], factors[0], [1, 3])
+    assert list(table["method"]) == ["Diag", "KFAC", "EFB", "DEF", "DEF"] and list(table["rank"].iloc[3:]) == [1, 3]
