@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from _nets import small_net
 from torch import nn
 
 from bdl_bench.curvature.exact import exact_blocks
@@ -83,15 +84,7 @@ def test_block_based_efb_and_def_agree_with_the_streaming_passes_on_a_conv_net()
     convolutions, 3 classes), and DEF's dense form keeps the exact diagonal (Prop. 1) and at full rank is EFB
     plus that correction."""
     g = torch.Generator().manual_seed(3)
-    model = nn.Sequential(
-        nn.Unflatten(1, (1, 5, 5)),
-        nn.Conv2d(1, 2, 3, padding=1),
-        nn.Tanh(),
-        nn.Conv2d(2, 3, 2, stride=2, bias=False),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(12, 3),
-    ).double()
+    model = small_net("cnn", 3)
     theta = torch.randn(sum(p.numel() for p in model.parameters()), generator=g, dtype=torch.float64)
     x = torch.randn(30, 25, generator=g, dtype=torch.float64)
     batch = pseudo_grads(model, theta, x, torch.zeros(30, dtype=torch.long), Categorical())

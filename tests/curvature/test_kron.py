@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dense import ggn_by_autograd
+from _nets import small_net
 from torch import nn
 from torch.func import grad, vmap
 from torch.testing import assert_close
@@ -23,30 +24,11 @@ LIKELIHOODS = {"gaussian": (Gaussian(2.5), 1), "bernoulli": (Bernoulli(), 1), "c
 N_DATA = 9
 
 
-def _model(arch: str, n_out: int) -> nn.Module:
-    if arch == "mlp":
-        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, n_out)).double()
-    if arch == "cnn-t1":  # a convolution with one output position (T = 1), then a linear layer
-        return nn.Sequential(
-            nn.Unflatten(1, (1, 5, 5)), nn.Conv2d(1, 3, 5), nn.Tanh(), nn.Flatten(), nn.Linear(3, n_out)
-        ).double()
-    # 1 x 5 x 5 images: a padded 3x3 conv, a strided 2x2 conv without bias, then a linear layer.
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 5, 5)),
-        nn.Conv2d(1, 2, 3, padding=1),
-        nn.Tanh(),
-        nn.Conv2d(2, 3, 2, stride=2, bias=False),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(12, n_out),
-    ).double()
-
-
 def _setup(
     name: str, generator: torch.Generator, n: int = N_DATA, arch: str = "mlp"
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Likelihood]:
     likelihood, n_out = LIKELIHOODS[name]
-    model = _model(arch, n_out)
+    model = small_net(arch, n_out)
     theta = torch.randn(sum(p.numel() for p in model.parameters()), generator=generator, dtype=torch.float64)
     x = torch.randn(n, 3 if arch == "mlp" else 25, generator=generator, dtype=torch.float64)
     y = torch.randint(0, max(n_out, 2), (n,), generator=generator).double()
