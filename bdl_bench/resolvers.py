@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -18,10 +19,22 @@ from omegaconf import OmegaConf
 
 from bdl_bench.errors import ConfigError
 
+MAX_NAME_BYTES = 255  # the longest file or folder name Linux and macOS file systems take
+KEPT_NAME_BYTES = 200  # what a too-long name keeps of its overrides, before its digest
+
 
 def run_name(override_dirname: str) -> str:
-    """A run folder's name: its overrides, or ``default`` when it has none."""
-    return override_dirname or "default"
+    """A run folder's name: its overrides, or ``default`` when it has none. A path component (a ``/`` in a value
+    such as ``variant=def_table1/nn`` nests) longer than :data:`MAX_NAME_BYTES` keeps its first
+    :data:`KEPT_NAME_BYTES` bytes and a digest of the whole, so it is still a function of the overrides."""
+    return "/".join(_fit(part) for part in (override_dirname or "default").split("/"))
+
+
+def _fit(part: str) -> str:
+    raw = part.encode()
+    if len(raw) <= MAX_NAME_BYTES:
+        return part
+    return f"{raw[:KEPT_NAME_BYTES].decode(errors='ignore')}+sha256-{hashlib.sha256(raw).hexdigest()[:16]}"
 
 
 def epochs_to_steps(n_epochs: int, n_train: int, batch_size: int) -> int:

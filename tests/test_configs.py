@@ -112,6 +112,20 @@ def test_def_table1_tests_with_the_papers_samples_and_the_ensembles_members(vari
     assert cfg.laplace_search.max_val_examples == cfg.data.n_val == 10000
 
 
+def test_a_run_folder_name_too_long_for_the_file_system_keeps_its_start_and_a_digest() -> None:
+    """Many overrides once made a folder name over 255 bytes (OSError: File name too long); each too-long part
+    of the name is cut to its first 200 bytes plus a digest of the whole: still one folder per set of overrides."""
+    from bdl_bench.resolvers import MAX_NAME_BYTES, run_name
+
+    assert run_name("") == "default" and run_name("data=uci/boston") == "data=uci/boston"
+    head = ",".join(f"laplace_search.key{i}={i}" for i in range(20))
+    long_a, long_b = f"{head},variant=def_table1/nn", f"{head},seed=1,variant=def_table1/nn"
+    name_a, name_b = run_name(long_a), run_name(long_b)
+    first, last = name_a.split("/")
+    assert len(first.encode()) <= MAX_NAME_BYTES and first.startswith(head[:150]) and last == "nn"
+    assert name_a == run_name(long_a) and name_a != name_b
+
+
 def test_epochs_to_steps_refuses_bad_values() -> None:
     from bdl_bench.resolvers import epochs_to_steps
 
