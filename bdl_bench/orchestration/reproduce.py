@@ -31,6 +31,7 @@ from bdl_bench.report.figures import Drawn, draw_figures
 from bdl_bench.report.paper import ROUNDING_RULE, WEAK_NOTE, any_weak, is_set, verdict_cell, weakly
 from bdl_bench.report.tables import markdown as markdown_table
 from bdl_bench.report.tables import mean_se
+from bdl_bench.resolvers import run_name
 from bdl_bench.results import (
     COST_METRICS,
     METRICS_FILE,
@@ -63,7 +64,7 @@ class Plan:
     stack_splits: bool = False  # the experiment sweeps data.split=all: the runs of a dataset are stacked
 
     def job_folder(self, job: Sequence[str]) -> str:
-        return override_dirname([*self.fixed, *job], self.config.hydra.job.config.override_dirname)
+        return run_name(override_dirname([*self.fixed, *job], self.config.hydra.job.config.override_dirname))
 
 
 def _expand(key: str, value: str) -> list[str]:
@@ -204,7 +205,11 @@ def run_sweeps(plan: Plan, launcher: list[str], *, force: bool) -> None:
         n_jobs = len(list(itertools.product(*values.values())))
         sweep = [f"{k}={','.join(v)}" for k, v in values.items()]
         print(f"[runs] {data or plan.experiment}: {n_jobs} jobs → {plan.sweep_dir}", flush=True)
-        run_hydra(["-m", *plan.fixed, *sweep, *launcher, *(["force=true"] if force else [])])
+        error = run_hydra(["-m", *plan.fixed, *sweep, *launcher, *(["force=true"] if force else [])])
+        if error is not None:  # e.g. an override that one variant's config lacks: no run folder says why
+            print(
+                f"bdl-bench reproduce: the sweep {' '.join(sweep)} stopped: {error.code}", file=sys.stderr, flush=True
+            )
 
 
 def foreign_runs(plan: Plan, expected: set[Path]) -> list[tuple[Path, str]]:
