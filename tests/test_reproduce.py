@@ -479,3 +479,93 @@ def test_a_tolerance_keyed_by_a_name_the_paper_table_lacks_is_refused() -> None:
         config = yaml.safe_load(path.read_text()) or {}
         if config.get("tolerance"):
             check_tolerance(config["tolerance"], config.get("paper_table"))
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_quick_reproduce_of_def_table1_writes_table1_figs_1_6_10_and_table2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """def_table1 end to end on a tiny budget: a 2-4-16 LeNet on 1,000 training images (the other 59,000 held out),
+    a 2-point Laplace search on 200 validation images, 2 test samples: the table beside the paper's MNIST column,
+    Fig. 1 from the MAP, Fig. 6 from the test passes, Fig. 10 from the searches and Table 2 from the DEF run."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["def_table1", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    args += [f"data.mirror={SHARED_MNIST.parent}", "data.n_val=59000", "model.channels=[2,4]", "model.hidden=16"]
+    args += ["laplace_search.dataset_scale=[1000]", "laplace_search.prior_precision.logspace=[2,4,2]"]
+    args += ["laplace_search.max_val_examples=200", "laplace_search.n_samples=2"]
+    args += ["trainer.n_test_mc_samples=2", "trainer.test_mc_prefixes=[1]"]
+    main([*args, "variant=def_table1/nn,def_table1/diag,def_table1/kfac,def_table1/def"])
+    folder = tmp_path / "def_table1_quick"
+    for png in ("fig1_information_form", "fig6_ood_entropy", "fig10_laplace_search"):
+        assert (folder / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    report = (folder / "reproduce.md").read_text()
+    assert report.startswith("# def_table1 (--quick") and "finished: `4 of 4 runs`" in report
+    for figure in ("fig1_information_form", "table2_def_ranks", "test_sample_count"):
+        assert f"{figure} (the figure's numbers)" in report, figure
+    # Fig. 1: the first conv layer, 2 filters of 5 x 5 with biases; DEF at K = 200 keeps them all
+    assert "| 52 | 1000 |" in report and "| DEF | 200 | 52 | 1 | 0.0000 |" in report
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    assert list(table["method"]) == ["def", "diag", "kfac", "nn"] and table["paper_accuracy"].notna().all()
+    assert "| CNN-1 | 200 | 50 | 2 x 26 | 2 x 26 | 52 |" in report  # Table 2: the first layer, kept whole
+    assert "| diag | 2 | 1000 |" in report and "| kfac | 2 | 1000 |" in report  # Fig. 10: both 2-point searches
+    assert "| mnist | def | 1 | 1 |" in report and "| mnist | def | 2 | 1 |" in report  # the effect of the count
+    searched = [pd.read_csv(p) for p in folder.rglob("laplace_search.csv")]
+    assert len(searched) == 3 and all(len(s) == 2 and s["chosen"].sum() == 1 for s in searched)
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_quick_reproduce_of_slang_table3_puts_bbb_and_slang_beside_the_paper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slang_table3 end to end on a tiny budget (a 784-8-8-10 MLP, 3 epochs, 5 test samples): the test error of
+    BBB and SLANG L = 1 beside the paper's column, each with the setting it ran at."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["slang_table3", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    main([*args, *TINY_MNIST, f"data.mirror={SHARED_MNIST}", "variant=slang_table3/bbb,slang_table3/slang_L1"])
+    folder = tmp_path / "slang_table3_quick"
+    report = (folder / "reproduce.md").read_text()
+    assert report.startswith("# slang_table3 (--quick") and "finished: `2 of 2 runs`" in report
+    table = pd.read_csv(folder / "reproduce.csv", comment="#")
+    assert list(table["method"]) == ["bbb", "slang_L1"] and list(table["paper_test_error_percent"]) == [1.82, 2.0]
+    assert table["test_error_percent"].between(0, 100).all() and "agrees_test_error_percent" in table
+    # the setting each column ran at, as the table names the paper's choice on validation
+    assert "method.decay=0.6" in table["chosen_on_validation"].iloc[1] and "prior_precision=54.598" in report
+
+
+def test_a_sweep_that_cannot_compose_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """An override the MAP column's method lacks fails that sweep before any run folder exists: reproduce says
+    so with Hydra's reason (it used to end with only "no run of this sweep finished")."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["def_table1", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    with pytest.raises(SystemExit, match="no run of this sweep finished"):
+        main([*args, "variant=def_table1/nn,def_table1/def"])
+    err = capsys.readouterr().err
+    assert "the sweep variant=def_table1/nn stopped" in err and "method.curvature_cache_mib" in err
+
+
+@pytest.mark.slow
+def test_quick_reproduce_of_slang_table1_gaps_to_the_exact_gaussian_and_draws_figs_4_and_7(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slang_table1 end to end on a tiny budget (australian, 2 stacked splits, 3 epochs, three columns): each
+    column as its paired gap to the exact full Gaussian beside the paper's, Fig. 4 left from the histories and
+    Fig. 7's australian panel from the posteriors; the figures of sets not run are skipped with the reason."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
+    args = ["slang_table1", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
+    main(
+        [*args, "data=libsvm/australian", "variant=slang_table1/mf_exact,slang_table1/slang_L1,slang_table1/full_exact"]
+    )
+    folder = tmp_path / "slang_table1_quick"
+    for png in ("fig4_left", "fig7_australian"):
+        assert (folder / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    report = (folder / "reproduce.md").read_text()
+    assert "finished: `6 of 6 runs`" in report and "difference to full_exact on the same split" in report
+    assert "| full_exact | 0.000 | 0.000 | 1.000 | 1.000 |" in report  # Fig. 7's reference against itself
+    assert "Figure not drawn: fig1: no runs with posterior.pt for dataset 'usps_3vs5'" in report
+    table = pd.read_csv(folder / "reproduce.csv", comment="#").set_index("method")
+    assert list(table.index) == ["full_exact", "mf_exact", "slang_L1"] and (table["n_runs"] == 2).all()
+    assert table.loc["full_exact", "neg_elbo_per_example"] == 0 and table.loc["full_exact", "sym_kl_vs_full_exact"] == 0
+    assert table.loc["mf_exact", "paper_neg_elbo_per_example"] == pytest.approx(0.034)  # the paper's gap
+    assert (table.loc[["mf_exact", "slang_L1"], "neg_elbo_per_example"] > 0).all()  # no Gaussian beats the exact one
