@@ -540,9 +540,12 @@ def test_a_sweep_that_cannot_compose_says_why(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the Hydra sweep runs in this process
     args = ["def_table1", "--quick", "--jobs", "1", "hydra/launcher=basic", f"results_root={tmp_path}"]
     with pytest.raises(SystemExit, match="no run of this sweep finished"):
-        main([*args, "variant=def_table1/nn,def_table1/def"])
+        main([*args, "variant=def_table1/nn,def_table1/def", "method.curvature_cache_mib=64"])
     err = capsys.readouterr().err
     assert "the sweep variant=def_table1/nn stopped" in err and "method.curvature_cache_mib" in err
+    # the same override on the MAP column alone fails the plan itself: one line, no traceback
+    with pytest.raises(SystemExit, match=r"^bdl-bench: Could not override 'method.curvature_cache_mib'"):
+        main([*args, "variant=def_table1/nn", "method.curvature_cache_mib=64"])
 
 
 @pytest.mark.slow

@@ -167,8 +167,13 @@ def run_hydra(args: list[str]) -> SystemExit | None:
     except HydraException as error:  # Hydra's own about the command line, with its cause's (OmegaConf's) reason
         if debugging():
             raise
-        cause = str(error.__cause__ or "").strip()
-        reason = cause.splitlines()[0] if cause else ""
-        line = error_line(error)
-        return SystemExit(f"{line} ({reason})" if reason and reason not in line else line)
+        return SystemExit(hydra_error_line(error))
     return None
+
+
+def hydra_error_line(error: BaseException) -> str:
+    """:func:`error_line` of Hydra's error about the command line, with its cause's (OmegaConf's) first line."""
+    cause = str(error.__cause__ or "").strip()
+    reason = cause.splitlines()[0] if cause else ""
+    line = error_line(error)
+    return f"{line} ({reason})" if reason and reason not in line else line

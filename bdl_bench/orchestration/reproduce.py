@@ -24,7 +24,15 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bdl_bench.errors import ConfigError
-from bdl_bench.orchestration.hydra_app import CONF_DIR, group_choices, load_config, override_dirname, run_hydra
+from bdl_bench.orchestration.hydra_app import (
+    CONF_DIR,
+    debugging,
+    group_choices,
+    hydra_error_line,
+    load_config,
+    override_dirname,
+    run_hydra,
+)
 from bdl_bench.orchestration.search import apply_searched
 from bdl_bench.orchestration.sweep import summarise, version_warnings
 from bdl_bench.report.figures import Drawn, draw_figures
@@ -480,7 +488,14 @@ def main(args: list[str]) -> None:
         run_benchmark(ns.experiment, config, args, quick=ns.quick)
         return
     started = time.perf_counter()
-    plan = make_plan(ns.experiment, ns.overrides, quick=ns.quick, tune=not ns.no_tune)
+    from hydra.errors import HydraException
+
+    try:
+        plan = make_plan(ns.experiment, ns.overrides, quick=ns.quick, tune=not ns.no_tune)
+    except HydraException as error:  # an override the experiment's config lacks, a bad value: one line
+        if debugging():
+            raise
+        raise SystemExit(hydra_error_line(error)) from None
     launcher = _launcher_overrides(plan, ns.jobs)
     print(
         f"{plan.experiment}: {len(plan.jobs)} runs over {', '.join(plan.keys)}"
