@@ -196,3 +196,71 @@ class BlockDiagGaussian(BlockGaussian):
 
     def _block_dense(self, b: int) -> Tensor:
         return self._blocks[b]
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BlockEigenGaussian(BlockGaussian):
+    r"""Precision blocks in eigenform :math:`P_b = V_b\operatorname{diag}(\lambda_b)V_b^\top`, where an eigenvalue may
+    be :math:`+\infty`: the posterior has zero variance along that eigenvector (it stays at the mean).
+
+    This is how Lee et al. (2020, App. E.1) treat parameters that carry no information (a zero eigenvalue of the
+    curvature with τ = 0): deterministic, so that the rest of the block is non-degenerate. With every
+    :math:`\lambda` finite it is ``BlockDiagGaussian`` of :math:`V\Lambda V^\top`. :math:`\Sigma_b =
+    V_b\Lambda_b^{-1}V_b^\top` and samples :math:`V_b\Lambda_b^{-1/2}\epsilon` use :math:`1/\infty = 0`; the
+    precision itself (``precision_matvec``, ``to_dense``) exists only when every eigenvalue is finite."""
+
+    eigvecs: Tensor  # (sum (m n)^2,): the orthogonal V_b, packed (:func:`pack`)
+    eigvals: Tensor  # (D,): each block's eigenvalues in turn, > 0 or +inf
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_param("eigvecs", self.eigvecs, (sum((m * n) ** 2 for m, n in self.block_shapes),))
+        self._check_param("eigvals", self.eigvals, (self.dim,))
+        if not bool((self.eigvals > 0).all()):
+            raise ValueError(f"eigvals must be positive or +inf, got min {self.eigvals.min().item():.3g}")
+
+    @cached_property
+    def _vecs(self) -> list[Tensor]:
+        return self._unpack(self.eigvecs, [(m * n, m * n) for m, n in self.block_shapes])
+
+    @cached_property
+    def _inv_vals(self) -> list[Tensor]:
+        """Per block :math:`1/\\lambda` (0 along the deterministic directions)."""
+        return list(torch.split(self.eigvals.reciprocal(), [m * n for m, n in self.block_shapes]))
+
+    @property
+    def n_deterministic(self) -> int:
+        """Directions with infinite precision (zero variance)."""
+        return int(torch.isinf(self.eigvals).sum())
+
+    def _finite(self, what: str) -> None:
+        if self.n_deterministic:
+            raise ValueError(f"{what} is infinite along the {self.n_deterministic} deterministic directions")
+
+    def _in_basis(self, b: int, x: Tensor, scale: Tensor) -> Tensor:
+        """:math:`V_b\\operatorname{diag}(s)V_b^\\top x` for ``x`` ``(K, m, n)``."""
+        flat = x.reshape(x.shape[0], -1).mT
+        return (self._vecs[b] @ (scale[:, None] * (self._vecs[b].mT @ flat))).mT.reshape(x.shape)
+
+    def _block_matvec(self, b: int, x: Tensor) -> Tensor:
+        self._finite("the precision")
+        return self._in_basis(b, x, self._inv_vals[b].reciprocal())
+
+    def _block_solve(self, b: int, x: Tensor) -> Tensor:
+        return self._in_basis(b, x, self._inv_vals[b])
+
+    def _block_logdet(self, b: int) -> Tensor:
+        return self._inv_vals[b].log().neg().sum()  # +inf with a deterministic direction
+
+    def _block_variance(self, b: int) -> Tensor:
+        m, n = self.block_shapes[b]
+        return (self._vecs[b].square() @ self._inv_vals[b]).reshape(m, n)
+
+    def _block_sample(self, b: int, eps: Tensor) -> Tensor:
+        """:math:`V_b\\Lambda_b^{-1/2}\\epsilon`."""
+        flat = eps.reshape(eps.shape[0], -1).mT
+        return (self._vecs[b] @ (self._inv_vals[b].sqrt()[:, None] * flat)).mT.reshape(eps.shape)
+
+    def _block_dense(self, b: int) -> Tensor:
+        self._finite("the precision")
+        return (self._vecs[b] * self._inv_vals[b].reciprocal()) @ self._vecs[b].mT

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from bdl_bench.gaussians.base import StructuredGaussian
-from bdl_bench.gaussians.blocks import BlockDiagGaussian
+from bdl_bench.gaussians.blocks import BlockDiagGaussian, BlockEigenGaussian
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.gaussians.full import FullGaussian
@@ -22,6 +22,7 @@ CLASSES: dict[str, type[StructuredGaussian]] = {
         FullGaussian,
         LowRankPlusDiagGaussian,
         BlockDiagGaussian,
+        BlockEigenGaussian,
         KroneckerGaussian,
         EigenKroneckerGaussian,
         ScaledEigenKroneckerGaussian,

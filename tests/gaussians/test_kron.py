@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, kl
-from bdl_bench.gaussians.blocks import BlockDiagGaussian, BlockGaussian, pack
+from bdl_bench.gaussians.blocks import BlockDiagGaussian, BlockEigenGaussian, BlockGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.io import load_gaussian, save_gaussian
 from bdl_bench.gaussians.kl import _kl_dense
@@ -18,7 +18,7 @@ from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, 
 
 SHAPES = [(2, 4), (3, 2)]  # D = 8 + 6
 DIM = sum(m * n for m, n in SHAPES)
-KINDS = ("block", "kron", "eigen_kron", "scaled_eigen_kron", "def", "def_full_rank", "def_zero_eig")
+KINDS = ("block", "block_eigen", "kron", "eigen_kron", "scaled_eigen_kron", "def", "def_full_rank", "def_zero_eig")
 
 
 def _spd(n: int, g: torch.Generator) -> torch.Tensor:
@@ -36,6 +36,11 @@ def make(kind: str, g: torch.Generator) -> BlockGaussian:
     shapes = torch.tensor(SHAPES)
     if kind == "block":
         return BlockDiagGaussian(mean, index, shapes, pack([_spd(m * n, g) for m, n in SHAPES]))
+    if kind == "block_eigen":
+        vecs = pack([_orthogonal(m * n, g) for m, n in SHAPES])
+        return BlockEigenGaussian(
+            mean, index, shapes, vecs, torch.rand(DIM, generator=g, dtype=torch.float64) * 3 + 0.2
+        )
     if kind == "kron":
         return KroneckerGaussian(
             mean, index, shapes, pack([_spd(m, g) for m, _ in SHAPES]), pack([_spd(n, g) for _, n in SHAPES])
@@ -80,6 +85,8 @@ def expected_precision(q: BlockGaussian) -> torch.Tensor:
     for b, idx in enumerate(q._block_index):
         if isinstance(q, BlockDiagGaussian):
             block = q._blocks[b]
+        elif isinstance(q, BlockEigenGaussian):
+            block = q._vecs[b] @ torch.diag(q.eigvals.split([m * n for m, n in SHAPES])[b]) @ q._vecs[b].mT
         elif isinstance(q, KroneckerGaussian):
             block = torch.kron(q._outs[b], q._ins[b])
         elif isinstance(q, ScaledEigenKroneckerGaussian):  # (Q_B ⊗ S Q_C) diag(Λ) (Q_B ⊗ S Q_C)^T
@@ -175,3 +182,34 @@ def test_def_refuses_bad_ranks_and_negative_values(generator: torch.Generator) -
         KroneckerLowRankPlusDiagGaussian(**{**fields, "eigenvalues": -fields["eigenvalues"]})
     with pytest.raises(ValueError, match="prec_diag must be positive"):
         KroneckerLowRankPlusDiagGaussian(**{**fields, "prec_diag": torch.zeros(DIM, dtype=torch.float64)})
+
+
+def test_block_eigen_with_infinite_eigenvalues_is_the_pseudo_inverse(generator: torch.Generator) -> None:
+    """+inf eigenvalues (null_space=deterministic) give the covariance V diag(1/λ) V^T with 1/inf = 0: solve,
+    variance and the sampler follow it, samples do not move along those eigenvectors, and log|P| = inf."""
+    q = make("block_eigen", generator)
+    eigvals = q.eigvals.clone()
+    eigvals[[1, 5, 9]] = torch.inf  # two in block 0 (positions 0-7), one in block 1
+    q = BlockEigenGaussian(q.mean, q.index, q.shapes, q.eigvecs, eigvals)
+    assert q.n_deterministic == 3
+    covariance, null = torch.zeros(DIM, DIM, dtype=torch.float64), []
+    for b, (idx, lam) in enumerate(zip(q._block_index, eigvals.split([m * n for m, n in SHAPES]))):
+        v = q._vecs[b]
+        covariance[idx[:, None], idx[None, :]] = v @ torch.diag(torch.where(lam.isinf(), 0.0, 1 / lam)) @ v.mT
+        lifted = torch.zeros(DIM, v.shape[1], dtype=torch.float64)
+        lifted[idx] = v
+        null.append(lifted[:, lam.isinf()])
+    null = torch.cat(null, 1)
+    assert torch.linalg.matrix_rank(covariance) == DIM - 3
+    rhs = torch.randn(DIM, 2, generator=generator, dtype=torch.float64)
+    assert_close(q.solve(rhs), covariance @ rhs)
+    assert_close(q.variance(), covariance.diagonal())
+    a_transposed = q._sample_transform(torch.eye(DIM, dtype=torch.float64)) - q.mean
+    assert_close(a_transposed.mT @ a_transposed, covariance)
+    samples = q.rsample(50, torch.Generator().manual_seed(1)) - q.mean
+    assert_close(samples @ null, torch.zeros(50, 3, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert q.logdet_precision() == torch.inf
+    with pytest.raises(ValueError, match="infinite along the 3 deterministic directions"):
+        q.to_dense()
+    with pytest.raises(ValueError, match="eigvals must be positive"):
+        BlockEigenGaussian(q.mean, q.index, q.shapes, q.eigvecs, -q.eigvals)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from _laplace import make_laplace
 from torch import Tensor
 from torch.testing import assert_close
 
 from bdl_bench.curvature.kron import kron_factors
 from bdl_bench.curvature.pseudo_grads import block_index, iter_pseudo_grads
 from bdl_bench.likelihoods import Categorical, Gaussian
-from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import Laplace, LaplaceEvidence
 from bdl_bench.models import build_model
@@ -23,14 +22,7 @@ from bdl_bench.models.params import forward_with, prior_precision_vector
 from bdl_bench.orchestration.runner import run
 
 F64 = torch.float64
-CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "laplace.yaml"
 NOISE0 = 4.0  # the run's noise precision: the curvature is computed at it
-
-
-def make_laplace(**overrides: object) -> Laplace:
-    method = build_method({**yaml.safe_load(CONF.read_text()), **overrides})
-    assert isinstance(method, Laplace)
-    return method
 
 
 def regression_problem(bias_prior: float | None = None) -> tuple[Problem, Tensor, Tensor]:

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from _laplace import make_laplace
 from torch import Tensor
 from torch.testing import assert_close
 
 from bdl_bench.errors import Terminated
 from bdl_bench.likelihoods import Categorical
-from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.laplace import SEARCH_FILE, Laplace
 from bdl_bench.methods.laplace import search as search_module
@@ -25,14 +24,7 @@ from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.orchestration.runner import run
 
 F64 = torch.float64
-CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "laplace.yaml"
 GRID = {"dataset_scale": [1, 30], "prior_precision": [0.5, 5.0], "n_samples": 3, "accuracy_tolerance": None}
-
-
-def make_laplace(**overrides: object) -> Laplace:
-    method = build_method({**yaml.safe_load(CONF.read_text()), **overrides})
-    assert isinstance(method, Laplace)
-    return method
 
 
 def _lenet_problem() -> tuple[Problem, Tensor, Tensor, Tensor, Tensor]:

@@ -37,7 +37,7 @@ from bdl_bench.methods.laplace.search import (
     prior_groups,
     write_search_table,
 )
-from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE, STRUCTURES, KfacPrior, Structure
+from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE, STRUCTURES, KfacPrior, NullSpace, Structure
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam
 from bdl_bench.progress import delayed_bar
@@ -58,7 +58,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
     adam_leaves = ("theta",)
     option_ranges = MappingProxyType(
         {
-            "prior_precision": Range(0, low_open=True, nullable=True),  # null = the run's prior_precision
+            "prior_precision": Range(0, nullable=True),  # null = the run's prior_precision; 0 needs null_space
             "dataset_scale": Range(0, low_open=True, nullable=True),  # null = the training-set size
             "lr": POSITIVE,
             "n_curvature_samples": COUNT,
@@ -87,11 +87,13 @@ class Laplace(GaussianPredictive, PostHocMethod):
         curvature_cache_mib: int = 6144,
         search: Mapping[str, Any] | str | None = None,
         kfac_prior: str = "damped",
+        null_space: str = "prior",
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
+        self.null_space = parse_choice(NullSpace, null_space, "null_space", "laplace")
         self.keep_options(locals())
         if curvature_dtype not in _CURVATURE_DTYPES:
             raise ConfigError(
@@ -100,6 +102,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
         self.curvature_dtype = _CURVATURE_DTYPES[curvature_dtype]
         self.map_dir = map_dir
         self.search = parse_search(search)
+        self._check_null_space()
         self._posterior: StructuredGaussian | None = None
         self.fit_info: dict[str, float] = {}
         self.extra_metrics: dict[str, float] = {}
@@ -190,7 +193,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
             atomic_write_text(self._run_dir / DEF_RANKS_FILE, pd.DataFrame(ranks).to_csv(index=False))
         scale = float(p.n_data) if self.dataset_scale is None else self.dataset_scale
         if self.search is None:
-            self._posterior = self._cast(self._structure.assemble(theta, curvature, scale, self._prior(theta)))
+            self._posterior = self._cast(self._assemble(theta, curvature, scale, self._prior(theta)))
             return
         self.extra_metrics["curvature_time_s"] = time.perf_counter() - started
         if isinstance(self.search, MarglikSettings):
@@ -203,6 +206,34 @@ class Laplace(GaussianPredictive, PostHocMethod):
             result = self._grid_search(theta, curvature)
         self.extra_metrics.update(result.metrics)
         self._posterior = result.posterior
+
+    def _assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        """The structure's posterior at (N, τ), with its null space made deterministic where ``null_space`` says."""
+        if self.null_space is NullSpace.DETERMINISTIC:
+            eps = torch.finfo(self.curvature_dtype or self.theta.dtype).eps
+            posterior = self._structure.assemble_deterministic(theta, curvature, scale, tau, eps)
+            self.extra_metrics["n_deterministic"] = float(posterior.n_deterministic)  # into metrics.json
+            return posterior
+        return self._structure.assemble(theta, curvature, scale, tau)
+
+    def _check_null_space(self) -> None:
+        if self.prior_precision == 0 and self.null_space is not NullSpace.DETERMINISTIC:
+            raise ConfigError(
+                "laplace: method.prior_precision=0 leaves the precision singular wherever the data carry no "
+                "information; set method.null_space=deterministic (zero variance there, Lee et al. App. E.1) or a "
+                "prior_precision > 0"
+            )
+        if self.null_space is NullSpace.DETERMINISTIC:
+            if isinstance(self.search, MarglikSettings):
+                raise ConfigError(
+                    "laplace: method.search=marglik needs log|P|, which is infinite with method.null_space="
+                    "deterministic; use null_space=prior or a grid search"
+                )
+            if self.structure not in (Structure.BLOCK, Structure.EFB, Structure.DEF):
+                raise ConfigError(
+                    f"laplace: method.null_space=deterministic needs each layer's precision as a dense block, which "
+                    f"structure={self.structure.value} does not form; use structure=block, efb or def, or null_space=prior"
+                )
 
     def _prior(self, theta: Tensor) -> Tensor:
         """τ ``(D,)`` like ``theta``: ``prior_precision`` everywhere, or the run's per-parameter prior."""
@@ -246,7 +277,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
         result = grid_search(
             self.search,
             theta=theta,
-            assemble=lambda scale, tau: self._cast(self._structure.assemble(theta, curvature, scale, tau)),
+            assemble=lambda scale, tau: self._cast(self._assemble(theta, curvature, scale, tau)),
             outputs=self._val_outputs,
             likelihood=self.problem.likelihood,
             generator=self.problem.generator,

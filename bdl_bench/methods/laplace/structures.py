@@ -31,7 +31,7 @@ from bdl_bench.curvature.kron import (
 from bdl_bench.curvature.pseudo_grads import KronLayout, PseudoGrads, block_index
 from bdl_bench.errors import ConfigError
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, StructuredGaussian
-from bdl_bench.gaussians.blocks import BlockDiagGaussian, pack
+from bdl_bench.gaussians.blocks import BlockDiagGaussian, BlockEigenGaussian, pack
 from bdl_bench.gaussians.def_lowrank import KroneckerLowRankPlusDiagGaussian
 from bdl_bench.gaussians.kron import EigenKroneckerGaussian, KroneckerGaussian, ScaledEigenKroneckerGaussian
 
@@ -41,6 +41,14 @@ DEF_RANKS_FILE = "def_ranks.csv"  # DEF's per-layer reduction in the run folder 
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
 
 Batches = Callable[..., Iterable[PseudoGrads]]  # batches(start=0, labels=None): Laplace.fit_posterior's
+
+
+class NullSpace(str, Enum):
+    r"""``method.null_space``: what the posterior does along directions the precision :math:`N\mathbf I + \tau`
+    does not determine (zero eigenvalues; only possible with τ = 0)."""
+
+    PRIOR = "prior"  # nothing: τ > 0 is required and governs them
+    DETERMINISTIC = "deterministic"  # zero variance there (Lee et al. App. E.1)
 
 
 class Structure(str, Enum):
@@ -92,6 +100,27 @@ class LaplaceStructure(ABC):
         """The float64 posterior :math:`\\mathcal N(\\theta, (N\\mathbf I + \\operatorname{diag}(\\tau))^{-1})`, N =
         ``scale``, τ = ``tau`` ``(D,)``."""
 
+    def dense_blocks(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> list[Tensor]:
+        r"""Each layer's precision block :math:`N\mathbf I_l + \operatorname{diag}(\tau_l)`, dense, in blocked order
+        (structures that can form it: ``block``, ``efb`` and ``def``; the method checks this before it trains)."""
+        raise NotImplementedError(f"structure={self.name.value} does not form dense precision blocks")
+
+    def assemble_deterministic(
+        self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor, eps: float
+    ) -> BlockEigenGaussian:
+        r"""The posterior with zero variance along every eigenvector of a layer's precision block whose eigenvalue
+        is zero to the precision of the curvature: at most n·``eps`` times the block's largest (n its size, ``eps``
+        the machine epsilon of the dtype the curvature was computed in; numpy's ``matrix_rank`` rule). Lee et al.
+        (2020, App. E.1) make zero-information parameters deterministic so that the information matrix is
+        non-degenerate with τ = 0, and keep "the maximum rank ... after removing all the zero eigenvalues" (App. E.3)."""
+        vecs, vals = [], []
+        for block in self.dense_blocks(theta, curvature, scale, tau):
+            lam, vec = torch.linalg.eigh(block)
+            zero = lam <= block.shape[0] * eps * lam.max().clamp_min(0.0)
+            vals.append(torch.where(zero, torch.inf, lam))
+            vecs.append(vec)
+        return BlockEigenGaussian(*self.blocked(theta), pack(vecs), torch.cat(vals))
+
     def blocked(self, theta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A ``BlockGaussian``'s first fields: ``theta``, the flat index of every layer's grid (bias column
         included) and the grids' shapes."""
@@ -136,10 +165,12 @@ class Block(LaplaceStructure):
     def curvature(self, theta: Tensor, batches: Batches) -> dict[str, Any]:
         return {"blocks": tuple(exact_blocks(batches()))}
 
-    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+    def dense_blocks(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> list[Tensor]:
         grids = self.layer_taus(tau)
-        blocks = [scale * block + torch.diag(grid.reshape(-1)) for block, grid in zip(curvature["blocks"], grids)]
-        return BlockDiagGaussian(*self.blocked(theta), pack(blocks))
+        return [scale * block + torch.diag(grid.reshape(-1)) for block, grid in zip(curvature["blocks"], grids)]
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        return BlockDiagGaussian(*self.blocked(theta), pack(self.dense_blocks(theta, curvature, scale, tau)))
 
 
 class Kfac(LaplaceStructure):
@@ -246,6 +277,14 @@ class Efb(LaplaceStructure):
         vecs_out, vecs_in = pack([b.eigvecs_out for b in bases]), pack([b.eigvecs_in for b in bases])
         return EigenKroneckerGaussian(*self.blocked(theta), vecs_out, vecs_in, pack(values))
 
+    def dense_blocks(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> list[Tensor]:
+        r""":math:`V(N\Lambda)V^\top + \operatorname{diag}(\tau_l)` per layer, :math:`V = U_G\otimes U_A`."""
+        blocks = []
+        for basis, e, grid in zip(curvature["bases"], curvature["eigs"], self.layer_taus(tau)):
+            v = torch.kron(basis.eigvecs_out, basis.eigvecs_in)
+            blocks.append((v * (scale * e).reshape(-1)) @ v.mT + torch.diag(grid.reshape(-1)))
+        return blocks
+
 
 def layer_rank(low: Any) -> dict[str, Any]:
     """One row of ``def_ranks.csv`` (DEF Table 2): the layer's position and kind, its block's shape m x n (n with
@@ -296,21 +335,34 @@ class Def(Efb):
         self.layer_ranks = [layer_rank(low) for low in lows]
         return {"lows": lows, "corrections": corrections}
 
-    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
-        lows = curvature["lows"]
+    def prec_diag(self, curvature: dict[str, Any], scale: Any, tau: Tensor) -> Tensor:
+        r""":math:`ND + \tau` in flat order, τ where that is not positive (D clipped at 0)."""
         prec_diag = scale * curvature["corrections"] + tau
         invalid = prec_diag <= 0
         n_clipped = self.info["n_clipped"] = int(invalid.sum())
         if n_clipped:
             logger.info("laplace def: %d entries with N·D + τ <= 0 set to τ (D clipped at 0; Lemma 3)", n_clipped)
+        return torch.where(invalid, tau, prec_diag)
+
+    def assemble(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> StructuredGaussian:
+        lows = curvature["lows"]
         return KroneckerLowRankPlusDiagGaussian(
             *self.blocked(theta),
             torch.tensor([list(low.eigenvalues.shape) for low in lows], device=theta.device),
             pack([low.factor_out for low in lows]),
             pack([low.factor_in for low in lows]),
             pack([scale * low.eigenvalues for low in lows]),
-            torch.where(invalid, tau, prec_diag),
+            self.prec_diag(curvature, scale, tau),
         )
+
+    def dense_blocks(self, theta: Tensor, curvature: dict[str, Any], scale: Any, tau: Tensor) -> list[Tensor]:
+        r"""Eq. 9 per layer, :math:`WW^\top + \operatorname{diag}(ND + \tau)` with :math:`W = (U_{G,1:g}\otimes
+        U_{A,1:a})(N\Lambda_{1:L})^{1/2}`; the diagonal may hold zeros where τ = 0."""
+        prec_diag, blocks = self.prec_diag(curvature, scale, tau), []
+        for low in curvature["lows"]:
+            w = torch.kron(low.factor_out, low.factor_in) * (scale * low.eigenvalues).sqrt().reshape(-1)
+            blocks.append(w @ w.mT + torch.diag(prec_diag[block_index(low.slot, theta.device)]))
+        return blocks
 
 
 STRUCTURES: dict[Structure, type[LaplaceStructure]] = {cls.name: cls for cls in (Diag, Kfac, Efb, Def, Block, Full)}
