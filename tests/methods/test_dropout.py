@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _toy import MLP, classification_data, fit, make_problem, regression_data
+from _toy import (
+    MLP,
+    NOISE_PRECISION,
+    check_beats_training_mean,
+    classification_data,
+    fit,
+    make_problem,
+    regression_data,
+)
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -18,8 +26,6 @@ from bdl_bench.methods import build_method
 from bdl_bench.methods.base import CannotStack, Method, Problem
 from bdl_bench.models import build_model
 from bdl_bench.models.params import flat_params, prior_precision_vector, unflatten
-
-NOISE_PRECISION = 100.0  # the regression data below has noise std 0.1
 
 
 def make_dropout(**overrides: object) -> Method:
@@ -51,18 +57,7 @@ def reference_outputs(
 
 @pytest.mark.parametrize("dropout_inputs", [True, False])
 def test_beats_training_mean_on_regression(dropout_inputs: bool) -> None:
-    x, y, x_test, y_test = regression_data(0)
-    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
-    method = make_dropout(dropout_inputs=dropout_inputs)
-    fit(method, make_problem(1, likelihood, seed=1), x, y)
-    f = method.predict(x_test, 32)
-    assert f.shape == (32, 100, 1)
-    rmse = (f.mean(0).squeeze(-1) - y_test).pow(2).mean().sqrt()
-    nll = -likelihood.log_predictive(f, y_test).mean()
-    base_rmse = (y.mean() - y_test).pow(2).mean().sqrt()
-    base_nll = (0.5 * torch.log(2 * math.pi * y.var()) + (y_test - y.mean()) ** 2 / (2 * y.var())).mean()
-    assert rmse < 0.5 * base_rmse
-    assert nll < base_nll
+    check_beats_training_mean(make_dropout(dropout_inputs=dropout_inputs))
 
 
 def test_beats_chance_on_two_classes() -> None:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _toy import fit, regression_data
+from _toy import NOISE_PRECISION, check_beats_training_mean, fit, regression_data
 from _vi_helpers import CONFIGS, make_method, make_problem
 from torch import Tensor, nn
 from torch.testing import assert_close
@@ -18,23 +18,11 @@ from bdl_bench.methods._layerwise_vi import kl_annealing_weight
 from bdl_bench.methods.base import Method
 
 KINDS = list(CONFIGS)
-NOISE_PRECISION = 100.0  # the regression data has noise std 0.1
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_beats_training_mean_on_regression(kind: str) -> None:
-    x, y, x_test, y_test = regression_data(0)
-    likelihood = Gaussian(noise_precision=NOISE_PRECISION)
-    method = make_method(kind)
-    fit(method, make_problem(1, likelihood, seed=1), x, y)
-    f = method.predict(x_test, 32)
-    assert f.shape == (32, 100, 1)
-    rmse = (f.mean(0).squeeze(-1) - y_test).pow(2).mean().sqrt()
-    nll = -likelihood.log_predictive(f, y_test).mean()
-    base_rmse = (y.mean() - y_test).pow(2).mean().sqrt()
-    base_nll = (0.5 * torch.log(2 * math.pi * y.var()) + (y_test - y.mean()) ** 2 / (2 * y.var())).mean()
-    assert rmse < 0.5 * base_rmse
-    assert nll < base_nll
+    check_beats_training_mean(make_method(kind), problem=make_problem)
 
 
 def _local_and_explicit(method: Method, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
