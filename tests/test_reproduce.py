@@ -24,9 +24,9 @@ from bdl_bench.orchestration.reproduce import (
     make_plan,
     markdown,
 )
-from bdl_bench.report import ktied
+from bdl_bench.report import frobenius, ktied
 from bdl_bench.report.figures import draw_figure
-from bdl_bench.report.frobenius import run_block, run_layer_curvature
+from bdl_bench.report.frobenius import LAYER_CURVATURE_DIR, run_block, run_layer_curvature
 from bdl_bench.report.information_form import spectrum_summary
 from bdl_bench.report.paper import PaperValue
 from bdl_bench.results import code_version, read_config, read_csv_exact
@@ -361,6 +361,14 @@ def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
     block, _ = run_block(run_dir)
     streamed, factors, _, n_examples = run_layer_curvature(run_dir, batch_size=7)
     torch.testing.assert_close(streamed, block, rtol=1e-10, atol=1e-12)
+    # Kept in the run folder and read back without a pass; other settings compute (and keep) their own.
+    with monkeypatch.context() as m:
+        m.setattr(frobenius, "iter_pseudo_grads", lambda *a, **k: pytest.fail("recomputed a kept block"))
+        again, kept, _, _ = run_layer_curvature(run_dir, batch_size=7)
+    assert torch.equal(again, streamed) and torch.equal(kept.g_factor, factors.g_factor) and kept.slot == factors.slot
+    fewer, *_ = run_layer_curvature(run_dir, batch_size=7, n_examples=50)
+    assert not torch.equal(fewer, streamed)
+    assert len(list((run_dir / LAYER_CURVATURE_DIR).glob("*.pt"))) == 3  # run_block's one batch, 7 rows, 50 examples
     spec = {"name": "fig1", "kind": "information_form", "rank": 3, "dataset_scale": 18.0, "prior_precision": 1.0}
     drawn = draw_figure({**spec, "batch_size": 7}, folder, folder)
     assert drawn.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,6 +6,8 @@ the mean, with the standard error in the table."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from bdl_bench.checkpoint import load_params
+from bdl_bench.checkpoint import atomic_torch_save, load_params
 from bdl_bench.curvature.exact import exact_blocks
 from bdl_bench.curvature.frobenius import ERRORS, layer_approximations
 from bdl_bench.curvature.kron import KronFactors, kron_factors
@@ -72,6 +74,9 @@ def run_errors(
     return table, eigenvalues, config
 
 
+LAYER_CURVATURE_DIR = "layer_curvature"  # in a finished run's folder: run_layer_curvature's results, reused
+
+
 def run_layer_curvature(
     run_dir: Path,
     *,
@@ -85,16 +90,32 @@ def run_layer_curvature(
     """The exact information block of weight layer ``layer`` (weights and biases, ``(P, P)`` in augmented
     row-major order, float64) and its KFAC factors at one finished run's parameters, on the first
     ``n_examples`` of its training set (all by default), in one pass of minibatches of ``batch_size`` rows
-    computed in ``dtype``: (block, factors, the run's config, the number of examples)."""
+    computed in ``dtype``: (block, factors, the run's config, the number of examples). The result is kept in the
+    run's ``layer_curvature/`` under a hash of these settings and of the parameters, and read back from there."""
     model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer, dtype)
     x, y = data.x_train[:n_examples], data.y_train[:n_examples]
+    n = x.shape[0]
+    settings = [
+        layer,
+        curvature,
+        n_samples,
+        n,
+        batch_size,
+        str(dtype),
+        hashlib.sha256(theta.numpy().tobytes()).hexdigest(),
+    ]
+    cache = run_dir / LAYER_CURVATURE_DIR / f"{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]}.pt"
+    slot = kron_layout(model).slots[layer]
+    if cache.is_file():
+        saved = torch.load(cache, map_location="cpu", weights_only=True)
+        return saved["block"], KronFactors(slot, saved["a_factor"], saved["g_factor"]), config, n
     batches = iter_pseudo_grads(
         model,
         theta,
         x.to(dtype),
         y,
         likelihood,
-        batch_size=batch_size or x.shape[0],
+        batch_size=batch_size or n,
         kind=curvature,
         n_samples=n_samples,
         generator=generator,
@@ -106,8 +127,10 @@ def run_layer_curvature(
         block = block + exact_blocks([one])[0] * one.n_examples
         a_sum = a_sum + factors.a_factor * one.n_examples
         g_sum = g_sum + factors.g_factor * one.n_examples
-    n = x.shape[0]
-    return block / n, KronFactors(factors.slot, a_sum / n, g_sum / n), config, n
+    block, factors = block / n, KronFactors(slot, a_sum / n, g_sum / n)
+    cache.parent.mkdir(exist_ok=True)
+    atomic_torch_save({"block": block, "a_factor": factors.a_factor, "g_factor": factors.g_factor}, cache)
+    return block, factors, config, n
 
 
 def run_block(run_dir: Path, *, layer: int = 0, curvature: str = "ggn", n_samples: int = 16) -> tuple[Tensor, dict]:
