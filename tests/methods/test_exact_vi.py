@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _logistic import N, logistic_data, logistic_problem
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -17,11 +18,9 @@ from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Method, Problem
 from bdl_bench.methods.exact_vi import ExactVI, logistic_design, logistic_elbo_from_scale
 from bdl_bench.models import build_model
-from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.quadrature import PIECEWISE_MAX_GAP, expected_log_sigmoid_with
 
 F64 = torch.float64
-N = 60
 CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "exact_vi.yaml"
 
 
@@ -35,26 +34,6 @@ def logistic_elbo(
     ell = expected_log_sigmoid_with(signed, moments.variance, expectation=expectation, n_points=32)
     prior = DiagGaussian(torch.zeros_like(q.mean), prior_precision.to(q.mean))
     return (ell.sum() - q.kl(prior)) / x.shape[0]
-
-
-def logistic_data(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Two correlated-scale features, labels from a logistic model: N training and N test points."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * N, 2, generator=g, dtype=F64) * torch.tensor([1.5, 0.7], dtype=F64)
-    logits = x @ torch.tensor([1.2, -0.8], dtype=F64) + 0.3
-    y = (torch.rand(2 * N, generator=g, dtype=F64) < torch.sigmoid(logits)).to(F64)
-    return x[:N], y[:N], x[N:], y[N:]
-
-
-def make_problem(*, bias: bool = True, seed: int = 1, model: nn.Module | None = None, likelihood=None) -> Problem:
-    g = torch.Generator().manual_seed(seed)
-    if model is None:
-        model = build_model({"name": "logreg", "bias": bias}, in_features=2, out_features=1).to(F64)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=F64))
-    prior = prior_precision_vector(model, 1.0, None)
-    return Problem(model=model, likelihood=likelihood or Bernoulli(), n_data=N, prior_precision=prior, generator=g)
 
 
 def make_exact(**overrides: object) -> Method:
@@ -101,7 +80,7 @@ def laplace(problem: Problem, x: Tensor, y: Tensor) -> FullGaussian:
 
 
 def test_full_solution_is_a_stationary_point_of_the_elbo() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method, logs = fit_exact(problem)
     x, y, _, _ = logistic_data()
     design = logistic_design(problem.model, x)
@@ -113,7 +92,7 @@ def test_full_solution_is_a_stationary_point_of_the_elbo() -> None:
     assert mean.grad.abs().max() < 1e-6
     assert torch.tril(scale.grad).abs().max() < 1e-6
     # The fit moved far from its start: the gradient at the initial point is large.
-    start = make_problem()
+    start = logistic_problem()
     init_scale = torch.diag(start.prior_precision.rsqrt()).requires_grad_(True)
     init_mean = torch.zeros(3, dtype=F64, requires_grad=True)
     logistic_elbo_from_scale(init_mean, init_scale, design, y, start.prior_precision).backward()
@@ -129,7 +108,7 @@ def test_full_solution_is_a_stationary_point_of_the_elbo() -> None:
 
 
 def test_elbo_of_the_gaussian_object_matches_the_optimised_objective() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method, _ = fit_exact(problem)
     x, y, _, _ = logistic_data()
     design = logistic_design(problem.model, x)
@@ -142,11 +121,11 @@ def test_elbo_of_the_gaussian_object_matches_the_optimised_objective() -> None:
 
 
 def test_full_elbo_beats_mean_field_and_laplace() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     x, y, _, _ = logistic_data()
     design = logistic_design(problem.model, x)
     full, _ = fit_exact(problem)
-    diag, _ = fit_exact(make_problem(), covariance="diag")
+    diag, _ = fit_exact(logistic_problem(), covariance="diag")
     lam = problem.prior_precision
     elbo_full = float(logistic_elbo(full.posterior(), design, y, lam))
     elbo_diag = float(logistic_elbo(diag.posterior(), design, y, lam))
@@ -162,11 +141,11 @@ def test_full_elbo_beats_mean_field_and_laplace() -> None:
 
 
 def test_piecewise_bound_gives_a_lower_elbo_and_nearly_the_same_posterior() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     x, y, _, _ = logistic_data()
     design = logistic_design(problem.model, x)
     quad, _ = fit_exact(problem)
-    piecewise, logs = fit_exact(make_problem(), expectation="piecewise")
+    piecewise, logs = fit_exact(logistic_problem(), expectation="piecewise")
     q = piecewise.posterior()
     lam = problem.prior_precision
     exact_at_q = float(logistic_elbo(q, design, y, lam))
@@ -177,7 +156,7 @@ def test_piecewise_bound_gives_a_lower_elbo_and_nearly_the_same_posterior() -> N
 
 
 def test_model_without_bias() -> None:
-    problem = make_problem(bias=False)
+    problem = logistic_problem(bias=False)
     method, _ = fit_exact(problem)
     x, y, _, _ = logistic_data()
     design = logistic_design(problem.model, x)
@@ -189,7 +168,7 @@ def test_model_without_bias() -> None:
 
 
 def test_predict_beats_the_base_rate_and_uses_the_problem_generator() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method, _ = fit_exact(problem)
     x, y, x_test, y_test = logistic_data()
     state = problem.generator.get_state()
@@ -204,10 +183,10 @@ def test_predict_beats_the_base_rate_and_uses_the_problem_generator() -> None:
 
 
 def test_state_dict_round_trip_and_finished_fit_is_skipped() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method, _ = fit_exact(problem)
     fresh = make_exact()
-    fresh.setup(make_problem())
+    fresh.setup(logistic_problem())
     fresh.load_state_dict(method.state_dict())
     assert_close(fresh.posterior().precision, method.posterior().precision)
     assert_close(fresh.kl_to_prior(), method.kl_to_prior())
@@ -225,7 +204,7 @@ def test_state_dict_round_trip_and_finished_fit_is_skipped() -> None:
     assert logs == [] and fresh.state.n_iter == method.state.n_iter
     with pytest.raises(ValueError, match="checkpoint shapes"):
         diag = make_exact(covariance="diag")
-        diag.setup(make_problem())
+        diag.setup(logistic_problem())
         diag.load_state_dict(method.state_dict())
 
 
@@ -233,14 +212,14 @@ def test_refuses_models_and_likelihoods_that_are_not_logistic_regression() -> No
     method = make_exact()
     mlp = build_model({"name": "mlp", "hidden": [4], "activation": "tanh"}, in_features=2, out_features=1).to(F64)
     with pytest.raises(ValueError, match="single nn.Linear"):
-        method.setup(make_problem(model=mlp))
+        method.setup(logistic_problem(model=mlp))
     two_out = nn.Sequential(nn.Linear(2, 2)).to(F64)
     with pytest.raises(ValueError, match="one output"):
-        method.setup(make_problem(model=two_out))
+        method.setup(logistic_problem(model=two_out))
     with pytest.raises(ValueError, match="Bernoulli"):
-        method.setup(make_problem(likelihood=Gaussian(1.0)))
+        method.setup(logistic_problem(likelihood=Gaussian(1.0)))
     with pytest.raises(NotImplementedError, match="L-BFGS"):
-        method.setup(make_problem())
+        method.setup(logistic_problem())
         method.train_step(*logistic_data()[:2])
 
 

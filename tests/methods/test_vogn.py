@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _logistic import N, logistic_data, logistic_problem
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.distributions import MultivariateNormal, kl_divergence
@@ -14,37 +15,16 @@ from torch.testing import assert_close
 
 from bdl_bench.curvature.per_example import linear_layout
 from bdl_bench.gaussians import DiagGaussian, FullGaussian, sym_kl
-from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
+from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian
 from bdl_bench.methods import build_method
 from bdl_bench.methods.base import CannotStack, Method, NonFiniteLossError, Problem
 from bdl_bench.methods.vogn import VOGN, Curvature, factored_terms, per_example_terms
 from bdl_bench.models import build_model
-from bdl_bench.models.params import forward_with, prior_precision_vector
+from bdl_bench.models.params import forward_with
 
 F64 = torch.float64
-N = 60
 COMBOS = [(c, k) for c in ("full", "diag") for k in ("hessian", "ef")]
 CONF = Path(__file__).resolve().parents[2] / "conf" / "method" / "vogn.yaml"
-
-
-def logistic_data(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The same 2-D logistic regression problem as tests/methods/test_exact_vi.py."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * N, 2, generator=g, dtype=F64) * torch.tensor([1.5, 0.7], dtype=F64)
-    logits = x @ torch.tensor([1.2, -0.8], dtype=F64) + 0.3
-    y = (torch.rand(2 * N, generator=g, dtype=F64) < torch.sigmoid(logits)).to(F64)
-    return x[:N], y[:N], x[N:], y[N:]
-
-
-def make_problem(*, seed: int = 1, model: nn.Module | None = None, likelihood: Likelihood | None = None) -> Problem:
-    g = torch.Generator().manual_seed(seed)
-    if model is None:
-        model = build_model({"name": "logreg", "bias": True}, in_features=2, out_features=1).to(F64)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=F64))
-    prior = prior_precision_vector(model, 1.0, None)
-    return Problem(model=model, likelihood=likelihood or Bernoulli(), n_data=N, prior_precision=prior, generator=g)
 
 
 def make_vogn(**overrides: object) -> Method:
@@ -78,14 +58,14 @@ def exact_vi_posterior(covariance: str) -> FullGaussian | DiagGaussian:
             "tolerance": 1e-9,
         }
     )
-    fit(method, make_problem(), n_epochs=1, batch_size=N)
+    fit(method, logistic_problem(), n_epochs=1, batch_size=N)
     return method.posterior()
 
 
 @pytest.mark.parametrize(("covariance", "curvature"), COMBOS)
 def test_update_matches_a_dense_twin(covariance: str, curvature: str) -> None:
     """Step 2 (t = 1, a dense precision after step 1) on a minibatch of 20 of N = 60, K = 3 samples."""
-    problem = make_problem()
+    problem = logistic_problem()
     method = make_vogn(covariance=covariance, curvature=curvature, n_train_mc_samples=3, lr=0.3, beta=0.2)
     assert isinstance(method, VOGN)
     method.setup(problem)
@@ -148,11 +128,11 @@ def test_hessian_version_converges_to_exact_vi_in_its_family(covariance: str) ->
     """
     exact = exact_vi_posterior(covariance)
     method = make_vogn(covariance=covariance)
-    fit(method, make_problem(), n_epochs=1000, batch_size=20)
+    fit(method, logistic_problem(), n_epochs=1000, batch_size=20)
     q = method.posterior()
     assert isinstance(q, FullGaussian if covariance == "full" else DiagGaussian)
     # For scale: sym-KL(prior, exact) ≈ 22, sym-KL(mean-field exact, full exact) ≈ 0.05.
-    prior = DiagGaussian(torch.zeros(3, dtype=F64), make_problem().prior_precision)
+    prior = DiagGaussian(torch.zeros(3, dtype=F64), logistic_problem().prior_precision)
     assert float(sym_kl(prior, exact)) > 10
     assert float(sym_kl(exact_vi_posterior("diag"), exact_vi_posterior("full"))) > 0.04
     assert float(sym_kl(q, exact)) < 2e-3
@@ -160,7 +140,7 @@ def test_hessian_version_converges_to_exact_vi_in_its_family(covariance: str) ->
 
 @pytest.mark.parametrize(("covariance", "curvature"), [("diag", "hessian"), ("diag", "ef"), ("full", "ef")])
 def test_variants_beat_the_base_rate_with_positive_precisions(covariance: str, curvature: str) -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method = make_vogn(covariance=covariance, curvature=curvature, n_train_mc_samples=4)
     fit(method, problem, n_epochs=40, batch_size=20)
     (precision,) = method.state.precision
@@ -181,7 +161,7 @@ def test_variants_beat_the_base_rate_with_positive_precisions(covariance: str, c
 
 def test_kl_to_prior_matches_torch_distributions_and_state_round_trips() -> None:
     for covariance in ("full", "diag"):
-        problem = make_problem()
+        problem = logistic_problem()
         method = make_vogn(covariance=covariance)
         fit(method, problem, n_epochs=3, batch_size=20)
         q = method.posterior()
@@ -192,7 +172,7 @@ def test_kl_to_prior_matches_torch_distributions_and_state_round_trips() -> None
         )
         assert_close(method.kl_to_prior(), ref)
         fresh = make_vogn(covariance=covariance)
-        fresh.setup(make_problem(seed=9))
+        fresh.setup(logistic_problem(seed=9))
         fresh.load_state_dict(method.state_dict())
         assert fresh.state.step == method.state.step
         assert_close(fresh.state.precision, method.state.precision)
@@ -200,7 +180,7 @@ def test_kl_to_prior_matches_torch_distributions_and_state_round_trips() -> None
 
 
 def test_hessian_curvature_is_the_exact_hessian_for_logistic_regression() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     x, y, _, _ = logistic_data()
     theta = torch.tensor([0.4, -0.3, 0.2], dtype=F64)
 
@@ -265,7 +245,7 @@ def test_models_outside_the_linear_layout_take_the_torch_func_path() -> None:
     x, y, _, _ = logistic_data()
     states = []
     for wrap in (False, True):
-        problem = make_problem()
+        problem = logistic_problem()
         if wrap:
             problem = Problem(
                 model=Wrapped(problem.model[0]),
@@ -305,7 +285,7 @@ def test_ggn_of_a_small_mlp_matches_dense_jacobians(generator: torch.Generator) 
 
 
 def test_non_finite_values_raise_instead_of_passing_silently() -> None:
-    problem = make_problem()
+    problem = logistic_problem()
     method = make_vogn(covariance="diag")
     method.setup(problem)
     x, y, _, _ = logistic_data()
@@ -325,7 +305,7 @@ def test_non_finite_values_raise_instead_of_passing_silently() -> None:
 
 def test_full_covariance_refuses_large_models() -> None:
     mlp = build_model({"name": "mlp", "hidden": [100], "activation": "relu"}, in_features=60, out_features=1)
-    problem = make_problem(model=mlp.to(F64))
+    problem = logistic_problem(model=mlp.to(F64))
     with pytest.raises(ValueError, match="D=6201"):
         make_vogn(covariance="full").setup(problem)
     make_vogn(covariance="diag").setup(problem)  # mean-field is fine
@@ -390,7 +370,7 @@ def test_full_covariance_divergence_names_the_step_and_the_copy(n_copies: int) -
     from bdl_bench.methods.vogn import _cholesky
 
     method = make_vogn(covariance="full")
-    method.setup_stack([make_problem()] * n_copies)
+    method.setup_stack([logistic_problem()] * n_copies)
     x, y, _, _ = logistic_data()
     xs, ys = torch.stack([x[:20]] * n_copies), torch.stack([y[:20]] * n_copies)
     xs[-1, 3, 0] = float("nan")
@@ -410,12 +390,12 @@ def test_a_stacks_checkpoint_resumes_every_copy_and_a_single_runs_old_one_loads(
     x, y, _, _ = logistic_data()
     xs, ys = torch.stack([x[:20], x[20:40]]), torch.stack([y[:20], y[20:40]])
     method = make_vogn(covariance="full")
-    method.setup_stack([make_problem(), make_problem()])
+    method.setup_stack([logistic_problem(), logistic_problem()])
     method.stack_step(xs, ys)
     saved = method.state_dict()
     assert saved["mean"].shape == (2, 3) and saved["precision"].shape == (2, 3, 3)
     resumed = make_vogn(covariance="full")
-    resumed.setup_stack([make_problem(), make_problem()])
+    resumed.setup_stack([logistic_problem(), logistic_problem()])
     resumed.load_state_dict(saved)
     resumed.problem.generator.set_state(method.problem.generator.get_state())
     method.stack_step(xs, ys)
@@ -423,6 +403,6 @@ def test_a_stacks_checkpoint_resumes_every_copy_and_a_single_runs_old_one_loads(
     assert_close(resumed.state.mean, method.state.mean)
     assert_close(resumed.state.precision, method.state.precision)
     single = make_vogn(covariance="full")
-    single.setup(make_problem())
+    single.setup(logistic_problem())
     single.load_state_dict({"mean": saved["mean"][1], "precision": saved["precision"][1], "step": 1})
     assert_close(single.posterior().mean, saved["mean"][1])
