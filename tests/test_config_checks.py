@@ -40,8 +40,8 @@ BAD = [
     ),
     (["method=ensemble", "method.n_members=0"], "method.n_members=0"),
     (
-        ["method=laplace", "method.prior_precision=0"],
-        "method.prior_precision=0 is out of range: it must be a number > 0 or null",
+        ["method=laplace", "method.prior_precision=-1"],
+        "method.prior_precision=-1 is out of range: it must be a number >= 0 or null",
     ),
     (["method=laplace", "method.curvature_cache_mib=-1"], "method.curvature_cache_mib=-1"),
     (["method=hmc", "method.target_accept=1"], "method.target_accept=1"),
