@@ -369,6 +369,15 @@ def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
     fewer, *_ = run_layer_curvature(run_dir, batch_size=7, n_examples=50)
     assert not torch.equal(fewer, streamed)
     assert len(list((run_dir / LAYER_CURVATURE_DIR).glob("*.pt"))) == 3  # run_block's one batch, 7 rows, 50 examples
+
+    def read_only(*args: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:  # a run folder it cannot write to: the result all the same, nothing kept
+        m.setattr(frobenius, "atomic_torch_save", read_only)
+        unkept, *_ = run_layer_curvature(run_dir, batch_size=7, n_examples=40)
+    assert len(list((run_dir / LAYER_CURVATURE_DIR).glob("*.pt"))) == 3
+    torch.testing.assert_close(run_layer_curvature(run_dir, batch_size=7, n_examples=40)[0], unkept, rtol=0, atol=0)
     spec = {"name": "fig1", "kind": "information_form", "rank": 3, "dataset_scale": 18.0, "prior_precision": 1.0}
     drawn = draw_figure({**spec, "batch_size": 7}, folder, folder)
     assert drawn.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, run_configs
 from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, read_config
+
+logger = logging.getLogger(__name__)
 
 FISHER_SEED_OFFSET = 4  # the sampled labels of curvature=fisher: torch.Generator seeded trainer.seed + 4
 
@@ -128,8 +131,11 @@ def run_layer_curvature(
         a_sum = a_sum + factors.a_factor * one.n_examples
         g_sum = g_sum + factors.g_factor * one.n_examples
     block, factors = block / n, KronFactors(slot, a_sum / n, g_sum / n)
-    cache.parent.mkdir(exist_ok=True)
-    atomic_torch_save({"block": block, "a_factor": factors.a_factor, "g_factor": factors.g_factor}, cache)
+    try:  # a run folder we may not write to (someone else's results) only loses the shortcut
+        cache.parent.mkdir(exist_ok=True)
+        atomic_torch_save({"block": block, "a_factor": factors.a_factor, "g_factor": factors.g_factor}, cache)
+    except OSError as err:
+        logger.warning("could not keep the layer's curvature in %s (%s); it will be computed again", cache, err)
     return block, factors, config, n
 
 
