@@ -12,6 +12,7 @@ config has the same hash."""
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -262,6 +263,17 @@ def stored_config_hash(run_dir: Path) -> str | None:
     if not path.exists():
         return None
     return config_hash(read_config(path))
+
+
+@functools.cache
+def package_digest() -> str:
+    """SHA-256 of the package's Python source (every ``bdl_bench/**/*.py``, in path order): what a result kept for
+    reuse must have been computed with, committed or not."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def code_version(repo: Path | None = None) -> str:

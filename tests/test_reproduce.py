@@ -366,6 +366,11 @@ def test_quick_reproduce_of_def_frobenius_writes_fig5_and_its_numbers(
         m.setattr(frobenius, "iter_pseudo_grads", lambda *a, **k: pytest.fail("recomputed a kept block"))
         again, kept, _, _ = run_layer_curvature(run_dir, batch_size=7)
     assert torch.equal(again, streamed) and torch.equal(kept.g_factor, factors.g_factor) and kept.slot == factors.slot
+    with monkeypatch.context() as m:  # other package code: computed again
+        m.setattr(frobenius, "package_digest", lambda: "edited")
+        m.setattr(frobenius, "iter_pseudo_grads", lambda *a, **k: pytest.fail("computed again"))
+        with pytest.raises(pytest.fail.Exception, match="computed again"):
+            run_layer_curvature(run_dir, batch_size=7)
     fewer, *_ = run_layer_curvature(run_dir, batch_size=7, n_examples=50)
     assert not torch.equal(fewer, streamed)
     assert len(list((run_dir / LAYER_CURVATURE_DIR).glob("*.pt"))) == 3  # run_block's one batch, 7 rows, 50 examples

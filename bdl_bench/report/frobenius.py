@@ -26,7 +26,7 @@ from bdl_bench.curvature.pseudo_grads import iter_pseudo_grads, kron_layout
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.plots import save_figure
 from bdl_bench.report.tables import markdown, run_configs
-from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, read_config
+from bdl_bench.results import CONFIG_FILE, METRICS_FILE, PARAMS_FILE, package_digest, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +94,13 @@ def run_layer_curvature(
     row-major order, float64) and its KFAC factors at one finished run's parameters, on the first
     ``n_examples`` of its training set (all by default), in one pass of minibatches of ``batch_size`` rows
     computed in ``dtype``: (block, factors, the run's config, the number of examples). The result is kept in the
-    run's ``layer_curvature/`` under a hash of these settings and of the parameters, and read back from there."""
+    run's ``layer_curvature/`` under a hash of these settings, the parameters and the package's source, and read back
+    from there while all three are the same."""
     model, theta, data, likelihood, generator, config = _run_problem(run_dir, layer, dtype)
     x, y = data.x_train[:n_examples], data.y_train[:n_examples]
     n = x.shape[0]
-    settings = [
-        layer,
-        curvature,
-        n_samples,
-        n,
-        batch_size,
-        str(dtype),
-        hashlib.sha256(theta.numpy().tobytes()).hexdigest(),
-    ]
+    parameters = hashlib.sha256(theta.numpy().tobytes()).hexdigest()
+    settings = [layer, curvature, n_samples, n, batch_size, str(dtype), parameters, package_digest()]
     cache = run_dir / LAYER_CURVATURE_DIR / f"{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]}.pt"
     slot = kron_layout(model).slots[layer]
     if cache.is_file():
