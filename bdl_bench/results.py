@@ -71,6 +71,7 @@ OMITTED_WHEN_NULL = (
     "method.beta_decay",  # SLANG
     "method.lr_decay",  # BBB
     "data.standardise",  # toy/cubic
+    "method.null_space",  # Laplace: null = prior
 )
 """Keys added after runs were made, whose null default changes nothing those runs computed: left out of the hash
 while null, so that the runs hash as before; set, they are hashed (such a run reports more)."""

@@ -154,11 +154,13 @@ def test_a_ctrl_c_just_after_the_temporary_file_is_created_leaves_no_temporary_f
         (["method=slang"], "method", "beta_decay", 0.25),
         (["method=bbb"], "method", "lr_decay", 0.25),
         (["data=toy/cubic"], "data", "standardise", False),
+        (["method=laplace"], "method", "null_space", "deterministic"),
     ],
 )
 def test_options_added_later_leave_earlier_runs_hashes_while_null(compose_cfg, overrides, group, key, value) -> None:
-    """SLANG's ``beta_decay``, BBB's ``lr_decay`` and toy/cubic's ``standardise`` (for SLANG App. F.1): a run
-    made before them hashes as before while they are null, and differently once set."""
+    """SLANG's ``beta_decay``, BBB's ``lr_decay``, toy/cubic's ``standardise`` (for SLANG App. F.1) and Laplace's
+    ``null_space`` (DEF's toy at tau = 0): a run made before them hashes as before while they are null, and
+    differently once set."""
     config = OmegaConf.to_container(compose_cfg(overrides), resolve=True)
     assert config[group][key] is None
     before = {**config, group: {k: v for k, v in config[group].items() if k != key}}

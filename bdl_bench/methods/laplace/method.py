@@ -87,13 +87,13 @@ class Laplace(GaussianPredictive, PostHocMethod):
         curvature_cache_mib: int = 6144,
         search: Mapping[str, Any] | str | None = None,
         kfac_prior: str = "damped",
-        null_space: str = "prior",
+        null_space: str | None = None,
     ) -> None:
         self.structure = parse_choice(Structure, structure, "structure", "laplace")
         self.curvature = parse_choice(CurvatureKind, curvature, "curvature", "laplace")
         self.predictive = parse_choice(Predictive, predictive, "predictive", "laplace")
         self.kfac_prior = parse_choice(KfacPrior, kfac_prior, "kfac_prior", "laplace")
-        self.null_space = parse_choice(NullSpace, null_space, "null_space", "laplace")
+        self.null_space = parse_choice(NullSpace, null_space or "prior", "null_space", "laplace")
         self.keep_options(locals())
         if curvature_dtype not in _CURVATURE_DTYPES:
             raise ConfigError(
