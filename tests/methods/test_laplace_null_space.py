@@ -116,3 +116,11 @@ def test_a_run_with_zero_tau_reports_its_deterministic_directions(tmp_path: Path
     metrics = run(cfg, tmp_path).metrics
     assert metrics["n_deterministic"] >= 1  # a 1-D input: first-layer units active on the same inputs
     assert math.isfinite(metrics["test_ll"]) and math.isfinite(metrics["rmse"])
+
+
+def test_a_layer_too_large_for_a_dense_block_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bdl_bench.methods.laplace import structures
+
+    monkeypatch.setattr(structures, "MAX_DENSE_BLOCK", 5)  # the first layer has 8 parameters, the last 5
+    with pytest.raises(ConfigError, match="layer 0 has 8 parameters .limit 5.; use null_space=prior"):
+        fitted(structure="def", prior_precision=0.0, null_space="deterministic")

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DEF_RANKS_FILE = "def_ranks.csv"  # DEF's per-layer reduction in the run folder (bdl_bench.report.def_ranks)
 MAX_DEF_RANK = 16384  # largest L per layer for DEF (its L x L core: 2 GiB in float64)
+MAX_DENSE_BLOCK = 16384  # null_space=deterministic: largest layer whose block is formed densely (2 GiB)
 
 Batches = Callable[..., Iterable[PseudoGrads]]  # batches(start=0, labels=None): Laplace.fit_posterior's
 
@@ -113,6 +114,14 @@ class LaplaceStructure(ABC):
         the machine epsilon of the dtype the curvature was computed in; numpy's ``matrix_rank`` rule). Lee et al.
         (2020, App. E.1) make zero-information parameters deterministic so that the information matrix is
         non-degenerate with τ = 0, and keep "the maximum rank ... after removing all the zero eigenvalues" (App. E.3)."""
+        for slot in self.layout.slots:
+            size = slot.shape[0] * slot.shape[1]
+            if size > MAX_DENSE_BLOCK:
+                raise ConfigError(
+                    f"laplace: method.null_space=deterministic eigendecomposes each layer's precision as a dense "
+                    f"block, but layer {slot.module_index} has {size} parameters (limit {MAX_DENSE_BLOCK}); use "
+                    "null_space=prior with a prior_precision > 0"
+                )
         vecs, vals = [], []
         for block in self.dense_blocks(theta, curvature, scale, tau):
             lam, vec = torch.linalg.eigh(block)
