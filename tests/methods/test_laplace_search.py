@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -205,13 +206,16 @@ def _search_in(
 
 
 def test_a_stopped_search_resumes_from_its_scored_points_as_if_unbroken(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     unbroken = _search_in(tmp_path / "unbroken", monkeypatch)
     with pytest.raises(_Killed):
         _search_in(tmp_path / "stopped", monkeypatch, kill_at=3)
-    resumed = _search_in(tmp_path / "stopped", monkeypatch)
+    with caplog.at_level(logging.INFO, logger=search_module.__name__):
+        resumed = _search_in(tmp_path / "stopped", monkeypatch)
     assert unbroken.scored == 4 and resumed.scored == 2  # the first two points came from the progress file
+    points = [r.getMessage() for r in caplog.records if "(point " in r.getMessage()]
+    assert len(points) == 2 and "(point 3 of at most 4): val ece" in points[0]  # a line per point scored here
     assert resumed.extra_metrics["search_n_resumed"] == 2 and unbroken.extra_metrics["search_n_resumed"] == 0
     drop = ("time_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in resumed.search_rows] == [

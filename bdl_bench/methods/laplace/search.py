@@ -217,6 +217,17 @@ def grid_search(
                 scored = {f"val_{k}": metrics[k] for k in _SEARCH_COLUMNS if k in metrics}
                 scored["time_s"] = time.perf_counter() - tic
                 progress.record(scale, tau, scored)
+                logger.info(
+                    "laplace search: N=%g, tau=%.4g (point %d of at most %d): val %s %.4g, accuracy %s (%.0f s)",
+                    scale,
+                    tau,
+                    sum(r["status"] == "evaluated" for r in rows) + 1,
+                    len(cfg.dataset_scale) * len(cfg.prior_precision),
+                    cfg.criterion,
+                    scored[f"val_{cfg.criterion}"],
+                    f"{scored['val_accuracy']:.4f}" if "val_accuracy" in scored else "-",
+                    scored["time_s"],
+                )
             row.update(scored, status="evaluated")
             if map_accuracy is not None and cfg.prune_accuracy_drop is not None:
                 pruned = row["val_accuracy"] < map_accuracy - cfg.prune_accuracy_drop
