@@ -37,7 +37,14 @@ from bdl_bench.methods.laplace.search import (
     prior_groups,
     write_search_table,
 )
-from bdl_bench.methods.laplace.structures import DEF_RANKS_FILE, STRUCTURES, KfacPrior, NullSpace, Structure
+from bdl_bench.methods.laplace.structures import (
+    DEF_RANKS_FILE,
+    STRUCTURES,
+    KfacPrior,
+    LaplaceStructure,
+    NullSpace,
+    Structure,
+)
 from bdl_bench.models.params import flat_params, forward_with
 from bdl_bench.optim import adam
 from bdl_bench.progress import delayed_bar
@@ -229,7 +236,7 @@ class Laplace(GaussianPredictive, PostHocMethod):
                     "laplace: method.search=marglik needs log|P|, which is infinite with method.null_space="
                     "deterministic; use null_space=prior or a grid search"
                 )
-            if self.structure not in (Structure.BLOCK, Structure.EFB, Structure.DEF):
+            if STRUCTURES[self.structure].dense_blocks is LaplaceStructure.dense_blocks:  # it forms no dense blocks
                 raise ConfigError(
                     f"laplace: method.null_space=deterministic needs each layer's precision as a dense block, which "
                     f"structure={self.structure.value} does not form; use structure=block, efb or def, or null_space=prior"
