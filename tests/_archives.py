@@ -38,3 +38,50 @@ def write_idx(array: np.ndarray, path: Path) -> Path:
     data = encode_idx(array)
     path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
     return path
+
+
+def cifar_records(n: int, label_bytes: int, seed: int, n_labels: int = 10) -> bytes:
+    """``n`` random records of the CIFAR binary format: ``label_bytes`` label bytes below ``n_labels``, then the
+    image's red, green and blue 32 x 32 planes."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, n_labels, size=(n, label_bytes), dtype=np.uint8)
+    images = rng.integers(0, 256, size=(n, 3 * 32 * 32), dtype=np.uint8)
+    return b"".join(labels[i].tobytes() + images[i].tobytes() for i in range(n))
+
+
+def write_cifar_archive(path: Path, layout, n_per_member: int, seed: int = 0) -> Path:  # noqa: ANN001
+    """A tarball at ``path`` in the layout of ``bdl_bench.data.cifar.CIFAR10`` or ``CIFAR100`` (two label bytes,
+    100 fine labels), each member holding ``n_per_member`` random records."""
+    label_bytes, n_labels = (2, 100) if "100" in layout.key else (1, 10)
+    members = (*layout.train_members, *layout.test_members)
+    records = {m: cifar_records(n_per_member, label_bytes, seed + i, n_labels) for i, m in enumerate(members)}
+    return write_tar_gz(path, records)
+
+
+IMDB_REVIEWS = {  # aclImdb/<split>/<label>/<id>_<stars>.txt
+    "train/pos/0_9.txt": "a great great movie",
+    "train/pos/1_8.txt": "great fun",
+    "train/pos/2_7.txt": "fun and great",
+    "train/neg/0_2.txt": "a bad movie<br />bad",
+    "train/neg/1_1.txt": "awful",
+    "train/neg/2_3.txt": "bad and awful",
+    "test/pos/0_10.txt": "great",
+    "test/neg/0_3.txt": "bad unknownword",
+}
+
+
+def write_imdb_archive(path: Path, reviews: dict[str, str] = IMDB_REVIEWS) -> Path:
+    """``aclImdb_v1.tar.gz`` at ``path`` holding ``reviews`` (paths below ``aclImdb/``)."""
+    return write_tar_gz(path, {f"aclImdb/{name}": text.encode() for name, text in reviews.items()})
+
+
+def register_archive(monkeypatch, key: str, archive: Path, md5: bool = False) -> None:  # noqa: ANN001
+    """Make ``archive``'s digest (SHA-256, or MD5 as the registry has it for some files) the one ``key`` must have."""
+    import hashlib
+
+    from bdl_bench.data import registry_files
+    from bdl_bench.data.download import RemoteFile
+
+    digest = (hashlib.md5 if md5 else hashlib.sha256)(archive.read_bytes()).hexdigest()
+    remote = RemoteFile(key, urls=(), md5=digest) if md5 else RemoteFile(key, urls=(), sha256=digest)
+    monkeypatch.setitem(registry_files.FILES, key, remote)

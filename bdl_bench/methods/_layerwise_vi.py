@@ -140,20 +140,6 @@ def model_layers(model: nn.Module, method: str, supported: tuple[type[nn.Module]
     return layers
 
 
-def linear_layers(model: nn.Module, method: str) -> list[Layer]:
-    """The layers of ``model``, an ``nn.Sequential`` whose parametrised children are all ``nn.Linear``."""
-    if not isinstance(model, nn.Sequential):
-        model_layers(model, method, (nn.Linear,))  # names an unsupported layer, if there is one
-        raise ConfigError(f"{method}: needs an nn.Sequential of nn.Linear layers, got {type(model).__name__}")
-    layers = model_layers(model, method, (nn.Linear,))
-    nested = [layer.name for layer in layers if "." in layer.name]
-    if nested:
-        raise ConfigError(
-            f"{method}: needs the nn.Linear layers as children of the nn.Sequential; {nested[0]} is nested"
-        )
-    return layers
-
-
 def uses_local_reparameterisation(model: nn.Module, layers: list[Layer]) -> bool:
     """Whether training samples pre-activations locally: ``model`` is an ``nn.Sequential`` whose
     parametrised modules are all children of type ``nn.Linear`` or zero-padded ``nn.Conv2d``."""
@@ -188,6 +174,20 @@ def conv2d_per_sample(layer: Layer, h: Tensor, weight: Tensor, bias: Tensor | No
 def kl_annealing_weight(step: int, n_steps: int) -> float:
     r""":math:`\beta_t = \min(1, t / T)` for step ``t`` >= 1; 1 when ``n_steps`` T is 0."""
     return 1.0 if n_steps == 0 else min(1.0, step / n_steps)
+
+
+def is_dense(model: nn.Module, layers: list[Layer]) -> bool:
+    """Whether ``model`` is an ``nn.Sequential`` whose parametrised modules are all children of type
+    ``nn.Linear``: :func:`forward_flat_params` can run all weight samples in one batched pass per layer."""
+    return uses_local_reparameterisation(model, layers) and all(isinstance(layer.module, nn.Linear) for layer in layers)
+
+
+def forward_networks(model: nn.Module, thetas: Tensor, x: Tensor, dense: bool) -> Tensor:
+    """Outputs ``(S, N, out)`` of ``model`` at each flat parameter vector of ``thetas (S, D)``: one batched pass
+    per layer where the model is ``dense`` (:func:`is_dense`), else one pass per vector."""
+    if dense:
+        return forward_flat_params(model, thetas, x)
+    return torch.stack([forward_with(model, theta, x) for theta in thetas])
 
 
 def forward_flat_params(model: nn.Module, thetas: Tensor, x: Tensor) -> Tensor:
@@ -292,7 +292,7 @@ class LayerwiseVI(Method):
         model = problem.model
         self.layers = model_layers(model, self.name, self.supported_layers)
         self.local = uses_local_reparameterisation(model, self.layers)
-        self.dense = self.local and all(isinstance(layer.module, nn.Linear) for layer in self.layers)
+        self.dense = is_dense(model, self.layers)
         self._layer_of = {layer.module: layer for layer in self.layers}
         self.mean = flat_params(model).requires_grad_(True)  # (D,)  mu
         self.param_shapes = [p.shape for p in model.parameters()]
@@ -414,9 +414,7 @@ class LayerwiseVI(Method):
 
     def forward_params(self, thetas: Tensor, x: Tensor) -> Tensor:
         """Outputs of the networks with flat parameters ``thetas (S, D)`` at ``x``: ``(S, N, out)``."""
-        if self.dense:
-            return forward_flat_params(self.problem.model, thetas, x)
-        return torch.stack([forward_with(self.problem.model, theta, x) for theta in thetas])
+        return forward_networks(self.problem.model, thetas, x, self.dense)
 
     @torch.no_grad()
     def kl_to_prior(self) -> Tensor:

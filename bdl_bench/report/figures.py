@@ -25,6 +25,7 @@ KINDS = (
     "laplace_search",
     "layer_covariance",
     "std_spectra",
+    "std_heatmaps",
     "weight_samples",
     "step_records",
     "sample_count",
@@ -99,14 +100,18 @@ def _draw(kind: str, spec: Mapping[str, Any], folder: Path, out: Path) -> tuple[
         png, table = def_toy.plot_runs(folder, out, methods, spec.get("title"))
         cells = [[row[0], *(f"{v:.3g}" for v in row[1:])] for row in table.itertuples(index=False)]
         return png, table, markdown(list(table.columns), cells)
-    if kind == "std_spectra":  # k-tied Fig. 3
-        return ktied.std_spectra(folder, out)
+    conv = bool(spec.get("conv", False))  # k-tied: study the convolutions' std matrices too (ResNet-18, Fig. 5)
+    if kind == "std_spectra":  # k-tied Fig. 3, Fig. 5 top
+        return ktied.std_spectra(folder, out, conv=conv)
+    if kind == "std_heatmaps":  # k-tied Fig. 4
+        ranks = [int(r) for r in spec.get("ranks", (1, 2))]
+        return ktied.std_heatmaps(folder, out, str(spec.get("matrix", "dense 1")), ranks)
     if kind == "step_records":  # k-tied Fig. 6 right / Fig. 7
         steps = [int(s) for s in spec.get("steps", (1000, 5000, 9000))]
         return ktied.step_records(folder, out, steps, str(spec.get("snr_column", "grad_snr_l2")))
-    if kind == "weight_samples":  # k-tied Table 2 / Fig. 6 left: a table without a PNG of its own
+    if kind == "weight_samples":  # k-tied Table 2, Fig. 5 bottom, Table 3, Fig. 6 left: a table, no PNG of its own
         ranks = [int(r) for r in spec.get("ranks", ())]
-        return None, *ktied.weight_samples(folder, ranks, str(spec["paper"]), spec.get("samples"))
+        return None, *ktied.weight_samples(folder, ranks, str(spec["paper"]), spec.get("samples"), conv=conv)
     if kind == "sample_count":  # the effect of the number of test samples: a table, no PNG
         metrics = [str(m) for m in spec.get("metrics", ("accuracy", "ece", "ood_entropy_mean"))]
         return None, *sample_count.sample_count_table(folder, metrics)

@@ -20,6 +20,14 @@ below at the smallest entry of :math:`A` (the paper keeps the approximation non-
 saying how; the rank-1 truncation of a positive matrix is already positive). Biases keep their
 standard deviations.
 
+**Which matrices** (:func:`std_matrices`): the paper studies "only the dense layers" of its MLP, CNN and LSTM
+and, for ResNet-18, "the convolutional layers as well" (Sec. 2.3). Here a dense layer is an ``nn.Linear``
+weight ``(out, in)`` and each of an ``nn.LSTM``'s kernels ``weight_ih_l<k>`` ``(4H, in)`` and ``weight_hh_l<k>``
+``(4H, H)`` (Keras' LSTM cell kernel and recurrent kernel, which are dense matrices and which the k-tied
+method ties); with ``conv`` an ``nn.Conv2d`` kernel counts as its reshaped ``(C_out, C_in/groups·kh·kw)``
+matrix (the paper reshapes TensorFlow's ``(kh, kw, C_in, C_out)`` kernel to a matrix: the transpose of ours up
+to a permutation of rows, so the same singular values). Embeddings and other weights keep their stds.
+
 A study starts from a fitted method or from a finished run folder (``bdl-bench reproduce ktied_table2``
 does the latter, through :mod:`bdl_bench.report.ktied`).
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,42 +49,91 @@ from torch import Tensor, nn
 from bdl_bench.data.base import Dataset
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian, Likelihood
 from bdl_bench.methods._diag_vi import kl_diag_to_prior, standard_normal
-from bdl_bench.methods._layerwise_vi import Layer, forward_flat_params, linear_layers
+from bdl_bench.methods._layerwise_vi import VARIATIONAL_LAYERS, Layer, forward_networks, is_dense, model_layers
 from bdl_bench.metrics import brier_score, predictive_metrics
 
 _SAMPLE_CHUNK = 20  # weight samples per batched forward pass
-_STUDY = "low-rank std study"  # names the study in linear_layers' errors
+_DATA_CHUNK = 1000  # examples per forward pass of a network that is not dense (a CNN's activations are large)
+_STUDY = "low-rank std study"  # names the study in model_layers' errors
+
+
+@dataclass(frozen=True)
+class StdMatrix:
+    """One weight of the model seen as a matrix whose standard deviations the study approximates."""
+
+    label: str  # "dense 2", "conv 5", "lstm weight_hh_l0": the kind's 1-based count, or the LSTM kernel's name
+    layer: int  # the layer's 1-based index among the model's parametrised modules
+    entries: slice  # the weight's entries in the flat parameter vector (row-major, so the matrix is a view)
+    shape: tuple[int, int]  # (rows, columns): (out, in), (C_out, C_in/groups·kh·kw), (4H, in) or (4H, H)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def tied_size(self, rank: int) -> int:
+        """Numbers that define a rank-``rank`` factorisation ``U Vᵀ`` of the ``m x n`` matrix: ``k(m + n)``,
+        ``k = min(rank, m, n)``."""
+        m, n = self.shape
+        return min(rank, m, n) * (m + n)
+
+
+def std_matrices(layers: Sequence[Layer], *, conv: bool) -> list[StdMatrix]:
+    """The weight matrices the study approximates (the module docstring): every ``nn.Linear`` weight and
+    ``nn.LSTM`` kernel, and with ``conv`` every ``nn.Conv2d`` kernel, in the flat order."""
+    counts: Counter[str] = Counter()
+    found = []
+    for layer in layers:
+        module = layer.module
+        if isinstance(module, nn.LSTM):
+            for name, _ in layer.weight_matrices:
+                weight = getattr(module, name)
+                found.append(StdMatrix(f"lstm {name}", layer.index, layer.slices[name], tuple(weight.shape)))
+        elif isinstance(module, nn.Linear) or (conv and isinstance(module, nn.Conv2d)):
+            kind = "dense" if isinstance(module, nn.Linear) else "conv"
+            counts[kind] += 1
+            shape = (layer.out_features, layer.in_features)
+            found.append(StdMatrix(f"{kind} {counts[kind]}", layer.index, layer.slices["weight"], shape))
+    if not found:
+        what = "nn.Linear, nn.LSTM or nn.Conv2d" if conv else "nn.Linear or nn.LSTM (conv=true adds nn.Conv2d)"
+        raise ValueError(f"{_STUDY}: the model has no {what} weight to study")
+    return found
 
 
 @dataclass(frozen=True)
 class MeanFieldNetwork:
-    """A fitted mean-field Gaussian posterior over the parameters of an ``nn.Sequential`` MLP."""
+    """A fitted mean-field Gaussian posterior over the parameters of a network of
+    :data:`~bdl_bench.methods._layerwise_vi.VARIATIONAL_LAYERS`, and the std matrices the study looks at."""
 
     model: nn.Module  # the network (its own parameters are not used)
-    layers: list[Layer]  # its linear layers
+    matrices: list[StdMatrix]  # the studied weights (std_matrices)
     mean: Tensor  # (D,) posterior mean of every parameter
     std: Tensor  # (D,) posterior standard deviation
     prior_precision: Tensor  # (D,) of the zero-mean Gaussian prior
+    dense: bool  # an nn.Sequential of nn.Linear layers: all samples in one batched pass per layer
 
     @classmethod
-    def from_method(cls, method: Any) -> MeanFieldNetwork:
+    def from_method(cls, method: Any, *, conv: bool = False) -> MeanFieldNetwork:
         """From a fitted ``gmfvi`` or ``ktied`` method (anything whose ``posterior()`` is diagonal)."""
         q = method.posterior()
         if q is None or not hasattr(q, "prec_diag"):
-            raise ValueError(f"low-rank std study: method {method.name!r} has no diagonal posterior")
+            raise ValueError(f"{_STUDY}: method {method.name!r} has no diagonal posterior")
         model, prior = method.problem.model, method.problem.prior_precision.detach().to(q.mean)
-        return cls(model, linear_layers(model, _STUDY), q.mean.detach(), q.prec_diag.detach().rsqrt(), prior)
+        return cls._of(model, q.mean.detach(), q.prec_diag.detach().rsqrt(), prior, conv)
 
     @classmethod
-    def from_run(cls, run_dir: Path) -> tuple[MeanFieldNetwork, Dataset, Likelihood]:
+    def from_run(
+        cls, run_dir: Path, *, conv: bool = False, device: str = "auto"
+    ) -> tuple[MeanFieldNetwork, Dataset, Likelihood]:
         """From a finished run folder: rebuild data, model and likelihood from ``config.yaml`` and read
         the posterior from ``posterior.pt`` (written with ``trainer.save_posterior=true``), which must be diagonal.
+        The network computes on ``device`` (``auto``: a GPU where there is one); the data stay on the CPU.
         """
         from bdl_bench.data import build_dataset
         from bdl_bench.gaussians.io import load_gaussian
         from bdl_bench.likelihoods import build_likelihood
         from bdl_bench.models import build_model
         from bdl_bench.models.params import prior_precision_vector
+        from bdl_bench.orchestration.devices import resolve_device
         from bdl_bench.results import CONFIG_FILE, read_config
 
         run_dir = Path(run_dir)
@@ -85,10 +143,17 @@ class MeanFieldNetwork:
             raise ValueError(f"{run_dir}: the posterior is a {type(q).__name__}, not a diagonal Gaussian")
         dataset = build_dataset(cfg["data"]).with_dtype(q.mean.dtype)
         model = build_model(cfg["model"], in_features=dataset.n_features, out_features=dataset.n_outputs)
-        model = model.to(q.mean.dtype)
+        where = resolve_device(device)
+        model = model.to(device=where, dtype=q.mean.dtype).eval()
         prior = prior_precision_vector(model, float(cfg["prior_precision"]), cfg.get("bias_prior_precision"))
-        net = cls(model, linear_layers(model, _STUDY), q.mean, q.prec_diag.rsqrt(), prior)
+        mean, std = q.mean.to(where), q.prec_diag.rsqrt().to(where)
+        net = cls._of(model, mean, std, prior, conv)
         return net, dataset, build_likelihood(dataset, cfg.get("noise_precision"))
+
+    @classmethod
+    def _of(cls, model: nn.Module, mean: Tensor, std: Tensor, prior: Tensor, conv: bool) -> MeanFieldNetwork:
+        layers = model_layers(model, _STUDY, VARIATIONAL_LAYERS)
+        return cls(model, std_matrices(layers, conv=conv), mean, std, prior, is_dense(model, layers))
 
     def split(self, flat: Tensor) -> list[Tensor]:
         """``flat (D,)`` → one tensor per model parameter (views)."""
@@ -97,11 +162,21 @@ class MeanFieldNetwork:
         return [p.view(s) for p, s in zip(parts, shapes)]
 
     def weight_stds(self) -> list[Tensor]:
-        """Each linear layer's matrix :math:`A` of weight standard deviations, ``(out, in)``."""
-        return [self.std[layer.slices["weight"]].view(layer.module.weight.shape) for layer in self.layers]
+        """Each studied matrix :math:`A` of weight standard deviations (views into ``std``)."""
+        return [self.std[m.entries].view(m.shape) for m in self.matrices]
 
     def weight_means(self) -> list[Tensor]:
-        return [self.mean[layer.slices["weight"]].view(layer.module.weight.shape) for layer in self.layers]
+        return [self.mean[m.entries].view(m.shape) for m in self.matrices]
+
+    def outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
+        """Outputs ``(S, N, out)`` on the CPU of the networks with flat parameters ``thetas (S, D)`` at ``x``
+        (moved to the network's device; a network that is not dense in chunks of examples)."""
+        chunk = x.shape[0] if self.dense else _DATA_CHUNK
+        parts = [
+            forward_networks(self.model, thetas, x[i : i + chunk].to(thetas.device), self.dense).cpu()
+            for i in range(0, x.shape[0], chunk)
+        ]
+        return torch.cat(parts, dim=1) if parts else thetas.new_zeros(thetas.shape[0], 0, 0).cpu()
 
 
 def explained_variance(matrix: Tensor) -> Tensor:
@@ -126,24 +201,25 @@ def low_rank_nonnegative(matrix: Tensor, rank: int) -> Tensor:
 def with_low_rank_std(net: MeanFieldNetwork, rank: int) -> MeanFieldNetwork:
     """``net`` with every weight matrix of standard deviations replaced by :func:`low_rank_nonnegative`."""
     std = net.std.clone()
-    for layer in net.layers:
-        block = std[layer.slices["weight"]].view(layer.module.weight.shape)
+    for matrix in net.matrices:
+        block = std[matrix.entries].view(matrix.shape)
         block.copy_(low_rank_nonnegative(block, rank))
     return dataclasses.replace(net, std=std)
 
 
 def spectra(net: MeanFieldNetwork) -> pd.DataFrame:
-    """Explained variance per singular value of each layer's std and mean matrices (Fig. 3 / Fig. 5): rows
-    ``layer`` (1-based), ``shape`` (``"out x in"``), ``parameter`` (``std`` or ``mean``), ``k`` (1-based singular
-    value index), ``fraction``, ``cumulative``."""
+    """Explained variance per singular value of each studied std and mean matrix (Fig. 3 / Fig. 5): rows
+    ``matrix`` (its label, ``dense 1``), ``layer`` (1-based), ``shape`` (``"rows x columns"``), ``parameter``
+    (``std`` or ``mean``), ``k`` (1-based singular value index), ``fraction``, ``cumulative``."""
     rows = []
-    for layer, std, mean in zip(net.layers, net.weight_stds(), net.weight_means()):
-        shape = f"{layer.out_features} x {layer.in_features}"
+    for info, std, mean in zip(net.matrices, net.weight_stds(), net.weight_means()):
+        shape = f"{info.shape[0]} x {info.shape[1]}"
         for parameter, matrix in (("std", std), ("mean", mean)):
-            fractions = explained_variance(matrix)
+            fractions = explained_variance(matrix).cpu()
             cumulative = torch.cumsum(fractions, 0)
             for k, (f, c) in enumerate(zip(fractions.tolist(), cumulative.tolist()), start=1):
-                rows.append(dict(layer=layer.index, shape=shape, parameter=parameter, k=k, fraction=f, cumulative=c))
+                row = dict(matrix=info.label, layer=info.layer, shape=shape, parameter=parameter, k=k)
+                rows.append({**row, "fraction": f, "cumulative": c})
     return pd.DataFrame(rows)
 
 
@@ -167,8 +243,7 @@ def weight_sample_metrics(
     for start in range(0, n_samples, _SAMPLE_CHUNK):
         n = min(_SAMPLE_CHUNK, n_samples - start)
         thetas = net.mean + net.std * standard_normal((n, net.mean.numel()), generator, net.mean)
-        f_train = forward_flat_params(net.model, thetas, dataset.x_train)
-        f_test = forward_flat_params(net.model, thetas, dataset.x_test)
+        f_train, f_test = net.outputs(thetas, dataset.x_train), net.outputs(thetas, dataset.x_test)
         test_outputs.append(f_test)
         for s in range(n):
             per_sample["neg_elbo"].append(
@@ -219,12 +294,7 @@ def low_rank_study(
         approx = net if rank == 0 else with_low_rank_std(net, rank)
         generator.set_state(state)
         metrics = weight_sample_metrics(approx, dataset, likelihood, n_samples=n_samples, generator=generator)
-        n_std = sum(
-            layer.n_weights
-            if rank == 0
-            else min(rank, layer.in_features, layer.out_features) * (layer.in_features + layer.out_features)
-            for layer in net.layers
-        )
+        n_std = sum(m.size if rank == 0 else m.tied_size(rank) for m in net.matrices)
         name = "mean_field" if rank == 0 else f"rank_{rank}"
         rows.append({"approximation": name, "rank": rank, "n_std_params": n_std, **metrics})
     return pd.DataFrame(rows)
