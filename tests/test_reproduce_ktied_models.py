@@ -93,3 +93,42 @@ def test_ktied_fig5_studies_resnet18s_convolutions_and_prints_table3(
     # rank k keeps k(m + n) numbers per studied matrix; the convolutions are among them
     counts = rows["n_variational_params"].tolist()
     assert counts[1] < counts[2] < counts[3] < counts[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["cifar100", "imdb"])
+def test_ktied_fig6_on_the_cnn_and_the_lstm_draws_fig6_left_and_fig7(
+    dataset: str, tmp_path: Path, mirror: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The four columns train, ktied ties the CNN's dense layers (its convolutions stay mean-field) and the LSTM's
+    kernels: the parameter counts are the k-tied method's; Fig. 7's records come at the (here shortened) steps."""
+    if dataset == "cifar100":
+        archive = write_cifar_archive(mirror / "cifar-100-binary.tar.gz", CIFAR100, 24)
+        register_archive(monkeypatch, CIFAR100.key, archive)
+        tiny = ["model.channels=[2,3]", "model.hidden=6", "data.n_val=4", "trainer.batch_size=5"]
+        paper_counts = [4405, 2262, 2268, 2273]
+    else:
+        register_archive(
+            monkeypatch, "imdb/aclImdb_v1.tar.gz", write_imdb_archive(mirror / "aclImdb_v1.tar.gz"), md5=True
+        )
+        tiny = ["data.vocab_size=6", "data.max_len=4", "data.n_val=2", "model.embedding_dim=3", "model.hidden_size=2"]
+        tiny += ["trainer.batch_size=1"]
+        paper_counts = [2823, 2693, 2694, 2695]
+    steps = ["method.record_every=4", "figures.1.steps=[4,8]"]
+    folder, report, table = _reproduce(f"ktied_fig6_{dataset}", tmp_path, mirror, *tiny, *SMALL, *steps)
+    assert (folder / "fig7.png").read_bytes()[:8] == PNG
+    left = table[table["figure"] == "fig6_left"].set_index("method")
+    assert sorted(left.index) == ["1_tied", "2_tied", "3_tied", "mean_field"]
+    assert [left.loc[c, "paper_n_variational_params_k"] for c in ("mean_field", "1_tied", "2_tied", "3_tied")] == (
+        paper_counts
+    )
+    counts = [left.loc[c, "n_variational_params"] for c in ("mean_field", "1_tied", "2_tied", "3_tied")]
+    assert counts[1] < counts[2] < counts[3] and counts[1] < counts[0]
+    if dataset == "imdb":  # D = 77 (embedding 18, LSTM 4·2·(3 + 2) + 2·8, dense 3); tied: 8 x 3, 8 x 2, 1 x 2
+        assert counts == [2 * 77, 2 * 77 - 42 + 24, 2 * 77 - 42 + 22 + 20 + 3, 2 * 77 - 42 + 33 + 20 + 3]
+    fig7 = table[table["figure"] == "fig7"]
+    assert sorted(set(fig7["step"])) == [4, 8] and fig7["paper_val_neg_elbo"].isna().all()  # MNIST's only
+    # KL annealed over the run's epochs of the paper's training set (40,000 images; 20,000 reviews), not MNIST's
+    configs = [yaml.safe_load(p.read_text()) for p in folder.rglob("config.yaml") if p.parent.name != ".hydra"]
+    n_train, batch = (40000, 5) if dataset == "cifar100" else (20000, 1)
+    assert len(configs) == 4 and {c["method"]["kl_annealing_steps"] for c in configs} == {3 * n_train // batch}

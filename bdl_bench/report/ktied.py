@@ -333,12 +333,16 @@ def step_records(
     folder: Path, out: Path, steps: Sequence[int], snr_column: str = "grad_snr_l2"
 ) -> tuple[Path, pd.DataFrame, str]:
     """Fig. 6 right's table (mean ± SEM over seeds at ``steps``) and a PNG of the SNR and the validation -ELBO
-    along training (Fig. 7's MLP panel), from every run's ``steps.csv``."""
-    records = []
+    along training (Fig. 7's panel of the runs' model), from every run's ``steps.csv``. The paper's numbers (Fig. 6
+    right) are the MNIST MLP's: runs of another model are printed without them."""
+    records, models = [], set()
     for run, config in _runs(folder):
         if (run / "steps.csv").exists():
             frame = pd.read_csv(run / "steps.csv")
+            models.add(model_dataset(config))
             records.append(frame.assign(column=ktied_column(flatten(config)), seed=int(config["trainer"]["seed"])))
+    if len(models) > 1:
+        raise ResultsError(f"step_records: the runs below {folder} train different models ({sorted(models)})")
     if not records:
         raise ResultsError(f"no run below {folder} has steps.csv (runs with method.record_every > 0)")
     every = pd.concat(records, ignore_index=True)
@@ -346,10 +350,13 @@ def step_records(
     for column in (snr_column, median_column):
         if column not in every.columns:
             every[column] = float("nan")
+    ((key, title),) = models
     paper = read_paper_csv("ktied_fig6_right.csv", printed=True)
+    if key != "mnist_mlp":
+        paper = paper.iloc[:0]
     rows = []
     for (column, step), group in every[every["step"].isin(list(steps))].groupby(["column", "step"]):
-        row: dict = {"dataset": "mnist", "method": column, "step": int(step), "n_runs": len(group)}
+        row: dict = {"dataset": key.split("_")[0], "method": column, "step": int(step), "n_runs": len(group)}
         match = paper[(paper["method"] == column) & (paper["step"].astype(int) == int(step))]
         for metric, source, paper_key in (("snr", snr_column, "snr"), ("val_neg_elbo", "val_neg_elbo", "neg_elbo")):
             values = group[source].astype(float)
@@ -364,7 +371,7 @@ def step_records(
     if not rows:
         raise ResultsError(f"no run below {folder} recorded any of the steps {list(steps)}")
     table = pd.DataFrame(rows).sort_values(["step", "method"], ignore_index=True)
-    png = _plot_steps(every, out, snr_column, paper)
+    png = _plot_steps(every, out, snr_column, paper, title)
     return png, table, _steps_markdown(table, snr_column)
 
 
@@ -387,7 +394,7 @@ def _steps_markdown(table: pd.DataFrame, snr_column: str) -> str:
     return markdown(headers, rows) + note + _weak_note(table)
 
 
-def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataFrame) -> Path:
+def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataFrame, title: str) -> Path:
     fig = Figure(figsize=(10, 3.6))
     axes = fig.subplots(1, 2)
     for i, column in enumerate(sorted(every["column"].unique(), key=list(LABELS).index)):
@@ -400,9 +407,11 @@ def _plot_steps(every: pd.DataFrame, out: Path, snr_column: str, paper: pd.DataF
         steps = published["step"].astype(int)
         axes[0].plot(steps, published["neg_elbo_mean"].astype(float), "x", color=colour, ms=8)
         axes[1].plot(steps, published["snr_mean"].astype(float), "x", color=colour, ms=8)
-    axes[0].set(ylabel="validation -ELBO per example", title="Fig. 7 (MLP): validation -ELBO; x = paper, Fig. 6")
+    marks = "; x = paper, Fig. 6" if len(paper) else ""
+    axes[0].set(ylabel="validation -ELBO per example", title=f"Fig. 7 ({title}): validation -ELBO{marks}")
     axes[1].set(ylabel=f"gradient SNR ({snr_column.removeprefix('grad_snr_')})")
-    axes[1].set(title="Fig. 6 right: SNR of Dense 2's std parameters")
+    layer = snr_column.removeprefix("grad_snr_l")
+    axes[1].set(title=f"Fig. 6 right: SNR of layer {layer}'s std parameters" if layer.isdigit() else "gradient SNR")
     for ax in axes:
         ax.set(xlabel="training step", xscale="log", yscale="log")
     axes[0].legend(fontsize=8)
