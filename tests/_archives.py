@@ -85,3 +85,16 @@ def register_archive(monkeypatch, key: str, archive: Path, md5: bool = False) ->
     digest = (hashlib.md5 if md5 else hashlib.sha256)(archive.read_bytes()).hexdigest()
     remote = RemoteFile(key, urls=(), md5=digest) if md5 else RemoteFile(key, urls=(), sha256=digest)
     monkeypatch.setitem(registry_files.FILES, key, remote)
+
+
+def write_svhn_mat(path: Path, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """An SVHN format-2 ``.mat`` file of ``n`` random digits: ``X (32, 32, 3, n)`` uint8, ``y (n, 1)`` in 1..10 (10 is
+    the digit 0; the first label is 10); returns ``(X, y)``."""
+    import scipy.io
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
+    y = rng.integers(1, 11, size=(n, 1)).astype(np.uint8)
+    y[0, 0] = 10
+    scipy.io.savemat(path, {"X": x, "y": y})
+    return x, y

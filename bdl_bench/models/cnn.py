@@ -49,9 +49,19 @@ def _pooled(size: int, kernel: int, stride: int, padding: int) -> int:
 
 @register_model("cnn_def")
 def cnn_def(
-    *, in_features: int, out_features: int, image_size: int, channels: int, hidden: list[int], local_response_norm: bool
+    *,
+    in_features: int,
+    out_features: int,
+    image_size: int,
+    channels: int,
+    hidden: list[int],
+    local_response_norm: bool,
+    dropout: float = 0.0,
 ) -> nn.Sequential:
-    """DEF's CIFAR-10 CNN (module docstring); ``channels`` = 64 and ``hidden`` = [384, 192] in the paper."""
+    """DEF's CIFAR-10 CNN (module docstring); ``channels`` = 64 and ``hidden`` = [384, 192] in the paper. ``dropout``
+    before the last layer, as ``lenet``'s (the MC-dropout column; the paper does not say where it drops on CIFAR-10)."""
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
     head, c_in = image_input(in_features, image_size, "cnn_def")
     size = _pooled(_pooled(image_size, 3, 2, 1), 3, 2, 1)  # 32 → 16 → 8 (TensorFlow "SAME" pooling)
 
@@ -73,7 +83,7 @@ def cnn_def(
     widths = [channels * size * size, *map(int, hidden)]
     for w_in, w_out in zip(widths[:-1], widths[1:]):
         layers += [nn.Linear(w_in, w_out), nn.ReLU()]
-    layers.append(nn.Linear(widths[-1], out_features))
+    layers += [*([nn.Dropout(dropout)] if dropout > 0 else []), nn.Linear(widths[-1], out_features)]
     return nn.Sequential(*layers)
 
 

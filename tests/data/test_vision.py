@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import scipy.io
 import torch
+from _archives import write_svhn_mat
 
 from bdl_bench.data import build_dataset, registry_files
 from bdl_bench.data.base import Task
@@ -94,17 +95,8 @@ def test_augmentation_is_a_crop_and_flip_driven_by_the_generator() -> None:
     assert torch.equal(flat, a.reshape(2, -1))
 
 
-def _svhn_mat(path: Path, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8)
-    y = rng.integers(1, 11, size=(n, 1)).astype(np.uint8)
-    y[0, 0] = 10
-    scipy.io.savemat(path, {"X": x, "y": y})
-    return x, y
-
-
 def test_svhn_mat_layout_and_label_ten_is_zero(tmp_path: Path) -> None:
-    x, y = _svhn_mat(tmp_path / "test_32x32.mat", 5, seed=0)
+    x, y = write_svhn_mat(tmp_path / "test_32x32.mat", 5, seed=0)
     arrays = read_svhn_mat(tmp_path / "test_32x32.mat")
     assert arrays.images.shape == (5, 3, 32, 32)
     assert arrays.images[2, 1, 4, 7] == x[4, 7, 1, 2]  # X[row, column, channel, example]
@@ -121,7 +113,7 @@ def test_svhn_loader_from_a_mirror_folder(tmp_path: Path, monkeypatch: pytest.Mo
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     for name, n in (("train_32x32.mat", 6), ("test_32x32.mat", 3)):
-        _svhn_mat(mirror / name, n, seed=n)
+        write_svhn_mat(mirror / name, n, seed=n)
         sha = hashlib.sha256((mirror / name).read_bytes()).hexdigest()
         monkeypatch.setitem(registry_files.FILES, f"svhn/{name}", RemoteFile(f"svhn/{name}", urls=(), sha256=sha))
     data = build_dataset(
