@@ -12,11 +12,13 @@ import yaml
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.ktied import step_records
 
+MNIST_MLP = {"data": {"name": "vision/mnist"}, "model": {"name": "mlp"}}
 
-def _run(root: Path, method: dict, seed: int, snr: list[float], elbo: list[float]) -> None:
+
+def _run(root: Path, method: dict, seed: int, snr: list[float], elbo: list[float], model: dict = MNIST_MLP) -> None:
     folder = root / f"{method['name']}{method.get('k', '')}_seed{seed}"
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"method": method, "trainer": {"seed": seed}}))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"method": method, "trainer": {"seed": seed}, **model}))
     (folder / "metrics.json").write_text(json.dumps({"accuracy": 0.9}))
     steps = {"step": [1000, 2000, 5000], "val_neg_elbo": elbo, "grad_snr_l2": snr}
     pd.DataFrame(steps).to_csv(folder / "steps.csv", index=False)
@@ -44,3 +46,16 @@ def test_step_records_average_the_seeds_at_the_paper_steps(tmp_path: Path) -> No
     assert "| 5000 | 2-tied | 1 | 140.00 | 140.00 ± 11.00 | yes |" in text
     with pytest.raises(ResultsError, match="any of the steps"):
         step_records(tmp_path, tmp_path / "x.png", [7])
+
+
+def test_step_records_of_another_model_have_no_paper_values_and_models_are_not_mixed(tmp_path: Path) -> None:
+    """Fig. 6 right's numbers are the MNIST MLP's: a CIFAR-100 CNN's records are printed without them, and a folder
+    whose runs train different models is refused rather than averaged."""
+    cnn = {"data": {"name": "vision/cifar100"}, "model": {"name": "cnn_ktied"}}
+    _run(tmp_path / "cnn", {"name": "gmfvi"}, 0, [4.0, 4.2, 4.4], [42.0, 35.0, 26.5], cnn)
+    _, table, text = step_records(tmp_path / "cnn", tmp_path / "cnn.png", [1000])
+    assert table["paper_snr"].isna().all() and table["paper_val_neg_elbo"].isna().all()
+    assert table["dataset"].tolist() == ["cifar100"] and "| 1000 | mean-field | 1 | 4.00 | – |" in text
+    _run(tmp_path / "cnn", {"name": "gmfvi"}, 1, [4.0, 4.2, 4.4], [42.0, 35.0, 26.5])
+    with pytest.raises(ResultsError, match="different models"):
+        step_records(tmp_path / "cnn", tmp_path / "x.png", [1000])
