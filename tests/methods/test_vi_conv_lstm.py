@@ -5,24 +5,20 @@ errors, and train/predict smoke runs (unit level and through the runner on tiny 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _archives import write_tar_gz
+from _archives import register_archive, write_cifar_archive, write_imdb_archive
 from _vi_helpers import make_method, weight_stds
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.testing import assert_close
 
-from bdl_bench.data import registry_files
 from bdl_bench.data.cifar import CIFAR100
-from bdl_bench.data.download import RemoteFile
 from bdl_bench.gaussians.diag import DiagGaussian
 from bdl_bench.likelihoods import Bernoulli, Categorical, Gaussian
 from bdl_bench.methods._layerwise_vi import conv2d_per_sample
@@ -346,27 +342,10 @@ def test_lstm_train_steps_and_predict(variant: str) -> None:
 
 
 # ---------------------------------------------------------------- through the runner, on tiny archives
-def _cifar100_records(n: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 100, size=(n, 2), dtype=np.uint8)  # coarse, fine
-    images = rng.integers(0, 256, size=(n, 3 * 32 * 32), dtype=np.uint8)
-    return b"".join(labels[i].tobytes() + images[i].tobytes() for i in range(n))
-
-
-def _register(monkeypatch: pytest.MonkeyPatch, key: str, archive: Path, md5: bool = False) -> None:
-    digest = (hashlib.md5 if md5 else hashlib.sha256)(archive.read_bytes()).hexdigest()
-    remote = RemoteFile(key, urls=(), md5=digest) if md5 else RemoteFile(key, urls=(), sha256=digest)
-    monkeypatch.setitem(registry_files.FILES, key, remote)
-
-
 def test_runner_ktied_on_the_cifar100_cnn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compose_cfg) -> None:
     mirror = tmp_path / "mirror"
     mirror.mkdir()
-    archive = write_tar_gz(
-        mirror / "cifar-100-binary.tar.gz",
-        {CIFAR100.train_members[0]: _cifar100_records(12, 0), CIFAR100.test_members[0]: _cifar100_records(4, 1)},
-    )
-    _register(monkeypatch, CIFAR100.key, archive)
+    register_archive(monkeypatch, CIFAR100.key, write_cifar_archive(mirror / "cifar-100-binary.tar.gz", CIFAR100, 12))
     cfg = compose_cfg(
         [
             "method=ktied",
@@ -389,16 +368,8 @@ def test_runner_ktied_on_the_cifar100_cnn(tmp_path: Path, monkeypatch: pytest.Mo
 def test_runner_gmfvi_on_the_imdb_lstm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compose_cfg) -> None:
     mirror = tmp_path / "mirror"
     mirror.mkdir()
-    reviews = {
-        "train/pos/0_9.txt": "a great great movie",
-        "train/pos/1_8.txt": "great fun",
-        "train/neg/0_2.txt": "a bad movie<br />bad",
-        "train/neg/1_1.txt": "awful",
-        "test/pos/0_10.txt": "great",
-        "test/neg/0_3.txt": "bad unknownword",
-    }
-    archive = write_tar_gz(mirror / "aclImdb_v1.tar.gz", {f"aclImdb/{k}": v.encode() for k, v in reviews.items()})
-    _register(monkeypatch, "imdb/aclImdb_v1.tar.gz", archive, md5=True)
+    archive = write_imdb_archive(mirror / "aclImdb_v1.tar.gz")
+    register_archive(monkeypatch, "imdb/aclImdb_v1.tar.gz", archive, md5=True)
     cfg = compose_cfg(
         [
             "method=gmfvi",
