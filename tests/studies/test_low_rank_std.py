@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from bdl_bench.data.base import Dataset, Task
 from bdl_bench.likelihoods import Bernoulli, Gaussian
 from bdl_bench.methods._diag_vi import standard_normal
-from bdl_bench.metrics import predictive_metrics
+from bdl_bench.metrics import brier_score, predictive_metrics
 from bdl_bench.studies.low_rank_std import (
     MeanFieldNetwork,
     explained_variance,
@@ -95,6 +95,10 @@ def test_weight_sample_metrics_match_explicit_samples() -> None:
     nll = torch.stack([likelihood.nll(f, data.y_test).mean() for f in f_test])
     assert out["nll_mean"] == pytest.approx(float(nll.mean()), rel=1e-5)
     assert out["nll_sem"] == pytest.approx(float(nll.std() / math.sqrt(5)), rel=1e-4)
+    probs = [likelihood.probs(f.unsqueeze(0)) for f in f_test]
+    brier = torch.tensor([brier_score(q, data.y_test) for q in probs], dtype=torch.float64)
+    assert out["brier_mean"] == pytest.approx(float(brier.mean()), rel=1e-6)  # Table 3's is this minus 1 (TFP's)
+    assert out["brier_sem"] == pytest.approx(float(brier.std() / math.sqrt(5)), rel=1e-5)
     ensemble = predictive_metrics(likelihood, f_test, data.y_test)
     assert out["ensemble_ece"] == pytest.approx(ensemble["ece"], rel=1e-5)
     assert out["ensemble_accuracy"] == pytest.approx(ensemble["accuracy"])
@@ -127,3 +131,31 @@ def test_from_a_run_folder(tmp_path: Path, compose_cfg) -> None:  # noqa: ANN001
     )
     assert {"rmse_mean", "ensemble_rmse", "ensemble_test_ll"} <= set(table.columns)
     assert table["neg_elbo_mean"].notna().all()
+
+
+def test_std_heatmaps_error_is_the_truncations(tmp_path: Path, compose_cfg) -> None:  # noqa: ANN001
+    """Fig. 4's numbers: each panel's relative Frobenius error is that of the clamped rank-k truncation of the run's
+    std matrix, 0 for the matrix itself and decreasing in k; an unknown matrix name lists the ones there are."""
+    import dataclasses
+
+    from bdl_bench.errors import ResultsError
+    from bdl_bench.gaussians.io import load_gaussian, save_gaussian
+    from bdl_bench.orchestration.runner import run
+    from bdl_bench.report.ktied import std_heatmaps
+
+    cfg = compose_cfg(["method=gmfvi", "data=uci/boston", "model.hidden=[8]", "trainer.n_epochs=1"])
+    run(cfg, tmp_path / "run")
+    q = load_gaussian(tmp_path / "run" / "posterior.pt")  # stds made random, as after a long training
+    noise = torch.rand(q.prec_diag.shape, generator=torch.Generator().manual_seed(0), dtype=q.prec_diag.dtype)
+    save_gaussian(dataclasses.replace(q, prec_diag=q.prec_diag * (0.2 + noise)), tmp_path / "run" / "posterior.pt")
+    png, table, text = std_heatmaps(tmp_path, tmp_path / "fig4.png", "dense 1", [1, 2])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| rank-2 approximation |" in text
+    net, _, _ = MeanFieldNetwork.from_run(tmp_path / "run")
+    exact = net.weight_stds()[0].double()
+    expected = [float(torch.linalg.matrix_norm(exact - low_rank_nonnegative(exact, k)) / torch.linalg.matrix_norm(exact))
+                for k in (1, 2)]  # fmt: skip
+    errors = table.set_index("rank")["relative_error"]
+    assert errors[0] == 0 and errors[1] == pytest.approx(expected[0]) and errors[2] == pytest.approx(expected[1])
+    assert errors[1] > errors[2] > 0
+    with pytest.raises(ResultsError, match="has no matrix 'conv 1'; it has dense 1, dense 2"):
+        std_heatmaps(tmp_path, tmp_path / "x.png", "conv 1", [1])
