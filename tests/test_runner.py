@@ -105,3 +105,22 @@ def test_deterministic_mode_is_opt_in_and_gives_the_same_cpu_numbers(tmp_path: P
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     plain, strict = without_cost(plain), without_cost(strict)
     assert strict == plain  # CPU, one thread: bit for bit either way
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=resnet18", "model.batch_norm=true", "method=map"], "is BatchNorm2d: batch statistics"),
+        (["model=lenet", "model.dropout=0.5", "method=map"], r"Dropout\(p=0.5\), which only method=dropout samples"),
+    ],
+    ids=["batch_norm", "dropout_under_map"],
+)
+def test_modules_that_depend_on_the_training_mode_are_refused(overrides, message, tmp_path: Path, compose_cfg) -> None:
+    """A batch-normalised network's prediction of an image would depend on its batch (and no method switches to
+    running statistics); dropout modules outside method=dropout would draw torch's masks in every pass."""
+    from bdl_bench.errors import ConfigError
+
+    cfg = compose_cfg(["data=toy/cubic", *overrides, "trainer.n_epochs=1", "model.image_size=1"])
+    with pytest.raises(ConfigError, match=message):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.json").exists()

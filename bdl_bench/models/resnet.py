@@ -4,7 +4,8 @@ For 32×32 inputs the ImageNet stem (7×7 stride-2 convolution and max-pool) is 
 stride-1 convolution; then four stages of two basic blocks (3×3 conv → BN → ReLU → 3×3 conv → BN,
 plus the identity or a 1×1 stride-2 projection) with 64, 128, 256, 512 channels, strides 1, 2, 2, 2;
 global average pooling and a linear layer. 11.2M parameters at ``base_width = 64``.
-``batch_norm=false`` drops the normalisation layers (some Bayesian methods prefer no running statistics).
+``batch_norm=false`` drops the normalisation layers (the default of ``conf/model/resnet18.yaml``: runs refuse batch
+normalisation, whose batch statistics no method here replaces by running ones at prediction).
 """
 
 from __future__ import annotations

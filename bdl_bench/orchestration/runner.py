@@ -32,7 +32,7 @@ from bdl_bench.errors import ConfigError, DivergenceError, Terminated
 from bdl_bench.gaussians.io import save_gaussian
 from bdl_bench.likelihoods import Likelihood, build_likelihood
 from bdl_bench.methods import Method, Problem, build_method
-from bdl_bench.models import build_model
+from bdl_bench.models import build_model, check_mode_free
 from bdl_bench.models.params import prior_precision_vector
 from bdl_bench.orchestration.devices import device_record, resolve_device, resolve_dtype, use_deterministic
 from bdl_bench.orchestration.evaluation import (
@@ -164,6 +164,7 @@ def fit_job(
             in_features=first.n_features,
             out_features=first.n_outputs,
         ).to(device, dtype)
+        check_mode_free(model, str(cfg.method.name))
         likelihoods = {k: build_likelihood(datasets[k], OmegaConf.select(members[k], "noise_precision")) for k in keys}
         priors = {k: run_prior(model, members[k], datasets[k]) for k in keys}
         options = [configs[k]["method"] for k in keys]  # type: ignore[index]
