@@ -210,3 +210,23 @@ def test_bench_step_reports_the_gpu() -> None:
     assert [r["method"] for r in records] == ["slang", "gmfvi", "ktied", "elrg"]
     for r in records:
         assert r["device"] == "cuda" and r["step_ms"] > 0 and r["ratio_to_sgd"] > 0 and r["peak_mem_mib"] > 0, r
+
+
+def test_the_low_rank_std_study_samples_on_the_device_as_on_the_host(tmp_path: Path, compose_cfg) -> None:
+    """A k-tied study of a GMFVI run computed on the GPU (``device=auto`` there) against the host's, in float64:
+    the same noise (drawn by the CPU generator), the same networks, the same metrics; the data stay on the host."""
+    from bdl_bench.orchestration.runner import run
+    from bdl_bench.studies.low_rank_std import MeanFieldNetwork, low_rank_study
+
+    cfg = compose_cfg(
+        ["method=gmfvi", "data=uci/boston", "model.hidden=[8]", "trainer.n_epochs=1", "trainer.dtype=float64"]
+    )
+    run(cfg, tmp_path)
+    tables = []
+    for device in ("cpu", "cuda"):
+        net, dataset, likelihood = MeanFieldNetwork.from_run(tmp_path, device=device)
+        assert net.mean.device.type == device and dataset.x_train.device.type == "cpu"
+        generator = torch.Generator().manual_seed(0)
+        tables.append(low_rank_study(net, dataset, likelihood, ranks=(1,), n_samples=4, generator=generator))
+    host, gpu = (t.drop(columns=["approximation"]).to_numpy(dtype=float) for t in tables)
+    assert_close(torch.from_numpy(gpu), torch.from_numpy(host), rtol=1e-9, atol=1e-10)
