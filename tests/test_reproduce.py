@@ -594,3 +594,19 @@ def test_quick_reproduce_of_slang_table1_gaps_to_the_exact_gaussian_and_draws_fi
     assert table.loc["full_exact", "neg_elbo_per_example"] == 0 and table.loc["full_exact", "sym_kl_vs_full_exact"] == 0
     assert table.loc["mf_exact", "paper_neg_elbo_per_example"] == pytest.approx(0.034)  # the paper's gap
     assert (table.loc[["mf_exact", "slang_L1"], "neg_elbo_per_example"] > 0).all()  # no Gaussian beats the exact one
+
+
+def test_a_restricted_piece_keeps_the_fuller_table_it_would_overwrite(tmp_path: Path) -> None:
+    """A piece run on some settings of a sweep (variant=X) beside the whole sweep writes its smaller table; the
+    fuller one it replaces is kept as reproduce.previous.md/.csv, and a fuller new table keeps nothing."""
+    from bdl_bench.orchestration.reproduce import write_report
+
+    frame = pd.DataFrame({"method": ["a"]})
+    assert write_report(tmp_path, "# t", {"finished": "4 of 7 runs; not in this table: x"}, "full", frame) is None
+    kept = write_report(tmp_path, "# t", {"finished": "1 of 1 runs"}, "piece", frame)
+    assert kept == tmp_path / "reproduce.previous.md" and "full" in kept.read_text()
+    assert "4 of 7" in (tmp_path / "reproduce.previous.csv").read_text()
+    assert "piece" in (tmp_path / "reproduce.md").read_text()
+    assert write_report(tmp_path, "# t", {"finished": "5 of 7 runs"}, "fuller", frame) is None
+    assert "full" in (tmp_path / "reproduce.previous.md").read_text()  # the earlier keep stays as it was
+    assert write_report(tmp_path, "# t", {"commit": "x"}, "no count", frame) is None  # a benchmark's header

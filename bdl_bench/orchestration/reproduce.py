@@ -412,13 +412,32 @@ def _whole_values_missing(jobs: Sequence[Sequence[str]], done: Sequence[bool]) -
     return None
 
 
-def write_report(folder: Path, title: str, header: Mapping[str, str], text: str, frame: pd.DataFrame) -> None:
+def _finished_runs(line: str | None) -> int | None:
+    """The count of a header's ``finished`` line (``"4 of 7 runs; ..."`` → 4), ``None`` without one."""
+    head = (line or "").split(" of ", 1)[0].strip().strip("`")
+    return int(head) if head.isdigit() else None
+
+
+def write_report(folder: Path, title: str, header: Mapping[str, str], text: str, frame: pd.DataFrame) -> Path | None:
     """``reproduce.md`` (``title``, the ``header`` lines, ``text``) and ``reproduce.csv`` (``header`` as ``# ``
-    lines, then ``frame``) in ``folder``."""
+    lines, then ``frame``) in ``folder``. An existing ``reproduce.md`` that holds more finished runs than this one
+    (written by the whole sweep, this one by a piece restricted to some of its settings) is first kept as
+    ``reproduce.previous.md`` / ``.csv``, whose path is returned."""
+    kept = None
+    if (folder / "reproduce.md").exists():
+        lines = (folder / "reproduce.md").read_text().splitlines()
+        before = _finished_runs(next((x.removeprefix("finished: ") for x in lines if x.startswith("finished: ")), None))
+        after = _finished_runs(header.get("finished"))
+        if before is not None and after is not None and before > after:
+            for suffix in (".md", ".csv"):
+                if (folder / f"reproduce{suffix}").exists():
+                    (folder / f"reproduce{suffix}").replace(folder / f"reproduce.previous{suffix}")
+            kept = folder / "reproduce.previous.md"
     md_header = "\n".join(f"{key}: `{value}`  " for key, value in header.items())
     atomic_write_text(folder / "reproduce.md", f"{title}\n\n{md_header}\n\n{text}\n")
     csv_header = "".join(f"# {key}: {value}\n" for key, value in header.items())
     atomic_write_text(folder / "reproduce.csv", csv_header + frame.to_csv(index=False))
+    return kept
 
 
 def cost_table(folder: Path, paper: str | None, run_dirs: Sequence[Path]) -> str:
@@ -561,8 +580,10 @@ def main(args: list[str]) -> None:
     line = agreement_line(frame)
     if line:
         header["agreement"] = line
-    write_report(plan.sweep_dir, title, header, text, frame)
+    kept = write_report(plan.sweep_dir, title, header, text, frame)
     print(f"\n{title}\n\n{text}\n")
+    if kept is not None:
+        print(f"note: the earlier reproduce.md held more finished runs than this table; kept as {kept}")
     if line:
         print(line)
     print(
