@@ -15,9 +15,11 @@ from matplotlib.figure import Figure
 
 from bdl_bench.errors import ResultsError
 from bdl_bench.report.paper import (
+    KTIED_MODELS,
     WEAK_NOTE,
     PaperValue,
     any_weak,
+    dataset_short_name,
     half_unit,
     ktied_column,
     read_paper_csv,
@@ -29,20 +31,15 @@ from bdl_bench.results import METRICS_FILE, atomic_write_text, flatten
 
 PAPER_TABLES = {"table2": "ktied_table2_low_rank.csv", "fig6_left": "ktied_table3_training.csv"}
 LABELS = {"mean_field": "mean-field", "1_tied": "1-tied", "2_tied": "2-tied", "3_tied": "3-tied"}
-# the paper's four models (Sec. 2.2), as its tables name them: (data, model) of a run -> model_dataset, title
-MODELS = {
-    ("vision/mnist", "mlp"): ("mnist_mlp", "MNIST MLP"),
-    ("vision/cifar100", "cnn_ktied"): ("cifar100_cnn", "CIFAR-100 CNN"),
-    ("text/imdb", "lstm"): ("imdb_lstm", "IMDB LSTM"),
-    ("vision/cifar10", "resnet18"): ("cifar10_resnet18", "CIFAR-10 ResNet-18"),
-}
 UNCERTAINTY_TABLE = "ktied_table3_resnet18.csv"  # Table 3: Brier (TFP's), NLL, ECE of ResNet-18's rank-k posteriors
 
 
 def model_dataset(config: dict) -> tuple[str, str]:
-    """``(model_dataset, title)`` of a run (:data:`MODELS`; ``<dataset>_<model>`` for a model the paper has not)."""
-    data, model = str(config["data"]["name"]), str(config["model"]["name"])
-    return MODELS.get((data, model), (f"{data.rsplit('/', 1)[-1]}_{model}", f"{data} {model}"))
+    """``(model_dataset, title)`` of a run: the paper's key and name of its model on the run's data set
+    (:data:`~bdl_bench.report.paper.KTIED_MODELS`), ``<dataset>_<model>`` for a model the paper has not."""
+    dataset, model = dataset_short_name(str(config["data"]["name"])), str(config["model"]["name"])
+    paper_model, key, title = KTIED_MODELS.get(dataset, (None, None, None))
+    return (key, title) if model == paper_model else (f"{dataset}_{model}", f"{config['data']['name']} {model}")
 
 
 def _runs(
@@ -112,7 +109,7 @@ def std_spectra(folder: Path, out: Path, max_k: int = 10, conv: bool = False) ->
     table.columns = [f"k{k}" for k in table.columns]
     table = table.reset_index()
     table["top2"] = table["k1"] + table.get("k2", 0.0)
-    dataset = str(config["data"]["name"]).rsplit("/", 1)[-1]
+    dataset = dataset_short_name(str(config["data"]["name"]))
     table = table.assign(dataset=dataset, method=table["parameter"], n_runs=1)
     headers = ["weight", "shape", "posterior", "k = 1", "k = 2", "k = 3", "k <= 2"]
     rows = [  # "–" for a k beyond the matrix's number of singular values
@@ -174,7 +171,7 @@ def std_heatmaps(folder: Path, out: Path, matrix: str, ranks: Sequence[int]) -> 
     axes[0].set_ylabel("input unit")
     fig.colorbar(image, ax=list(axes), shrink=0.8, label="posterior std")
     png = save_figure(fig, out)
-    dataset = str(config["data"]["name"]).rsplit("/", 1)[-1]
+    dataset = dataset_short_name(str(config["data"]["name"]))
     table = pd.DataFrame(
         {
             "dataset": dataset,
@@ -265,7 +262,7 @@ def _run_rows(run: Path, config: dict, ranks: list[int], n: int, seed: int, conv
     for r in study.to_dict("records"):
         column = trained if r["rank"] == 0 else f"{int(r['rank'])}_tied"
         row = {
-            "dataset": str(config["data"]["name"]).rsplit("/", 1)[-1],
+            "dataset": dataset_short_name(str(config["data"]["name"])),
             "method": column if r["rank"] == 0 else f"mean_field, rank-{int(r['rank'])} std",
             "column": column,
             "seed": int(config["trainer"]["seed"]),
