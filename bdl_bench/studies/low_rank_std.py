@@ -171,12 +171,12 @@ class MeanFieldNetwork:
     def outputs(self, thetas: Tensor, x: Tensor) -> Tensor:
         """Outputs ``(S, N, out)`` on the CPU of the networks with flat parameters ``thetas (S, D)`` at ``x``
         (moved to the network's device; a network that is not dense in chunks of examples)."""
-        chunk = x.shape[0] if self.dense else _DATA_CHUNK
+        chunk = max(1, x.shape[0]) if self.dense else _DATA_CHUNK
+        starts = range(0, x.shape[0], chunk) or [0]  # an empty x: one pass, for the output's shape
         parts = [
-            forward_networks(self.model, thetas, x[i : i + chunk].to(thetas.device), self.dense).cpu()
-            for i in range(0, x.shape[0], chunk)
+            forward_networks(self.model, thetas, x[i : i + chunk].to(thetas.device), self.dense).cpu() for i in starts
         ]
-        return torch.cat(parts, dim=1) if parts else thetas.new_zeros(thetas.shape[0], 0, 0).cpu()
+        return torch.cat(parts, dim=1)
 
 
 def explained_variance(matrix: Tensor) -> Tensor:

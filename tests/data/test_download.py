@@ -383,3 +383,9 @@ def test_shared_copies_match_the_registry(key: str) -> None:
     remote = registry_files.FILES[key]
     path = SHARED / key
     assert [*hexdigests(path, "sha256", "md5"), path.stat().st_size] == [remote.sha256, remote.md5, remote.size]
+
+
+def test_every_registered_download_is_checked_by_sha256() -> None:
+    """The project's rule: every download is verified by SHA-256 before use (an MD5, where published, as well)."""
+    for key, remote in registry_files.FILES.items():
+        assert remote.sha256 is not None and len(remote.sha256) == 64, key
