@@ -10,6 +10,7 @@ shows paired differences to one method's run on the same split and seed (``docs/
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,7 +230,7 @@ def build_table(
     if relative_to is not None:
         runs = paired_differences(runs, metrics, relative_to)
     rows, warnings = [], []
-    for (dataset, method), group in runs.groupby(["dataset", "method"], sort=True):
+    for (dataset, method), group in sorted(runs.groupby(["dataset", "method"]), key=lambda item: _natural(item[0])):
         row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
         devices = sorted(group["device"].dropna().unique()) if "device" in group else []
         if len(devices) > 1:
@@ -270,6 +271,11 @@ def build_table(
     if relative_to is not None:
         markdown = f"Differences to {relative_to} on the same split (paired standard errors)\n\n{markdown}"
     return Table(frame=frame, markdown=markdown, warnings=tuple(warnings))
+
+
+def _natural(key: Sequence[object]) -> tuple:
+    """Sort key that orders numbers inside labels by value: ``slang_L2`` before ``slang_L16``."""
+    return tuple(tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(k))) for k in key)
 
 
 def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str], digits: int = 3) -> str:

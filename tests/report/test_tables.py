@@ -121,6 +121,24 @@ def test_table3_error_shown_in_percent(tmp_path: Path) -> None:
     assert row["paper_test_error_percent"] == pytest.approx(1.73)
 
 
+def test_rows_order_numbers_in_labels_by_value(tmp_path: Path) -> None:
+    # Table 3's columns in the paper's order (L = 2 before L = 16), not the strings' (slang_L16 before slang_L2)
+    for rank in (16, 2, 32, 1):
+        _fake_run(
+            tmp_path,
+            f"r{rank}",
+            {
+                "data": {"name": "vision/mnist"},
+                "method": {"name": "slang", "rank": rank},
+                "paper_table": "slang_table3",
+            },
+            {"error": 0.02},
+        )
+    table = build_table(tmp_path)
+    assert list(table.frame["method"]) == ["slang_L1", "slang_L2", "slang_L16", "slang_L32"]
+    assert table.markdown.index("slang_L2 ") < table.markdown.index("slang_L16 ")
+
+
 def _table3_run(root: Path, name: str, rank: int, prior: float, lr: float, val_error: float, error: float) -> None:
     _fake_run(
         root,
