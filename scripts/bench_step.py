@@ -9,6 +9,9 @@ median. One JSON line per rank:
     {"method": "slang", "rank": 8, "step_ms": ..., "sgd_step_ms": ..., "ratio_to_sgd": ...,
      "peak_mem_mib": ..., "sgd_peak_mem_mib": ..., "flop_ratio": ..., ...}
 
+The process's ``malloc`` keeps freed memory as in every run (:mod:`bdl_bench.orchestration.allocator`;
+``BDL_BENCH_MALLOC=system`` times glibc's defaults instead, recorded as ``"malloc"``).
+
 ``flop_ratio`` is the ratio of the two steps' GEMM multiply-adds (:func:`flop_ratio`): what
 ``ratio_to_sgd`` would be if every GEMM of both steps ran at the same speed.
 
@@ -63,6 +66,7 @@ from bdl_bench.methods import build_method
 from bdl_bench.methods.base import Problem
 from bdl_bench.methods.slang import Slang
 from bdl_bench.models.mlp import mlp
+from bdl_bench.orchestration.allocator import keep_freed_memory, malloc_setting
 from bdl_bench.orchestration.devices import resolve_device
 from bdl_bench.orchestration.threads import set_threads
 
@@ -381,6 +385,7 @@ def main() -> None:
     if args.steps < 20:
         parser.error("--steps must be >= 20")
     set_threads(args.threads)
+    keep_freed_memory()  # as in every process that runs jobs (hydra_app): time the steps a run takes
     try:
         device = resolve_device(args.device)
     except ConfigError as error:  # --device cuda without a GPU
@@ -403,7 +408,7 @@ def main() -> None:
         hidden=hidden,
     ):
         record.update({k: round(v, ROUNDING[k]) for k, v in record.items() if k in ROUNDING and v is not None})
-        record.update(threads=args.threads, mc_samples=args.mc_samples)
+        record.update(threads=args.threads, mc_samples=args.mc_samples, malloc=malloc_setting())
         if args.clock != "wall":
             record["clock"] = args.clock
         print(json.dumps(record), flush=True)

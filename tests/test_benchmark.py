@@ -4,13 +4,16 @@ makes any speed claim flaky): only that the measured values exist, are positive 
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from bdl_bench.errors import ConfigError
+from bdl_bench.orchestration import allocator
 from bdl_bench.orchestration.benchmark import (
     Benchmark,
     elrg_predicted_memory_ratio,
@@ -42,10 +45,17 @@ def test_no_run_is_refused_for_a_benchmark_rather_than_timing_it(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_quick_ktied_table4_writes_our_ratios_beside_the_papers(tmp_path: Path) -> None:
+def test_quick_ktied_table4_writes_our_ratios_beside_the_papers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(allocator, "_applied", False)  # as a fresh process: the benchmark must apply it itself
+    monkeypatch.delenv(allocator.ENV_SWITCH, raising=False)
     reproduce(["ktied_table4", "--quick", f"results_root={tmp_path}"])
     text, table = _read(tmp_path / "ktied_table4_quick")
     assert text.startswith("# ktied_table4 (--quick")
+    glibc = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallopt")
+    assert allocator._applied == glibc  # timed as runs run (hydra_app applies it too)
+    assert ("malloc kept" if glibc else "malloc system") in text
     for line in ("command: `bdl-bench reproduce ktied_table4 --quick", "code: ", "date: ", "machine: ", "CPU time: "):
         assert line in text
     assert "Google Colab" in text  # the paper's net and machine are not ours

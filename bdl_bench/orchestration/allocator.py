@@ -5,7 +5,8 @@ and returns free heap beyond 128 KiB to the system, so a training step that make
 a page fault for every 4 KiB of them at every step (a large share of a small network's stacked step).
 :func:`keep_freed_memory` raises both thresholds (blocks up to 32 MiB come from the heap; up to 1 GiB of free
 heap is kept), so a step's temporaries reuse the last step's pages and resident memory stays near its peak.
-``BDL_BENCH_MALLOC=system`` keeps glibc's defaults; elsewhere than glibc it does nothing.
+``BDL_BENCH_MALLOC=system`` keeps glibc's defaults; elsewhere than glibc it does nothing. The step benchmarks
+(``scripts/bench_step.py``, ``bdl-bench reproduce ktied_table4``) apply it too, so they time the steps runs take.
 """
 
 from __future__ import annotations
@@ -39,3 +40,8 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied
+
+
+def malloc_setting() -> str:
+    """How this process's ``malloc`` treats freed memory, for a benchmark's record: ``kept`` or ``system``."""
+    return "kept" if _applied else "system"

@@ -108,9 +108,11 @@ def _specs(methods: Sequence[str]) -> tuple[list[str], list[int]]:
 def measure(bench: Benchmark, progress: Callable[[str], None] = print) -> pd.DataFrame:
     """Time every method on every model of ``bench`` against SGD (bench_step's records, one row each, with the
     model's ``hidden`` widths as ``784-…-10`` and its first width as ``width``)."""
+    from bdl_bench.orchestration.allocator import keep_freed_memory
     from bdl_bench.orchestration.devices import resolve_device
 
     module = bench_step()
+    keep_freed_memory()  # as in every process that runs jobs (hydra_app): time the steps a run takes
     device = resolve_device(bench.device)
     if bench.clock == "thread" and device.type == "cuda":
         raise ConfigError("benchmark.clock=thread measures CPU time; use the wall clock on CUDA")
@@ -277,6 +279,7 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
     ``# `` lines) into ``<results_root>/<experiment_name>``; returns that folder."""
     from omegaconf import OmegaConf
 
+    from bdl_bench.orchestration.allocator import malloc_setting
     from bdl_bench.orchestration.reproduce import provenance, write_report
 
     started_wall, started_cpu = time.perf_counter(), time.process_time()
@@ -291,7 +294,8 @@ def run_benchmark(experiment: str, config: Any, args: Sequence[str], *, quick: b
     header["CPU time"] = f"{time.process_time() - started_cpu:.0f} s (this process)"
     header["benchmark"] = (
         f"device {bench.device}, {bench.threads} thread(s), batch {bench.batch}, {bench.mc_samples} MC sample(s), "
-        f"{bench.steps} timed rounds after {bench.warmup} warm-up, {bench.clock} clock, step time = median"
+        f"{bench.steps} timed rounds after {bench.warmup} warm-up, {bench.clock} clock, step time = median, "
+        f"malloc {malloc_setting()}"
     )
     title = f"# {experiment}" + (" (--quick: not the benchmark's settings)" if quick else "")
     text = f"{bench.title}\n\n{markdown(frame)}\n\n{bench.note}"
