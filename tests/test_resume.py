@@ -19,9 +19,10 @@ from _runs import without_cost
 
 from bdl_bench.checkpoint import load_checkpoint
 from bdl_bench.errors import UserError
+from bdl_bench.orchestration import sweep
 from bdl_bench.orchestration.resume import CheckpointDeviceError, checkpoint_histories
 from bdl_bench.orchestration.runner import run
-from bdl_bench.orchestration.sweep import run_job
+from bdl_bench.orchestration.sweep import run_job, version_warnings
 from bdl_bench.results import read_run_record
 
 
@@ -68,6 +69,30 @@ def test_run_killed_after_epoch_3_resumes_to_the_unbroken_metrics(
     _same_metrics(json.loads((killed / "metrics.json").read_text()), unbroken)
     assert _history_without_times(killed) == _history_without_times(tmp_path / "unbroken")
     assert not (killed / "checkpoint.pt").exists()  # removed once metrics.json is written
+
+
+def test_a_run_resumed_under_another_code_version_is_named_in_the_warnings(
+    tmp_path: Path, compose_cfg, at_epoch_end, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = compose_cfg(["method=map", "trainer.n_epochs=4", "trainer.checkpoint_every=1"])
+    monkeypatch.setattr(sweep, "code_version", lambda: "0.1.0+gaaaaaaa111")
+    with at_epoch_end(_crash_after(2)), pytest.raises(Crash):
+        run_job(cfg, tmp_path / "killed")
+    run_job(cfg, tmp_path / "whole")  # one attempt, one version: nothing to say
+    assert read_run_record(tmp_path / "whole")["code_versions"] == ["0.1.0+gaaaaaaa111"]
+    monkeypatch.setattr(sweep, "code_version", lambda: "0.1.0+gbbbbbbb222")
+    run_job(cfg, tmp_path / "killed")
+    record = read_run_record(tmp_path / "killed")
+    assert record["code_versions"] == ["0.1.0+gaaaaaaa111", "0.1.0+gbbbbbbb222"] and record["attempts"] == 2
+    spanning = [w for w in version_warnings(tmp_path) if "resumed or retried" in w]
+    assert spanning == [
+        "1 run(s) resumed or retried under more than one code version, in order (killed: aaaaaaa → bbbbbbb)"
+    ]
+    assert run_job(cfg, tmp_path / "killed").skipped  # finished: the record stays
+    assert read_run_record(tmp_path / "killed")["code_versions"] == ["0.1.0+gaaaaaaa111", "0.1.0+gbbbbbbb222"]
+    forced = compose_cfg(["method=map", "trainer.n_epochs=4", "trainer.checkpoint_every=1", "force=true"])
+    run_job(forced, tmp_path / "killed")  # started afresh: only today's version made it
+    assert read_run_record(tmp_path / "killed")["code_versions"] == ["0.1.0+gbbbbbbb222"]
 
 
 def test_checkpoint_of_another_config_is_not_applied(tmp_path: Path, compose_cfg, at_epoch_end) -> None:

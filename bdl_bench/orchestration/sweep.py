@@ -183,17 +183,22 @@ def _finished(run_dir: Path, chash: str, force: bool) -> bool:
 def _start_attempt(run_dir: Path, chash: str, overrides: list[str], force: bool) -> None:
     """Clear a previous attempt's failure record and mark the run as running in ``run.json``."""
     clear_attempt(run_dir, finished=force)
-    attempts = int(read_run_record(run_dir).get("attempts", 0)) + 1
+    record = read_run_record(run_dir)
+    version = code_version()
+    # every code version whose attempts left state this one may resume (a checkpoint, a search's points, stored
+    # predictions): a table's header names the runs that span more than one (version_warnings)
+    earlier = [] if force else record.get("code_versions") or [v for v in [record.get("code_version")] if v]
     update_run_record(
         run_dir,
         status="running",
         started=time.time(),
         last_seen=time.time(),
         ended=None,
-        attempts=attempts,
+        attempts=int(record.get("attempts", 0)) + 1,
         host=os.uname().nodename,
         pid=os.getpid(),
-        code_version=code_version(),
+        code_version=version,
+        code_versions=earlier if earlier[-1:] == [version] else [*earlier, version],
         config_hash=chash,
         overrides=overrides,
     )
@@ -413,11 +418,12 @@ def check_output_folder(folder: Path) -> None:
 
 def version_warnings(root: Path) -> list[str]:
     """Reasons not to trust a table of the runs below ``root`` blindly: finished runs made by different
-    code versions, and finished runs whose latest attempt failed (e.g. a newer config version refused)."""
+    code versions, runs whose attempts (a killed run resumed, a search continued) span code versions, and
+    finished runs whose latest attempt failed (e.g. a newer config version refused)."""
     from bdl_bench.results import find_run_dirs
 
     versions: dict[str, int] = {}
-    stale = []
+    stale, spanning = [], []
     for run_dir in find_run_dirs(Path(root)):
         if not (run_dir / METRICS_FILE).exists():
             continue
@@ -426,10 +432,18 @@ def version_warnings(root: Path) -> list[str]:
         versions[version] = versions.get(version, 0) + 1
         if record.get("status") == "failed":
             stale.append(run_dir)
+        if len(record.get("code_versions") or []) > 1:
+            chain = " → ".join(v.rpartition("+g")[2][:7] for v in record["code_versions"])
+            spanning.append(f"{run_dir.relative_to(root)}: {chain}")
     warnings = []
     if len(versions) > 1:
         counts = ", ".join(f"{v}: {n} runs" for v, n in sorted(versions.items()))
         warnings.append(f"the runs below {root} come from {len(versions)} code versions ({counts})")
+    if spanning:
+        warnings.append(
+            f"{len(spanning)} run(s) resumed or retried under more than one code version, in order "
+            f"({'; '.join(spanning)})"
+        )
     if stale:
         warnings.append(
             f"{len(stale)} finished run(s) below {root} have a later failed attempt, e.g. {stale[0]} "
