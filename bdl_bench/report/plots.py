@@ -21,7 +21,7 @@ from bdl_bench.errors import ResultsError
 from bdl_bench.gaussians import FullGaussian
 from bdl_bench.gaussians.io import load_gaussian
 from bdl_bench.report.paper import dataset_short_name, get_paper_table
-from bdl_bench.report.tables import setting_labels
+from bdl_bench.report.tables import natural_key, setting_labels
 from bdl_bench.results import HISTORY_FILE, load_runs
 
 
@@ -83,12 +83,13 @@ def convergence_figure(
         runs = runs[runs["label"].isin(methods)]
     datasets = sorted(runs["dataset"].unique())
     palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    colors = {label: palette[i % len(palette)] for i, label in enumerate(sorted(runs["label"].unique()))}
+    labels = sorted(runs["label"].unique(), key=natural_key)  # slang rank=8 before rank=16
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(labels)}
     fig = Figure(figsize=(10, 3.2 * len(datasets)))
     axes = fig.subplots(len(datasets), 2, squeeze=False)
     for row, dataset in enumerate(datasets):
         last_epoch = 0
-        for label, group in runs[runs["dataset"] == dataset].groupby("label"):
+        for label, group in sorted(runs[runs["dataset"] == dataset].groupby("label"), key=lambda g: natural_key(g[0])):
             paths = [Path(d) / HISTORY_FILE for d in group["run_dir"]]
             histories = [pd.read_csv(p if p.exists() else p.with_name(f"{HISTORY_FILE}.gz")) for p in paths]
             history = pd.concat(histories).groupby("epoch").mean(numeric_only=True)

@@ -230,7 +230,9 @@ def build_table(
     if relative_to is not None:
         runs = paired_differences(runs, metrics, relative_to)
     rows, warnings = [], []
-    for (dataset, method), group in sorted(runs.groupby(["dataset", "method"]), key=lambda item: _natural(item[0])):
+    for (dataset, method), group in sorted(
+        runs.groupby(["dataset", "method"]), key=lambda item: tuple(map(natural_key, item[0]))
+    ):
         row: dict[str, object] = {"dataset": dataset, "method": method, "n_runs": len(group)}
         devices = sorted(group["device"].dropna().unique()) if "device" in group else []
         if len(devices) > 1:
@@ -273,9 +275,9 @@ def build_table(
     return Table(frame=frame, markdown=markdown, warnings=tuple(warnings))
 
 
-def _natural(key: Sequence[object]) -> tuple:
-    """Sort key that orders numbers inside labels by value: ``slang_L2`` before ``slang_L16``."""
-    return tuple(tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(k))) for k in key)
+def natural_key(label: object) -> tuple:
+    """Sort key that orders numbers inside a label by value: ``slang_L2`` before ``slang_L16``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(label)))
 
 
 def _markdown(frame: pd.DataFrame, spec: PaperTable | None, metrics: Sequence[str], digits: int = 3) -> str:
